@@ -1,0 +1,160 @@
+"""ScoredGroup: the contract an environment returns and every other part of clotho reads."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# Bump when a field is added, removed or changes meaning; storage writes it into every shard.
+SCHEMA_VERSION = 1
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class InvalidGroupError(Exception):
+    """A group breaks the contract. The message names the sequence, the field and the fix.
+
+    Deliberately not a ValueError, so pydantic lets it through unwrapped.
+    """
+
+
+def new_group_id() -> str:
+    """A unique id that sorts by creation time: 13 hex digits of microseconds + 12 random hex."""
+    return f"{time.time_ns() // 1000:013x}-{os.urandom(6).hex()}"
+
+
+class ScoredSequence(BaseModel):
+    """One rollout: the tokens the policy saw and produced, which of them train, and its reward."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokens: list[int] = Field(description="Token ids of the whole sequence, prompt included.")
+    mask: list[bool] = Field(description="True where the token is trained (sampled by the policy).")
+    logprobs: list[float] = Field(
+        description="The sampler's logprob of each token; 0.0 where the token was not sampled."
+    )
+    score: float = Field(description="The reward of this sequence.")
+    advantages: list[float] | None = Field(
+        default=None, description="Per-token advantages; when set they replace the trainer's."
+    )
+    finish_reason: str = Field(default="stop", description=f"One of {FINISH_REASONS}.")
+    messages: list[dict[str, Any]] | None = Field(
+        default=None, description="The conversation as messages, for inspection and SFT export."
+    )
+    extras: dict[str, Any] = Field(default_factory=dict, description="Open per-sequence data.")
+
+    @classmethod
+    def from_prompt(
+        cls,
+        prompt_tokens: list[int],
+        completion_tokens: list[int],
+        completion_logprobs: list[float],
+        score: float,
+        **fields: Any,
+    ) -> ScoredSequence:
+        """Atropos-style construction: everything after the prompt is trained."""
+        return cls(
+            tokens=list(prompt_tokens) + list(completion_tokens),
+            mask=[False] * len(prompt_tokens) + [True] * len(completion_tokens),
+            logprobs=[0.0] * len(prompt_tokens) + list(completion_logprobs),
+            score=score,
+            **fields,
+        )
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return sum(self.mask)
+
+    def problems(self) -> list[str]:
+        """Every way this sequence breaks the contract, as 'field: what is wrong; fix' lines."""
+        found = []
+        n = len(self.tokens)
+        if n == 0:
+            found.append("tokens: empty; a sequence needs at least one trained token")
+        for name in ("mask", "logprobs") + (("advantages",) if self.advantages is not None else ()):
+            length = len(getattr(self, name))
+            if length != n:
+                found.append(
+                    f"{name}: length {length} != len(tokens) {n}; give one {name} entry per token"
+                )
+        if n and not any(self.mask):
+            found.append("mask: no trained token (all False); mark the sampled tokens True")
+        if not math.isfinite(self.score):
+            found.append(f"score: {self.score} is not finite; return a finite reward")
+        if self.advantages is not None and not all(math.isfinite(a) for a in self.advantages):
+            found.append("advantages: contains NaN or inf; return finite per-token advantages")
+        if not all(math.isfinite(lp) for lp in self.logprobs):
+            found.append("logprobs: contains NaN or inf; use 0.0 for tokens that were not sampled")
+        if any(t < 0 for t in self.tokens):
+            found.append("tokens: negative token id; token ids are >= 0")
+        if self.finish_reason not in FINISH_REASONS:
+            found.append(f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}")
+        return found
+
+
+class ScoredGroup(BaseModel):
+    """A group of related sequences (GRPO's n samples of one prompt): the unit of training data."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    env: str = Field(description="Name of the environment that produced the group.")
+    item_id: str = Field(description="Id of the item the group was made from.")
+    sequences: list[ScoredSequence]
+    group_id: str = Field(default_factory=new_group_id, description="Unique, time-sortable.")
+    policy_version: int = Field(default=0, description="Weight version that sampled the group.")
+    chat_template: str | None = Field(
+        default=None, description="Name of the chat template used, when not the tokenizer's."
+    )
+    extras: dict[str, Any] = Field(
+        default_factory=dict, description="Open group data for trainer extensions."
+    )
+    created_at: float = Field(default_factory=time.time, description="Unix time of creation.")
+    schema_version: int = SCHEMA_VERSION
+
+    @model_validator(mode="after")
+    def _check_contract(self) -> ScoredGroup:
+        if not self.sequences:
+            raise InvalidGroupError(
+                f"group {self.group_id} (env {self.env}, item {self.item_id}): sequences is empty; "
+                "a group needs at least one sequence"
+            )
+        found = [f"sequences[{i}].{p}" for i, s in enumerate(self.sequences) for p in s.problems()]
+        if self.schema_version != SCHEMA_VERSION:
+            found.append(
+                f"schema_version: {self.schema_version} != {SCHEMA_VERSION}; "
+                "convert the data with the matching clotho version"
+            )
+        if found:
+            raise InvalidGroupError(
+                f"group {self.group_id} (env {self.env}, item {self.item_id}) is invalid:\n  "
+                + "\n  ".join(found)
+            )
+        return self
+
+    def check_limits(self, vocab_size: int | None = None, max_group_size: int | None = None) -> None:
+        """Checks that need the run's context: the tokenizer's vocabulary and the configured size."""
+        if max_group_size is not None and len(self.sequences) > max_group_size:
+            raise InvalidGroupError(
+                f"group {self.group_id} (env {self.env}): {len(self.sequences)} sequences > "
+                f"group_size {max_group_size}; return at most group_size sequences or raise group_size"
+            )
+        if vocab_size is not None:
+            for i, sequence in enumerate(self.sequences):
+                top = max(sequence.tokens)
+                if top >= vocab_size:
+                    raise InvalidGroupError(
+                        f"group {self.group_id} (env {self.env}): sequences[{i}].tokens: id {top} "
+                        f">= vocab size {vocab_size}; tokenize with the policy's tokenizer"
+                    )
+
+    @property
+    def scores(self) -> list[float]:
+        return [s.score for s in self.sequences]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.tokens) for s in self.sequences)

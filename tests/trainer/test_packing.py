@@ -1,0 +1,348 @@
+"""Packing: bin plans, packed tensors and masks, staleness, packed == unpacked through a model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from environments.scored_group import ScoredGroup, ScoredSequence
+from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
+from trainer.config import AdvantageConfig, LossConfig
+from trainer.losses import policy_loss, token_logprobs
+from trainer.packing import (
+    additive_mask,
+    build_step,
+    pack_micro_batches,
+    padding_waste,
+    plan_micro_batches,
+    sliding_window,
+    split_stale,
+    training_sequences,
+)
+
+ADVANTAGES = AdvantageConfig(mode="mean_only")
+
+
+def make_group(
+    lengths, prompt=2, version=0, extras=None, sequence_extras=None, scores=None, override=None
+):
+    sequences = []
+    for i, length in enumerate(lengths):
+        completion = length - prompt
+        sequences.append(
+            ScoredSequence.from_prompt(
+                list(range(1, prompt + 1)),
+                [(i + t) % 17 for t in range(completion)],
+                [-0.5] * completion,
+                scores[i] if scores else float(i),
+                extras=(sequence_extras or {}).get(i, {}),
+                advantages=override if i == 1 else None,
+            )
+        )
+    return ScoredGroup(
+        env="toy", item_id="0", sequences=sequences, policy_version=version, extras=extras or {}
+    )
+
+
+def test_first_fit_decreasing_plan():
+    # Longest first: 7 opens bin A (room 1), 5 opens B (room 3), 4 opens C (room 4),
+    # 3 goes to B (room 0), 2 goes to C. Indices are reported in input order per bin.
+    assert plan_micro_batches([5, 3, 7, 2, 4], 8) == [[2], [0, 1], [3, 4]]
+    assert plan_micro_batches([], 8) == []
+
+
+def test_overlong_sequence_is_named_with_the_fix():
+    groups = [make_group([4, 12, 5])]
+    with pytest.raises(
+        ValueError, match=r"sequences\[1\]: 12 tokens > micro_batch_tokens 10; raise"
+    ):
+        build_step(
+            groups, policy_version=0, max_staleness=0, token_budget=10, advantage_config=ADVANTAGES
+        )
+
+
+def test_packed_tensors():
+    # Two sequences of 4 and 3 tokens (prompt 2), padded to 8: one padding slot.
+    # mean_only advantages of scores 0, 1: -0.5 and +0.5 on the completion tokens.
+    (batch,) = pack_micro_batches(
+        training_sequences([make_group([4, 3])], ADVANTAGES), 16, pad_multiple=8
+    )
+    assert batch.input_ids.tolist() == [[1, 2, 0, 1, 1, 2, 1, 0]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
+    assert batch.sequence_ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, -1]]
+    assert batch.mask.tolist() == [[False, False, True, True, False, False, True, False]]
+    assert batch.old_logprobs.tolist() == [[0.0, 0.0, -0.5, -0.5, 0.0, 0.0, -0.5, 0.0]]
+    assert batch.advantages.tolist() == [[0.0, 0.0, -0.5, -0.5, 0.0, 0.0, 0.5, 0.0]]
+    assert (batch.num_slots, batch.num_padding, batch.num_trained_tokens, batch.num_sequences) == (
+        8,
+        1,
+        3,
+        2,
+    )
+    assert padding_waste([batch]) == 1 / 8
+
+
+def test_first_token_is_never_trained():
+    sequence = ScoredSequence(
+        tokens=[5, 6, 7], mask=[True, True, False], logprobs=[-1.0, -1.0, 0.0], score=1.0
+    )
+    group = ScoredGroup(env="toy", item_id="0", sequences=[sequence])
+    (row,) = training_sequences([group], ADVANTAGES)
+    assert row.mask == [False, True, False]
+
+
+def test_block_diagonal_causal_mask():
+    (batch,) = pack_micro_batches(
+        training_sequences([make_group([3, 2], prompt=1)], ADVANTAGES), 8, pad_multiple=8
+    )
+    mask = batch.attention_mask()
+    assert mask.shape == (1, 1, 8, 8)
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    expected[:3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+    expected[3:5, 3:5] = torch.ones(2, 2, dtype=torch.bool).tril()
+    expected[5:, 5:] = torch.eye(3, dtype=torch.bool)  # padding sees only itself
+    assert torch.equal(mask[0, 0], expected)
+    additive = additive_mask(mask)
+    assert additive[0, 0, 1, 0] == 0 and additive[0, 0, 0, 1] == torch.finfo(torch.float32).min
+
+
+def test_sliding_window_changes_only_its_sequence():
+    window = {"attention": {"type": "sliding_window", "window": 2}}
+    group = make_group([4, 4], sequence_extras={1: window})
+    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, pad_multiple=8)
+    mask = batch.attention_mask()[0, 0]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    assert torch.equal(mask[:4, :4], causal)
+    positions = torch.arange(4)
+    assert torch.equal(mask[4:, 4:], causal & (positions[:, None] - positions[None, :] < 2))
+    assert not mask[4:, :4].any() and not mask[:4, 4:].any()
+    assert torch.equal(batch.attention_mask(hooks=())[0, 0, 4:, 4:], causal)
+
+
+def test_group_extras_reach_every_sequence_and_sequence_extras_win():
+    group = make_group(
+        [3, 3],
+        extras={"attention": {"type": "sliding_window", "window": 1}, "note": "g"},
+        sequence_extras={1: {"attention": {"type": "full"}}},
+    )
+    first, second = training_sequences([group], ADVANTAGES)
+    assert first.extras == {"attention": {"type": "sliding_window", "window": 1}, "note": "g"}
+    assert second.extras == {"attention": {"type": "full"}, "note": "g"}
+    (batch,) = pack_micro_batches([first, second], 8, pad_multiple=1)
+    mask = batch.attention_mask()[0, 0]
+    assert torch.equal(mask[:3, :3], torch.eye(3, dtype=torch.bool))
+    assert torch.equal(mask[3:, 3:], torch.ones(3, 3, dtype=torch.bool).tril())
+
+
+def test_malformed_window_is_named():
+    with pytest.raises(ValueError, match="extras.attention.window: 0; give a positive int"):
+        sliding_window(
+            torch.ones(2, 2, dtype=torch.bool),
+            {"attention": {"type": "sliding_window", "window": 0}},
+        )
+
+
+def test_stale_groups_are_skipped_and_counted():
+    groups = [make_group([4, 4], version=v, scores=[1.0, 0.0]) for v in (5, 4, 3)]
+    fresh, stale = split_stale(groups, policy_version=5, max_staleness=1)
+    assert [g.policy_version for g in fresh] == [5, 4] and [g.policy_version for g in stale] == [3]
+    step = build_step(
+        groups, policy_version=5, max_staleness=1, token_budget=64, advantage_config=ADVANTAGES
+    )
+    assert step.stats["groups"] == 2 and step.stats["stale_groups_skipped"] == 1
+    assert step.stats["staleness_mean"] == 0.5 and step.stats["staleness_max"] == 1
+    assert step.stats["score_mean"] == 0.5
+    assert step.stats["advantage_mean"] == 0.0 and step.stats["advantage_max"] == 0.5
+    assert (step.num_sequences, step.num_trained_tokens) == (4, 8)
+
+
+def test_all_stale_gives_an_empty_step():
+    step = build_step(
+        [make_group([4], version=0)],
+        policy_version=9,
+        max_staleness=2,
+        token_budget=64,
+        advantage_config=ADVANTAGES,
+    )
+    assert (
+        step.micro_batches == []
+        and step.stats["stale_groups_skipped"] == 1
+        and step.stats["padding_waste"] == 0.0
+    )
+
+
+def test_padding_waste_is_small_on_realistic_groups():
+    # Environment-shaped data: 8 groups of 8 answers, prompts of 50-400 tokens, answers of
+    # 20-1000; a 4096-token budget padded to multiples of 64.
+    rng = random.Random(0)
+    groups = []
+    for _ in range(8):
+        prompt = rng.randint(50, 400)
+        groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
+    step = build_step(
+        groups, policy_version=0, max_staleness=0, token_budget=4096, advantage_config=ADVANTAGES
+    )
+    assert step.stats["padding_waste"] <= 0.05
+    assert all(b.num_slots <= 4096 for b in step.micro_batches)
+    lower_bound = -(-int(step.stats["tokens"]) // 4096)
+    assert len(step.micro_batches) <= lower_bound + 1
+
+
+# --- packed == unpacked, through a model ------------------------------------------------------
+
+WINDOWS = [None, 3, None, None, None]
+
+
+def model_groups(override=None):
+    """Two groups of real-looking data: sampler logprobs are the toy model's plus noise."""
+    generator = torch.Generator().manual_seed(3)
+    sampler = ToyCausalLM(seed=1)
+    lengths, prompts = [7, 9, 5, 8, 6], [2, 3, 2, 4, 1]
+    sequences = []
+    for i, (length, prompt) in enumerate(zip(lengths, prompts, strict=True)):
+        tokens = torch.randint(0, 17, (1, length), generator=generator)
+        attention = padded_attention_mask([length], length, [WINDOWS[i]])
+        with torch.no_grad():
+            logprobs = token_logprobs(
+                sampler(tokens, torch.arange(length)[None], attention), tokens
+            )[0]
+        logprobs += torch.randn(length, generator=generator, dtype=torch.float64) * 0.3
+        window = (
+            {"attention": {"type": "sliding_window", "window": WINDOWS[i]}} if WINDOWS[i] else {}
+        )
+        sequences.append(
+            ScoredSequence(
+                tokens=tokens[0].tolist(),
+                mask=[False] * prompt + [True] * (length - prompt),
+                logprobs=[0.0] * prompt + logprobs[prompt:].tolist(),
+                score=float(i * i % 5),  # 0 1 4 | 4 1: every sequence has an advantage
+                extras=window,
+                advantages=override if (override is not None and i == 3) else None,
+            )
+        )
+    return [
+        ScoredGroup(env="toy", item_id="a", sequences=sequences[:3]),
+        ScoredGroup(env="toy", item_id="b", sequences=sequences[3:]),
+    ]
+
+
+CONFIGS = [
+    LossConfig(name=n, clip_low=0.2, clip_high=0.28, constant_normalizer=8)
+    for n in ("grpo", "dr_grpo", "dapo", "gspo")
+]
+
+
+def packed_loss(model, step, config, hooks=None):
+    total = 0.0
+    for batch in step.micro_batches:
+        mask = batch.attention_mask() if hooks is None else batch.attention_mask(hooks)
+        logprobs = token_logprobs(model(batch.input_ids, batch.position_ids, mask), batch.input_ids)
+        loss, _ = policy_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.mask,
+            config,
+            sequence_ids=batch.sequence_ids,
+            step_num_sequences=step.num_sequences,
+            step_num_tokens=step.num_trained_tokens,
+        )
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+def padded_loss(model, groups, config):
+    rows = training_sequences(groups, ADVANTAGES)
+    width = max(len(r.tokens) for r in rows)
+
+    def padded(name, fill, dtype):
+        # float32 like the packed tensors, so both sides see the same rounded inputs.
+        return torch.tensor(
+            [getattr(r, name) + [fill] * (width - len(r.tokens)) for r in rows], dtype=dtype
+        )
+
+    input_ids = padded("tokens", 0, torch.long)
+    attention = padded_attention_mask([len(r.tokens) for r in rows], width, WINDOWS)
+    logprobs = token_logprobs(
+        model(input_ids, torch.arange(width).expand(len(rows), width), attention), input_ids
+    )
+    loss, _ = policy_loss(
+        logprobs,
+        padded("old_logprobs", 0.0, torch.float32),
+        padded("advantages", 0.0, torch.float32),
+        padded("mask", False, torch.bool),
+        config,
+    )
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("budget", [64, 16], ids=["one_micro_batch", "several_micro_batches"])
+def test_packed_equals_unpacked(config, budget):
+    groups = model_groups()
+    model = ToyCausalLM(seed=1)
+    step = build_step(
+        groups,
+        policy_version=0,
+        max_staleness=0,
+        token_budget=budget,
+        advantage_config=ADVANTAGES,
+        pad_multiple=8,
+    )
+    assert len(step.micro_batches) == (1 if budget == 64 else 3)
+    packed = packed_loss(model, step, config)
+    packed_grads = gradients(model)
+    unpacked = padded_loss(model, groups, config)
+    unpacked_grads = gradients(model)
+    assert packed == pytest.approx(unpacked, abs=1e-9)
+    assert any(g.abs().max() > 1e-3 for g in packed_grads.values())
+    for name in packed_grads:
+        torch.testing.assert_close(packed_grads[name], unpacked_grads[name], rtol=0, atol=1e-5)
+
+
+def test_the_window_hook_matters_in_the_model():
+    step = build_step(
+        model_groups(),
+        policy_version=0,
+        max_staleness=0,
+        token_budget=64,
+        advantage_config=ADVANTAGES,
+    )
+    model = ToyCausalLM(seed=1)
+    assert packed_loss(model, step, CONFIGS[0]) != pytest.approx(
+        packed_loss(model, step, CONFIGS[0], hooks=()), abs=1e-6
+    )
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_advantage_override_changes_exactly_its_sequence(config):
+    def logprob_gradient(groups):
+        step = build_step(
+            groups, policy_version=0, max_staleness=0, token_budget=64, advantage_config=ADVANTAGES
+        )
+        (batch,) = step.micro_batches
+        generator = torch.Generator().manual_seed(4)
+        logprobs = (
+            batch.old_logprobs + torch.randn(batch.old_logprobs.shape, generator=generator) * 0.1
+        ).requires_grad_()
+        loss, _ = policy_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.mask,
+            config,
+            sequence_ids=batch.sequence_ids,
+        )
+        loss.backward()
+        return logprobs.grad[0], batch.sequence_ids[0]
+
+    base, sequence_ids = logprob_gradient(model_groups())
+    override = [0.0, 0.0, 0.0, 0.0, 2.0, -1.0, 0.5, 3.0]  # sequence 3: 8 tokens, prompt 4
+    changed, _ = logprob_gradient(model_groups(override))
+    overridden = sequence_ids == 3
+    assert torch.equal(changed[~overridden], base[~overridden])
+    assert not torch.allclose(changed[overridden], base[overridden])

@@ -1,0 +1,280 @@
+"""Packing: scored groups -> micro-batches of flat tensors under a token budget, with masks."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from environments.scored_group import ScoredGroup
+from trainer.advantages import sequence_token_advantages
+from trainer.config import AdvantageConfig
+
+AttentionMaskHook = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
+"""Given one sequence's block of the attention mask, [n, n] bool (True: the query row may attend to
+the key column; causal to begin with), and that sequence's extras, return the block to use. A hook
+returns the block unchanged for extras it does not understand, so several can be chained."""
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A boolean attention mask as an additive one: 0 where allowed, the dtype's min elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def sliding_window(block: torch.Tensor, extras: dict[str, Any]) -> torch.Tensor:
+    """Hook: extras {"attention": {"type": "sliding_window", "window": W}} lets each token see only
+    itself and the W - 1 tokens before it: query i attends key j iff 0 <= i - j < W, as in Mistral.
+    """
+    spec = extras.get("attention")
+    if not isinstance(spec, dict) or spec.get("type") != "sliding_window":
+        return block
+    window = spec.get("window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"extras.attention.window: {window!r}; give a positive int, the number of most recent "
+            "tokens (the token itself included) each token may attend to"
+        )
+    positions = torch.arange(block.shape[0])
+    return block & (positions[:, None] - positions[None, :] < window)
+
+
+DEFAULT_HOOKS: tuple[AttentionMaskHook, ...] = (sliding_window,)
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    """One sequence ready to pack: equal-length per-token lists and what to call it in errors."""
+
+    tokens: list[int]
+    mask: list[bool]
+    old_logprobs: list[float]
+    advantages: list[float]
+    extras: dict[str, Any]
+    name: str
+
+
+@dataclass
+class PackedBatch:
+    """One micro-batch: whole sequences laid end to end in a single row, padded at the end.
+
+    input_ids, position_ids, sequence_ids, mask, old_logprobs, advantages: [1, T].
+    position_ids restart at 0 for every sequence, so a model with varlen attention (flash attention
+    reads sequence starts from them) treats the sequences separately; `attention_mask` gives the
+    same separation as a block-diagonal mask for eager or sdpa attention. sequence_ids is 0..n-1 by
+    sequence and -1 on padding. mask is True on trained tokens only: never on padding and never on
+    the first token of a sequence, which has no prediction (see losses.token_logprobs).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    sequence_ids: torch.Tensor
+    mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    sequence_lengths: list[int]
+    sequence_extras: list[dict[str, Any]]
+
+    @property
+    def num_slots(self) -> int:
+        return self.input_ids.shape[1]
+
+    @property
+    def num_padding(self) -> int:
+        return self.num_slots - sum(self.sequence_lengths)
+
+    @property
+    def num_trained_tokens(self) -> int:
+        return int(self.mask.sum())
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences with at least one trained token: the ones a sequence-mean loss counts."""
+        return int(torch.unique(self.sequence_ids[self.mask]).numel())
+
+    def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
+        """Block-diagonal causal mask [1, 1, T, T] bool, True where a query may attend to a key.
+
+        Each sequence's block passes through every hook with that sequence's extras. A padding
+        slot attends only to itself, so no softmax row is empty (an empty row gives NaN in sdpa).
+        Use `additive_mask` for models that want 0 / -inf instead of booleans.
+        """
+        mask = torch.eye(self.num_slots, dtype=torch.bool)
+        start = 0
+        for length, extras in zip(self.sequence_lengths, self.sequence_extras, strict=True):
+            block = torch.ones(length, length, dtype=torch.bool).tril()
+            for hook in hooks:
+                block = hook(block, extras)
+            mask[start : start + length, start : start + length] = block
+            start += length
+        return mask[None, None]
+
+
+def training_sequences(
+    groups: Sequence[ScoredGroup], config: AdvantageConfig
+) -> list[TrainingSequence]:
+    """Flatten groups into sequences with their advantages and extras (group's, then the sequence's
+    own on top), with the first token untrained since nothing predicts it."""
+    result = []
+    for group in groups:
+        advantages = sequence_token_advantages(group, config)
+        for index, (sequence, token_advantages) in enumerate(
+            zip(group.sequences, advantages, strict=True)
+        ):
+            result.append(
+                TrainingSequence(
+                    tokens=list(sequence.tokens),
+                    mask=[False] + list(sequence.mask[1:]),
+                    old_logprobs=list(sequence.logprobs),
+                    advantages=token_advantages,
+                    extras={**group.extras, **sequence.extras},
+                    name=f"group {group.group_id} (env {group.env}) sequences[{index}]",
+                )
+            )
+    return result
+
+
+def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """First-fit decreasing: indices into `lengths`, grouped so each group's total fits the budget.
+
+    Longest first, each into the first micro-batch with room; within a micro-batch the indices are
+    in input order. Deterministic for a given input. Every length must be <= token_budget.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        if lengths[i] > token_budget:
+            raise ValueError(f"length {lengths[i]} at index {i} > token budget {token_budget}")
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(token_budget - lengths[i])
+    return [sorted(b) for b in bins]
+
+
+def pack_micro_batches(
+    sequences: Sequence[TrainingSequence], token_budget: int, pad_multiple: int = 64
+) -> list[PackedBatch]:
+    """Pack whole sequences into micro-batches of at most `token_budget` tokens.
+
+    Each micro-batch is padded up to a multiple of `pad_multiple` (never past the budget): a bounded
+    set of shapes keeps kernel autotuning and compile caches warm at a cost of < pad_multiple slots.
+    """
+    for sequence in sequences:
+        if len(sequence.tokens) > token_budget:
+            raise ValueError(
+                f"{sequence.name}: {len(sequence.tokens)} tokens > micro_batch_tokens "
+                f"{token_budget}; raise trainer micro_batch_tokens to at least "
+                f"{len(sequence.tokens)} or lower the environment's maximum tokens"
+            )
+    plan = plan_micro_batches([len(s.tokens) for s in sequences], token_budget)
+    return [_pack([sequences[i] for i in indices], token_budget, pad_multiple) for indices in plan]
+
+
+def _pack(
+    sequences: Sequence[TrainingSequence], token_budget: int, pad_multiple: int
+) -> PackedBatch:
+    used = sum(len(s.tokens) for s in sequences)
+    slots = min(math.ceil(used / pad_multiple) * pad_multiple, token_budget)
+    padding = slots - used
+    input_ids, positions, ids, mask, old_logprobs, advantages = [], [], [], [], [], []
+    for index, s in enumerate(sequences):
+        input_ids += s.tokens
+        positions += range(len(s.tokens))
+        ids += [index] * len(s.tokens)
+        mask += s.mask
+        old_logprobs += s.old_logprobs
+        advantages += s.advantages
+    return PackedBatch(
+        input_ids=torch.tensor([input_ids + [0] * padding], dtype=torch.long),
+        position_ids=torch.tensor([positions + [0] * padding], dtype=torch.long),
+        sequence_ids=torch.tensor([ids + [-1] * padding], dtype=torch.long),
+        mask=torch.tensor([mask + [False] * padding], dtype=torch.bool),
+        old_logprobs=torch.tensor([old_logprobs + [0.0] * padding], dtype=torch.float32),
+        advantages=torch.tensor([advantages + [0.0] * padding], dtype=torch.float32),
+        sequence_lengths=[len(s.tokens) for s in sequences],
+        sequence_extras=[s.extras for s in sequences],
+    )
+
+
+def padding_waste(batches: Sequence[PackedBatch]) -> float:
+    """Padded slots / all slots over the micro-batches; 0.0 when there are none."""
+    slots = sum(b.num_slots for b in batches)
+    return sum(b.num_padding for b in batches) / slots if slots else 0.0
+
+
+def split_stale(
+    groups: Sequence[ScoredGroup], policy_version: int, max_staleness: int
+) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+    """(fresh, stale): a group is stale when sampled more than max_staleness versions before
+    `policy_version`, the version of the weights about to be updated."""
+    fresh, stale = [], []
+    for group in groups:
+        (stale if policy_version - group.policy_version > max_staleness else fresh).append(group)
+    return fresh, stale
+
+
+@dataclass
+class StepBatch:
+    """One optimizer step's data: its micro-batches, the counts the loss divides by, and stats."""
+
+    micro_batches: list[PackedBatch]
+    num_sequences: int
+    num_trained_tokens: int
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def build_step(
+    groups: Sequence[ScoredGroup],
+    *,
+    policy_version: int,
+    max_staleness: int,
+    token_budget: int,
+    advantage_config: AdvantageConfig,
+    pad_multiple: int = 64,
+) -> StepBatch:
+    """Skip stale groups, compute advantages, pack the rest; stats are plain floats for logging.
+
+    Pass `num_sequences` and `num_trained_tokens` to `policy_loss` as step_num_sequences and
+    step_num_tokens for every micro-batch.
+    """
+    fresh, stale = split_stale(groups, policy_version, max_staleness)
+    batches = pack_micro_batches(
+        training_sequences(fresh, advantage_config), token_budget, pad_multiple
+    )
+    trained_advantages = (
+        torch.cat([b.advantages[b.mask] for b in batches]) if batches else torch.zeros(0)
+    )
+    staleness = [policy_version - g.policy_version for g in fresh]
+    scores = [score for g in fresh for score in g.scores]
+    stats = {
+        "groups": float(len(fresh)),
+        "stale_groups_skipped": float(len(stale)),
+        "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+        "staleness_max": float(max(staleness, default=0)),
+        "score_mean": statistics.fmean(scores) if scores else 0.0,
+        "micro_batches": float(len(batches)),
+        "padding_waste": padding_waste(batches),
+        "tokens": float(sum(sum(b.sequence_lengths) for b in batches)),
+    }
+    if trained_advantages.numel():
+        stats |= {
+            "advantage_mean": trained_advantages.mean().item(),
+            "advantage_std": trained_advantages.std(unbiased=False).item(),
+            "advantage_min": trained_advantages.min().item(),
+            "advantage_max": trained_advantages.max().item(),
+        }
+    return StepBatch(
+        micro_batches=batches,
+        num_sequences=sum(b.num_sequences for b in batches),
+        num_trained_tokens=sum(b.num_trained_tokens for b in batches),
+        stats=stats,
+    )

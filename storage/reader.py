@@ -1,0 +1,209 @@
+"""ShardReader: the trainer's stream of new shards, filtered, in order, each consumed exactly once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from environments.scored_group import ScoredGroup
+from storage.filesystem import resolve
+from storage.layout import rollouts_url
+from storage.ledger import Ledger
+from storage.quarantine import quarantine
+from storage.schema import METADATA_TOKENIZER, ShardFormatError, compacted_from, table_to_groups
+from storage.shard_file import ShardInfo, find_shards, read_shard
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerMismatchError(Exception):
+    """A shard was tokenized by another tokenizer than the trainer's; its token ids mean other things."""
+
+
+def group_starts(table: pa.Table) -> np.ndarray:
+    """Row index where each group begins (rows of a group are contiguous in a shard)."""
+    ids = table.column("group_id").to_numpy()
+    return np.flatnonzero(np.concatenate([[len(ids) > 0], ids[1:] != ids[:-1]]))
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """The not-yet-consumed rows of one shard, kept in Arrow so a trainer can build tensors from
+    `table.column("tokens")` without per-token Python work; `groups()` decodes them to ScoredGroups."""
+
+    shard: ShardInfo
+    table: pa.Table
+    tokenizer: str
+
+    @property
+    def num_sequences(self) -> int:
+        return self.table.num_rows
+
+    @property
+    def num_groups(self) -> int:
+        return len(group_starts(self.table))
+
+    def groups(self) -> list[ScoredGroup]:
+        return table_to_groups(self.table, validated=True)  # read_shard ran check_table on it
+
+
+class ShardReader:
+    """Reads the shards of `{root}/{run}/rollouts/` that the ledger has not consumed, oldest first.
+
+    Filters: `envs` (names to read, None for all) and `min_policy_version` (older shards are skipped,
+    not consumed). A trainer enforcing a maximum staleness sets
+    `reader.min_policy_version = current_version - max_staleness` before each pass. A corrupt shard is
+    logged and moved to `{run}/_quarantine/`; the pass goes on.
+
+    A shard or group counts as consumed once it is handed out: save `reader.ledger.to_dict()` with the
+    checkpoint after training on what was handed out, and pass `Ledger.from_dict(...)` on resume.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        run: str,
+        *,
+        tokenizer: str | None = None,
+        envs: Iterable[str] | None = None,
+        min_policy_version: int | None = None,
+        ledger: Ledger | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.url = rollouts_url(root, run)
+        self.tokenizer = tokenizer
+        self.envs = None if envs is None else set(envs)
+        self.min_policy_version = min_policy_version
+        self.ledger = ledger if ledger is not None else Ledger()
+        self.storage_options = storage_options
+        self._fs, _ = resolve(self.url, storage_options)
+        self._unmovable: set[str] = set()  # corrupt shards the quarantine could not move
+        self._unreadable: dict[
+            str, int
+        ] = {}  # listed shards whose read found nothing, and how often
+        self._pool: ThreadPoolExecutor | None = None  # started on the first read
+        self._ahead: dict[str, Future[pa.Table]] = {}  # shard name -> its read-ahead
+        # The shard groups() is part-way through, decoded: (name, groups).
+        self._in_progress: tuple[str, list[ScoredGroup]] | None = None
+
+    def new_shards(self) -> list[ShardInfo]:
+        """Shards passing the filters that are not fully consumed yet, oldest id first."""
+        _, shards = find_shards(
+            self.url,
+            storage_options=self.storage_options,
+            envs=self.envs,
+            min_policy_version=self.min_policy_version,
+        )
+        return [
+            s
+            for s in shards
+            if not self.ledger.is_consumed(s.name) and s.name not in self._unmovable
+        ]
+
+    def batches(self) -> Iterator[RolloutBatch]:
+        """One pass over the new shards: each shard's remaining rows as one batch, then consumed."""
+        for batch in self._read_ahead(self.new_shards()):
+            shard = batch.shard
+            taken = self.ledger.groups_taken(shard.name)
+            if taken:
+                batch = RolloutBatch(
+                    shard, batch.table.slice(group_starts(batch.table)[taken]), batch.tokenizer
+                )
+            self.ledger.mark_consumed(shard.name)
+            yield batch
+
+    def groups(self) -> Iterator[ScoredGroup]:
+        """One pass over the new shards, group by group; the ledger records each group handed out."""
+        shards = self.new_shards()
+        names = {shard.name for shard in shards}
+        if self._in_progress is not None and self._in_progress[0] in names:
+            # A trainer that stops mid-shard each step resumes here without reading it again.
+            shards = [shard for shard in shards if shard.name != self._in_progress[0]]
+            yield from self._take(*self._in_progress)
+        for batch in self._read_ahead(shards):
+            self._in_progress = (batch.shard.name, batch.groups())
+            yield from self._take(*self._in_progress)
+
+    def _take(self, name: str, groups: list[ScoredGroup]) -> Iterator[ScoredGroup]:
+        for group in groups[self.ledger.groups_taken(name) :]:
+            self.ledger.take_groups(name, 1, len(groups))
+            yield group
+        self._in_progress = None
+
+    def stream(
+        self, *, poll_s: float = 1.0, idle_timeout_s: float | None = None
+    ) -> Iterator[ScoredGroup]:
+        """Groups as their shards appear, polling every `poll_s`; ends after `idle_timeout_s` without
+        a new group (never when None)."""
+        last_group = time.monotonic()
+        while True:
+            for group in self.groups():
+                last_group = time.monotonic()
+                yield group
+            if idle_timeout_s is not None and time.monotonic() - last_group >= idle_timeout_s:
+                return
+            time.sleep(poll_s)
+
+    def _read_ahead(self, shards: list[ShardInfo]) -> Iterator[RolloutBatch]:
+        """The shards' batches in order, reading the next shard in a thread while the caller works on
+        this one, so storage latency (an S3 GET) hides behind training. A read-ahead left over when
+        the caller stopped early is kept for the next pass."""
+        wanted = {shard.name for shard in shards}
+        for name in [name for name in self._ahead if name not in wanted]:
+            self._ahead.pop(name).cancel()
+        for index, shard in enumerate(shards):
+            reading = self._ahead.pop(shard.name, None) or self._submit(shard)
+            if index + 1 < len(shards) and shards[index + 1].name not in self._ahead:
+                self._ahead[shards[index + 1].name] = self._submit(shards[index + 1])
+            try:
+                batch = self._load(shard, reading)
+            except FileNotFoundError:
+                # Listed but not readable: gone (another reader quarantined it) or, on stores whose
+                # listings run ahead of reads, not there yet. End the pass so the next one retries
+                # it before anything newer, keeping the order; say so louder if it persists.
+                self._unreadable[shard.name] = tries = self._unreadable.get(shard.name, 0) + 1
+                level = logging.INFO if tries < 3 else logging.WARNING
+                log.log(level, "shard %s is listed but not readable (%d tries)", shard.url, tries)
+                return
+            if batch is not None:
+                yield batch
+
+    def _submit(self, shard: ShardInfo) -> Future[pa.Table]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read-ahead")
+        return self._pool.submit(read_shard, self._fs, shard)
+
+    def _load(self, shard: ShardInfo, reading: Future[pa.Table]) -> RolloutBatch | None:
+        """The shard's rows, or None when it was corrupt or is a compaction of consumed shards."""
+        try:
+            table = reading.result()
+        except ShardFormatError as error:
+            if quarantine(self._fs, shard, str(error)) is None:
+                self._unmovable.add(shard.name)
+            return None
+        tokenizer = table.schema.metadata[METADATA_TOKENIZER].decode()
+        if self.tokenizer is not None and tokenizer != self.tokenizer:
+            raise TokenizerMismatchError(
+                f"{shard.url} was tokenized with {tokenizer!r} but this reader expects {self.tokenizer!r}; "
+                "point the trainer at the run's tokenizer or write the run again"
+            )
+        sources = compacted_from(table.schema.metadata)
+        if sources:
+            consumed = [s for s in sources if self.ledger.is_consumed(s)]
+            if len(consumed) == len(sources):
+                self.ledger.mark_consumed(shard.name)
+                return None
+            seen = consumed + [s for s in sources if self.ledger.groups_taken(s)]
+            if seen:
+                raise RuntimeError(
+                    f"{shard.url} merges shards this ledger consumed only in part ({seen}); do not compact "
+                    "partitions a trainer is still consuming"
+                )
+        return RolloutBatch(shard, table, tokenizer)

@@ -1,0 +1,304 @@
+"""The Arrow shard schema: one row per sequence, and ScoredGroup <-> Arrow table conversion."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from environments.scored_group import FINISH_REASONS, SCHEMA_VERSION, ScoredGroup, ScoredSequence
+
+# Group fields are repeated on every row of the group so any row, file or query stands alone.
+SHARD_SCHEMA = pa.schema(
+    [
+        pa.field("env", pa.string(), nullable=False),
+        pa.field("policy_version", pa.int64(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("item_id", pa.string(), nullable=False),
+        pa.field("group_size", pa.int32(), nullable=False),
+        pa.field("sequence_index", pa.int32(), nullable=False),
+        pa.field("tokens", pa.list_(pa.int32()), nullable=False),
+        pa.field("mask", pa.list_(pa.bool_()), nullable=False),
+        pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("advantages", pa.list_(pa.float32()), nullable=True),
+        pa.field("score", pa.float64(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("messages", pa.string(), nullable=True),  # JSON list of messages
+        pa.field("extras", pa.string(), nullable=False),  # JSON object of the sequence
+        pa.field("group_extras", pa.string(), nullable=False),  # JSON object of the group
+        pa.field("chat_template", pa.string(), nullable=True),
+        pa.field("created_at", pa.timestamp("ns", tz="UTC"), nullable=False),
+    ]
+)
+GROUP_COLUMNS = (
+    "env",
+    "policy_version",
+    "item_id",
+    "group_size",
+    "group_extras",
+    "chat_template",
+    "created_at",
+)
+
+METADATA_SCHEMA_VERSION = b"clotho.schema_version"
+METADATA_TOKENIZER = b"clotho.tokenizer"
+METADATA_NUM_GROUPS = b"clotho.num_groups"
+# JSON list of the shard names a compaction merged into this shard.
+METADATA_COMPACTED_FROM = b"clotho.compacted_from"
+
+
+class ShardFormatError(Exception):
+    """A shard's bytes or rows break the shard schema or the ScoredGroup invariants."""
+
+
+class SchemaVersionError(Exception):
+    """A shard was written with another schema version; it is valid data this clotho cannot read."""
+
+
+def _to_json(value: Any, where: str) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{where} is not JSON-serializable ({error}); store plain JSON values"
+        ) from error
+
+
+def check_serializable(group: ScoredGroup) -> None:
+    """Raise ValueError now, at the caller, if the group's open fields cannot be stored as JSON."""
+    _to_json(group.extras, f"group {group.group_id} extras")
+    for index, sequence in enumerate(group.sequences):
+        _to_json(sequence.extras, f"group {group.group_id} sequences[{index}].extras")
+        _to_json(sequence.messages, f"group {group.group_id} sequences[{index}].messages")
+
+
+def _unix_ns(seconds: float) -> int:
+    # Exact: int / 10**9 on the way back rounds to the same float, so created_at round-trips bit for bit.
+    return round(Fraction(seconds) * 1_000_000_000)
+
+
+def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
+    """One row per sequence in group order, with schema version and tokenizer in the metadata."""
+    if not groups:
+        raise ValueError("groups is empty; a shard holds at least one group")
+    if not tokenizer:
+        raise ValueError(
+            "tokenizer is empty; pass the tokenizer's name or path so readers can check it"
+        )
+    sequences = [sequence for group in groups for sequence in group.sequences]
+    sizes = np.fromiter((len(group.sequences) for group in groups), np.int32, len(groups))
+    row_group = np.repeat(np.arange(len(groups)), sizes)  # row -> index of its group
+
+    def per_group(values: list[Any], type_: pa.DataType) -> pa.Array:
+        return pa.array(values, type_).take(row_group)
+
+    columns = {
+        "env": per_group([g.env for g in groups], pa.string()),
+        "policy_version": per_group([g.policy_version for g in groups], pa.int64()),
+        "group_id": per_group([g.group_id for g in groups], pa.string()),
+        "item_id": per_group([g.item_id for g in groups], pa.string()),
+        "group_size": pa.array(sizes).take(row_group),
+        "sequence_index": pa.array(np.concatenate([np.arange(n, dtype=np.int32) for n in sizes])),
+        "tokens": pa.array([s.tokens for s in sequences], pa.list_(pa.int32())),
+        "mask": pa.array([s.mask for s in sequences], pa.list_(pa.bool_())),
+        "logprobs": pa.array([s.logprobs for s in sequences], pa.list_(pa.float32())),
+        "advantages": pa.array([s.advantages for s in sequences], pa.list_(pa.float32())),
+        "score": pa.array([s.score for s in sequences], pa.float64()),
+        "finish_reason": pa.array([s.finish_reason for s in sequences], pa.string()),
+        "messages": pa.array(
+            [
+                None if s.messages is None else _to_json(s.messages, f"group {g.group_id} messages")
+                for g in groups
+                for s in g.sequences
+            ],
+            pa.string(),
+        ),
+        "extras": pa.array(
+            [
+                _to_json(s.extras, f"group {g.group_id} sequence extras")
+                for g in groups
+                for s in g.sequences
+            ],
+            pa.string(),
+        ),
+        "group_extras": per_group(
+            [_to_json(g.extras, f"group {g.group_id} extras") for g in groups], pa.string()
+        ),
+        "chat_template": per_group([g.chat_template for g in groups], pa.string()),
+        "created_at": per_group([_unix_ns(g.created_at) for g in groups], pa.int64()).cast(
+            SHARD_SCHEMA.field("created_at").type
+        ),
+    }
+    metadata = {
+        METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
+        METADATA_TOKENIZER: tokenizer.encode(),
+        METADATA_NUM_GROUPS: str(len(groups)).encode(),
+    }
+    return pa.Table.from_pydict(columns, schema=SHARD_SCHEMA.with_metadata(metadata))
+
+
+def check_table(table: pa.Table) -> None:
+    """Raise ShardFormatError naming every broken rule; vectorized so the trainer's reads stay fast."""
+    _, num_groups = check_metadata(table.schema)
+    problems = _schema_problems(table.schema)
+    if problems:
+        raise ShardFormatError("; ".join(problems))
+    if table.num_rows == 0:
+        raise ShardFormatError("no rows; a shard holds at least one group")
+    column = {name: _one_chunk(table.column(name)) for name in table.column_names}
+    lengths = pc.list_value_length(column["tokens"])
+    if pc.min(lengths).as_py() == 0:
+        problems.append("tokens: an empty sequence; every sequence has at least one token")
+    for name in ("mask", "logprobs", "advantages"):
+        other = pc.list_value_length(column[name])
+        if not pc.all(pc.or_kleene(pc.equal(other, lengths), pc.is_null(other))).as_py():
+            problems.append(f"{name}: length differs from tokens in some row; lengths must match")
+    tokens = pc.list_flatten(column["tokens"])
+    if len(tokens) and pc.min(tokens).as_py() < 0:
+        problems.append("tokens: negative token id")
+    for name in ("logprobs", "advantages"):
+        if not np.isfinite(pc.list_flatten(column[name]).to_numpy(zero_copy_only=False)).all():
+            problems.append(f"{name}: NaN or inf")
+    mask_lengths = pc.list_value_length(column["mask"]).to_numpy()
+    if mask_lengths.min() == 0 or not _every_row_has_a_true(column["mask"], mask_lengths):
+        problems.append("mask: a sequence with no trained token")
+    if not pc.all(pc.is_finite(column["score"])).as_py():
+        problems.append("score: NaN or inf")
+    if not pc.all(pc.is_in(column["finish_reason"], pa.array(FINISH_REASONS))).as_py():
+        problems.append(f"finish_reason: a value outside {FINISH_REASONS}")
+    problems += _group_problems(column, num_groups)
+    if problems:
+        raise ShardFormatError("; ".join(problems))
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    # combine_chunks copies even a single chunk; a shard read whole has one chunk per column
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _every_row_has_a_true(mask: pa.ListArray, lengths: np.ndarray) -> bool:
+    """Vectorized any() per row, on the unpacked bitmap; rows must be non-empty."""
+    flat = pc.list_flatten(mask)
+    if flat.null_count:
+        return False
+    bits = np.unpackbits(np.frombuffer(flat.buffers()[1], np.uint8), bitorder="little")
+    bits = bits[flat.offset : flat.offset + len(flat)]
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1])])
+    return bool(np.maximum.reduceat(bits, starts).all())
+
+
+def check_metadata(schema: pa.Schema) -> tuple[str, int]:
+    """The shard's tokenizer and group count, after checking its schema version."""
+    metadata = schema.metadata or {}
+    try:
+        version = int(metadata[METADATA_SCHEMA_VERSION])
+        tokenizer = metadata[METADATA_TOKENIZER].decode()
+        num_groups = int(metadata[METADATA_NUM_GROUPS])
+    except (KeyError, ValueError) as error:
+        raise ShardFormatError(f"file metadata lacks or garbles a clotho key ({error})") from None
+    if version != SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"shard schema version {version} != {SCHEMA_VERSION}; read it with the clotho version "
+            "that wrote it or convert it"
+        )
+    return tokenizer, num_groups
+
+
+def compacted_from(metadata: dict[bytes, bytes] | None) -> list[str]:
+    """Names of the shards a compacted shard replaced; [] for a shard written by a ShardWriter."""
+    raw = (metadata or {}).get(METADATA_COMPACTED_FROM)
+    return json.loads(raw) if raw else []
+
+
+def _schema_problems(schema: pa.Schema) -> list[str]:
+    problems = []
+    for expected in SHARD_SCHEMA:
+        index = schema.get_field_index(expected.name)
+        if index < 0:
+            problems.append(f"{expected.name}: column missing")
+        elif not schema.field(index).type.equals(expected.type):
+            problems.append(f"{expected.name}: type {schema.field(index).type} != {expected.type}")
+    extra = set(schema.names) - set(SHARD_SCHEMA.names)
+    if extra:
+        problems.append(f"unexpected columns {sorted(extra)}")
+    return problems
+
+
+def _group_problems(column: dict[str, pa.Array], num_groups: int) -> list[str]:
+    """Rows of a group are contiguous, numbered 0..n-1, as many as group_size, sharing group fields."""
+    group_ids = column["group_id"].to_numpy(zero_copy_only=False)
+    starts = np.flatnonzero(np.concatenate([[True], group_ids[1:] != group_ids[:-1]]))
+    sizes = np.diff(np.append(starts, len(group_ids)))
+    problems = []
+    if len(set(group_ids[starts])) != len(starts):
+        problems.append("group_id: rows of a group are not contiguous")
+    elif len(starts) != num_groups:
+        problems.append(f"{len(starts)} groups but the metadata says {num_groups}")
+    expected_index = np.arange(len(group_ids)) - np.repeat(starts, sizes)
+    if not np.array_equal(column["sequence_index"].to_numpy(), expected_index):
+        problems.append("sequence_index: not 0..n-1 within each group")
+    if not np.array_equal(column["group_size"].to_numpy(), np.repeat(sizes, sizes)):
+        problems.append(
+            "group_size: differs from the number of rows of the group (a lost or extra row)"
+        )
+    first_of_group = pa.array(np.repeat(starts, sizes))
+    for name in GROUP_COLUMNS:
+        values = column[name]
+        if not values.equals(values.take(first_of_group)):
+            problems.append(f"{name}: differs between rows of one group")
+    return problems
+
+
+def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredGroup]:
+    """Rebuild the groups of a shard table exactly.
+
+    Each group is validated against the ScoredGroup contract, unless `validated` says `check_table`
+    already passed on this table: its vectorized checks cover the same rules, and skipping the
+    per-token Python checks makes decoding several times faster for the trainer.
+    """
+    check_metadata(table.schema)
+    rows = {
+        name: table.column(name).to_pylist() for name in SHARD_SCHEMA.names if name != "created_at"
+    }
+    created_ns = table.column("created_at").cast(pa.int64()).to_pylist()
+    make_group = ScoredGroup.model_construct if validated else ScoredGroup
+    make_sequence = ScoredSequence.model_construct if validated else dict
+    groups: list[ScoredGroup] = []
+    start = 0
+    while start < table.num_rows:
+        end = start + 1
+        while end < table.num_rows and rows["group_id"][end] == rows["group_id"][start]:
+            end += 1
+        sequences = [
+            make_sequence(
+                tokens=rows["tokens"][i],
+                mask=rows["mask"][i],
+                logprobs=rows["logprobs"][i],
+                score=rows["score"][i],
+                advantages=rows["advantages"][i],
+                finish_reason=rows["finish_reason"][i],
+                messages=None if rows["messages"][i] is None else json.loads(rows["messages"][i]),
+                extras=json.loads(rows["extras"][i]),
+            )
+            for i in sorted(range(start, end), key=rows["sequence_index"].__getitem__)
+        ]
+        groups.append(
+            make_group(
+                env=rows["env"][start],
+                item_id=rows["item_id"][start],
+                sequences=sequences,
+                group_id=rows["group_id"][start],
+                policy_version=rows["policy_version"][start],
+                chat_template=rows["chat_template"][start],
+                extras=json.loads(rows["group_extras"][start]),
+                created_at=created_ns[start] / 1_000_000_000,
+                schema_version=SCHEMA_VERSION,
+            )
+        )
+        start = end
+    return groups

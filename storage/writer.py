@@ -1,0 +1,194 @@
+"""ShardWriter: buffer finished groups and publish them as Parquet shards, losing none on exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from environments.scored_group import ScoredGroup
+from storage.filesystem import resolve, storage_errors
+from storage.layout import (
+    ROLLOUTS,
+    TEMPORARY,
+    ShardLocation,
+    check_env_name,
+    check_policy_version,
+    join,
+    new_shard_id,
+    run_url,
+)
+from storage.schema import check_serializable, groups_to_table
+from storage.shard_file import write_shard
+
+log = logging.getLogger(__name__)
+
+# Rough in-memory bytes of a sequence: int32 token + bool mask + float32 logprob per token, plus row
+# overhead. Only used to decide when to flush, so an estimate is enough.
+_BYTES_PER_TOKEN = 9
+_BYTES_PER_SEQUENCE = 256
+
+
+def estimated_bytes(group: ScoredGroup) -> int:
+    tokens = sum(
+        len(s.tokens) + (len(s.advantages) if s.advantages is not None else 0)
+        for s in group.sequences
+    )
+    return tokens * _BYTES_PER_TOKEN + len(group.sequences) * _BYTES_PER_SEQUENCE
+
+
+class ShardWriter:
+    """Buffers groups and writes one shard per (env, policy_version) in the buffer when it is due.
+
+    A flush is due when the buffer holds `max_groups` groups, about `max_bytes` bytes, or its oldest
+    group is `max_age_s` old (checked on `add` and `flush_if_due`). Use it as a context manager, sync
+    or async: leaving it flushes, also on an exception, Ctrl-C or task cancellation, because every
+    buffered group is finished work. Methods are thread-safe; from asyncio code call them through
+    `asyncio.to_thread`, since a flush blocks on storage.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        run: str,
+        *,
+        tokenizer: str,
+        max_groups: int = 256,
+        max_bytes: int = 64 * 2**20,
+        max_age_s: float = 60.0,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not tokenizer:
+            raise ValueError(
+                "tokenizer is empty; pass the tokenizer's name or path (it goes into every shard)"
+            )
+        for name, value in (
+            ("max_groups", max_groups),
+            ("max_bytes", max_bytes),
+            ("max_age_s", max_age_s),
+        ):
+            if value <= 0:
+                raise ValueError(f"{name} is {value}; it must be > 0")
+        self.url = run_url(root, run)
+        self.tokenizer = tokenizer
+        self.max_groups = max_groups
+        self.max_bytes = max_bytes
+        self.max_age_s = max_age_s
+        self._fs, run_path = resolve(self.url, storage_options)
+        self._rollouts_path = join(run_path, ROLLOUTS)
+        self._temp_path = join(run_path, TEMPORARY)
+        self._buffer: list[ScoredGroup] = []
+        self._buffered_bytes = 0
+        self._oldest: float | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.written: list[str] = []  # URLs of every shard this writer published, in order
+
+    @property
+    def pending_groups(self) -> int:
+        return len(self._buffer)
+
+    def add(self, group: ScoredGroup) -> list[str]:
+        """Buffer one group; returns the URLs of the shards written if this made a flush due."""
+        return self.add_many([group])
+
+    def add_many(self, groups: Iterable[ScoredGroup]) -> list[str]:
+        groups = list(groups)
+        for group in groups:
+            if not isinstance(group, ScoredGroup):
+                raise TypeError(f"expected a ScoredGroup, got {type(group).__name__}")
+            check_env_name(group.env)
+            check_policy_version(group.policy_version)
+            check_serializable(group)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(
+                    f"ShardWriter for {self.url} is closed; create a new one to write more groups"
+                )
+            if groups and self._oldest is None:
+                self._oldest = time.monotonic()
+            self._buffer.extend(groups)
+            self._buffered_bytes += sum(estimated_bytes(group) for group in groups)
+            return self._flush_locked() if self._due() else []
+
+    def flush_if_due(self) -> list[str]:
+        """Flush if the buffer is full or old enough; call it from a timer when groups arrive slowly."""
+        with self._lock:
+            return self._flush_locked() if self._due() else []
+
+    def flush(self) -> list[str]:
+        """Write every buffered group now; returns the shard URLs written (one per partition)."""
+        with self._lock:
+            return self._flush_locked()
+
+    def close(self) -> list[str]:
+        """Flush and refuse further groups. Idempotent."""
+        with self._lock:
+            written = self._flush_locked()
+            self._closed = True
+            return written
+
+    def _due(self) -> bool:
+        if not self._buffer:
+            return False
+        aged = self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s
+        return (
+            len(self._buffer) >= self.max_groups or self._buffered_bytes >= self.max_bytes or aged
+        )
+
+    def _flush_locked(self) -> list[str]:
+        partitions: dict[tuple[str, int], list[ScoredGroup]] = {}
+        for group in self._buffer:
+            partitions.setdefault((group.env, group.policy_version), []).append(group)
+        written = []
+        for (env, policy_version), groups in partitions.items():
+            location = ShardLocation(env, policy_version, new_shard_id())
+            url = join(self.url, ROLLOUTS, location.name)
+            with storage_errors(url):
+                write_shard(
+                    self._fs,
+                    join(self._rollouts_path, location.name),
+                    groups_to_table(groups, self.tokenizer),
+                    self._temp_path,
+                )
+            # Drop only what is stored, so a failed partition stays buffered for the next flush.
+            written_ids = {id(group) for group in groups}
+            self._buffer = [group for group in self._buffer if id(group) not in written_ids]
+            log.debug("wrote %d groups to %s", len(groups), url)
+            written.append(url)
+            self.written.append(url)
+        self._buffered_bytes = sum(estimated_bytes(group) for group in self._buffer)
+        self._oldest = time.monotonic() if self._buffer else None
+        return written
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        pending = self.pending_groups
+        try:
+            self.close()
+        except Exception:  # keep the original exception; this log line is the record of the loss
+            log.exception(
+                "lost %d buffered groups for %s while exiting on %s",
+                pending,
+                self.url,
+                exc_type.__name__,
+            )
+
+    async def __aenter__(self) -> ShardWriter:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
+    ) -> None:
+        # Shielded: a second cancellation while flushing must not abandon the write halfway.
+        await asyncio.shield(asyncio.to_thread(self.__exit__, exc_type, exc, tb))

@@ -1,0 +1,150 @@
+"""The shard schema: every ScoredGroup field round-trips, and broken invariants are caught."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from environments.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
+from storage.schema import (
+    METADATA_SCHEMA_VERSION,
+    METADATA_TOKENIZER,
+    SHARD_SCHEMA,
+    SchemaVersionError,
+    ShardFormatError,
+    check_table,
+    groups_to_table,
+    table_to_groups,
+)
+from storage.shard_file import decode, encode
+from tests.storage.factory import make_group, make_groups
+
+
+def test_every_field_round_trips_through_parquet() -> None:
+    groups = make_groups(12, seed=1)
+    table = decode(encode(groups_to_table(groups, "Qwen/Qwen2.5-0.5B")), "test://shard")
+    back = table_to_groups(table)
+    assert back == groups  # pydantic equality: every field of every group and sequence
+    for before, after in zip(groups, back, strict=True):
+        assert after.created_at == before.created_at  # bit for bit, through a nanosecond timestamp
+        assert after.model_dump() == before.model_dump()
+    assert table.schema.metadata[METADATA_SCHEMA_VERSION] == str(SCHEMA_VERSION).encode()
+    assert table.schema.metadata[METADATA_TOKENIZER] == b"Qwen/Qwen2.5-0.5B"
+    assert table.schema.remove_metadata().equals(SHARD_SCHEMA)
+
+
+def test_one_row_per_sequence_with_group_fields_repeated() -> None:
+    groups = make_groups(3, seed=2, size=5)
+    table = groups_to_table(groups, "tok")
+    assert table.num_rows == 15
+    assert table.column("group_id").to_pylist() == [g.group_id for g in groups for _ in range(5)]
+    assert table.column("sequence_index").to_pylist() == list(range(5)) * 3
+    assert table.column("env").to_pylist() == ["gsm8k"] * 15
+
+
+def test_logprobs_are_stored_as_float32() -> None:
+    sequence = ScoredSequence.from_prompt([1, 2], [3], [-0.1], score=1.0)
+    group = ScoredGroup(env="e", item_id="i", sequences=[sequence])
+    table = groups_to_table([group], "tok")
+    check_table(table)  # no advantages anywhere: an all-null column is valid
+    back = table_to_groups(table)[0]
+    assert back.sequences[0].logprobs == [0.0, 0.0, float(np.float32(-0.1))]
+    assert back.sequences[0].advantages is None
+
+
+def _tampered(column: str, values: list) -> pa.Table:
+    table = groups_to_table(make_groups(2, seed=3, size=2), "tok")
+    index = table.schema.get_field_index(column)
+    return table.set_column(
+        index, SHARD_SCHEMA.field(column), pa.array(values, SHARD_SCHEMA.field(column).type)
+    )
+
+
+def test_invariants_lengths_must_match() -> None:
+    table = groups_to_table(make_groups(2, seed=3, size=2), "tok")
+    mask = table.column("mask").to_pylist()
+    mask[1] = mask[1] + [True]
+    with pytest.raises(ShardFormatError, match="mask: length differs from tokens"):
+        check_table(_tampered("mask", mask))
+    logprobs = table.column("logprobs").to_pylist()
+    logprobs[0] = logprobs[0][:-1]
+    with pytest.raises(ShardFormatError, match="logprobs: length differs from tokens"):
+        check_table(_tampered("logprobs", logprobs))
+
+
+@pytest.mark.parametrize(
+    ("column", "change", "message"),
+    [
+        ("tokens", lambda v: [[-1] + v[0][1:]] + v[1:], "negative token id"),
+        ("logprobs", lambda v: [[float("nan")] + v[0][1:]] + v[1:], "logprobs: NaN or inf"),
+        ("mask", lambda v: [[False] * len(v[0])] + v[1:], "no trained token"),
+        ("mask", lambda v: v[:2] + [[False] * len(v[2])] + v[3:], "no trained token"),
+        ("score", lambda v: [float("inf")] + v[1:], "score: NaN or inf"),
+        ("finish_reason", lambda v: ["timeout"] + v[1:], "finish_reason"),
+        ("sequence_index", lambda v: [1] + v[1:], "sequence_index"),
+        ("group_size", lambda v: [3] + v[1:], "group_size"),
+        ("item_id", lambda v: ["other"] + v[1:], "item_id: differs between rows of one group"),
+    ],
+)
+def test_invariants_each_rule(column, change, message) -> None:
+    table = groups_to_table(make_groups(2, seed=3, size=2), "tok")
+    with pytest.raises(ShardFormatError, match=message):
+        check_table(_tampered(column, change(table.column(column).to_pylist())))
+
+
+def test_a_lost_row_is_caught() -> None:
+    table = groups_to_table(make_groups(2, seed=4, size=3), "tok")
+    with pytest.raises(ShardFormatError, match="group_size"):
+        check_table(table.slice(1))
+
+
+def test_a_slice_at_a_group_boundary_is_valid() -> None:
+    groups = make_groups(3, seed=4, size=3)
+    table = groups_to_table(groups, "tok").slice(
+        3
+    )  # offsets into every buffer, bit offsets for mask
+    metadata = {**table.schema.metadata, b"clotho.num_groups": b"2"}
+    check_table(table.replace_schema_metadata(metadata))
+    assert table_to_groups(table) == groups[1:]
+
+
+def test_missing_column_and_wrong_type_are_named() -> None:
+    table = groups_to_table(make_groups(1, seed=5), "tok")
+    with pytest.raises(ShardFormatError, match="score: column missing"):
+        check_table(table.drop_columns(["score"]))
+    wrong = table.set_column(
+        table.schema.get_field_index("tokens"),
+        "tokens",
+        table.column("tokens").cast(pa.list_(pa.int64())),
+    )
+    with pytest.raises(ShardFormatError, match="tokens: type"):
+        check_table(wrong)
+
+
+def test_other_schema_version_is_not_corruption() -> None:
+    table = groups_to_table(make_groups(1, seed=6), "tok")
+    newer = table.replace_schema_metadata({**table.schema.metadata, METADATA_SCHEMA_VERSION: b"99"})
+    with pytest.raises(SchemaVersionError, match="99"):
+        check_table(newer)
+    with pytest.raises(SchemaVersionError):
+        table_to_groups(newer)
+
+
+def test_missing_metadata_is_a_format_error() -> None:
+    table = groups_to_table(make_groups(1, seed=6), "tok").replace_schema_metadata(None)
+    with pytest.raises(ShardFormatError, match="metadata"):
+        check_table(table)
+
+
+def test_clear_errors_for_bad_inputs() -> None:
+    group = make_group(random.Random(7))
+    with pytest.raises(ValueError, match="tokenizer is empty"):
+        groups_to_table([group], "")
+    with pytest.raises(ValueError, match="groups is empty"):
+        groups_to_table([], "tok")
+    group.extras["when"] = object()
+    with pytest.raises(ValueError, match="extras is not JSON-serializable"):
+        groups_to_table([group], "tok")

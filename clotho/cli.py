@@ -61,8 +61,10 @@ def serve(
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     typer.echo(f"starting vLLM ({server.python}) for {model}; log: {server.log_path}")
-    # SIGTERM behaves like Ctrl-C so a supervisor's stop also takes the workers down.
+    # SIGTERM behaves like Ctrl-C so a supervisor's stop also takes the workers down; SIGINT is set
+    # explicitly because a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     try:
         server.start(timeout=startup_timeout)
         typer.echo(f"policy server ready at {server.base_url}/v1 (model name '{served_model_name}'); Ctrl-C stops it")
@@ -77,6 +79,67 @@ def serve(
         typer.echo("stopping policy server")
     finally:
         server.stop()
+
+
+def _parse_env_config(pairs: list[str]) -> dict:
+    """`key=value` pairs (values parsed as JSON when they can be) -> an environment config dict."""
+    import json
+
+    config = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set {pair!r}: use key=value, e.g. --set group_size=8")
+        try:
+            config[key] = json.loads(value)
+        except json.JSONDecodeError:
+            config[key] = value
+    return config
+
+
+@app.command()
+def rollout(
+    env: list[str] = typer.Option(..., help="Environment import path, e.g. environments.arithmetic:Arithmetic (repeatable)."),
+    storage: str = typer.Option(..., help="Storage root URL: a local dir, file://, s3://bucket/prefix, memory://."),
+    run: str = typer.Option(..., help="Run name (a directory under the storage root)."),
+    server: list[str] = typer.Option(["http://127.0.0.1:8000"], help="Policy server base URL (repeatable)."),
+    groups: int = typer.Option(64, help="Groups to collect; 0 runs until cancelled."),
+    tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the first server serves)."),
+    set_: list[str] = typer.Option([], "--set", help="Environment config field, key=value (applies to every --env)."),
+    max_concurrent_groups: int = typer.Option(8, help="Groups in flight at once."),
+    shard_max_groups: int = typer.Option(64, help="Flush a shard after this many groups."),
+    shard_max_age: float = typer.Option(30.0, help="Flush a shard when its oldest group is this old (s)."),
+    max_policy_lag: int = typer.Option(None, help="Wait while the trainer lags more versions than this."),
+    dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
+) -> None:
+    """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
+    import asyncio
+
+    import httpx
+
+    from flows.rollout import rollout as rollout_flow
+    from tasks.rollout import EnvSpec
+
+    config = _parse_env_config(set_)
+    if tokenizer is None:
+        try:
+            tokenizer = httpx.get(f"{server[0].rstrip('/')}/v1/models", timeout=10).json()["data"][0]["root"]
+        except (httpx.HTTPError, KeyError, IndexError) as error:
+            raise typer.BadParameter(f"--tokenizer not given and {server[0]}/v1/models did not say the model: {error}")
+    flow = rollout_flow
+    if dask:
+        from prefect_dask import DaskTaskRunner
+
+        flow = rollout_flow.with_options(task_runner=DaskTaskRunner(address=dask))
+    summary = asyncio.run(
+        flow(
+            environments=[EnvSpec(import_path=path, config=config) for path in env],
+            servers=server, storage=storage, run=run, tokenizer=tokenizer, groups=groups or None,
+            max_concurrent_groups=max_concurrent_groups, shard_max_groups=shard_max_groups,
+            shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag,
+        )  # fmt: skip
+    )
+    typer.echo(f"done: {summary['totals']}")
 
 
 @app.command()

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Coroutine
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inference.client import Completion, PolicyClient
+from inference.client import Completion, PolicyClient, PolicyServerUnreachable
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
 
@@ -181,10 +181,14 @@ class Environment(ABC):
         return group
 
     async def safe_collect(self, item: Item) -> ScoredGroup | RolloutFailure:
-        """collect_trajectories, with any failure (invalid group included) returned as data."""
+        """collect_trajectories, with any failure (invalid group included) returned as data.
+
+        An unreachable policy server is not a bad rollout but a broken run: it is raised, so the
+        caller (a Prefect task with retries) can wait for the server.
+        """
         try:
             return await self.collect_trajectories(item)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, PolicyServerUnreachable):
             raise
         except Exception as error:  # a bad rollout is data, not a crash
             log.warning("env %s item %s failed: %s", self.name, item.id, error)

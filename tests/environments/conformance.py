@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import pyarrow as pa
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from environments.base import Environment, Item
 from environments.scored_group import ScoredGroup
 from inference.client import PolicyClient
+from storage.schema import groups_to_table, table_to_groups
 
 
 class EnvironmentConformance:
@@ -47,8 +48,14 @@ class EnvironmentConformance:
     async def test_group_round_trips_through_parquet(self, env, tmp_path):
         group = await env.collect_trajectories(await env.get_item())
         path = tmp_path / "group.parquet"
-        pq.write_table(pa.Table.from_pylist([{"group": group.model_dump_json()}]), path)
-        restored = ScoredGroup.model_validate_json(pq.read_table(path).column("group")[0].as_py())
+        pq.write_table(groups_to_table([group], tokenizer="tiny"), path)
+        [restored] = table_to_groups(pq.read_table(path))
+        # The shard schema stores logprobs and advantages as float32.
+        float32 = lambda values: None if values is None else np.asarray(values, np.float32).tolist()  # noqa: E731
+        for before, after in zip(group.sequences, restored.sequences, strict=True):
+            assert after.logprobs == float32(before.logprobs)
+            assert after.advantages == float32(before.advantages)
+            before.logprobs, before.advantages = after.logprobs, after.advantages
         assert restored == group
 
     async def test_rewards_are_deterministic_for_a_fixed_completion(self, env):

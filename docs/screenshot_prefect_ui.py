@@ -1,0 +1,71 @@
+"""Takes the README's Prefect UI screenshots: a real rollout flow run, rendered by headless Chromium.
+
+    python docs/screenshot_prefect_ui.py --server http://127.0.0.1:8000 --tokenizer MODEL_DIR
+
+Needs Debian's chromium (`apt-get install chromium`). Writes docs/prefect-flow-run.png (timeline of
+task runs, logs) and docs/prefect-rollout-stats.png (the per-environment stats artifact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.prefect_server import start_prefect_server  # noqa: E402
+
+
+def screenshot(url: str, out: Path, profile: Path) -> None:
+    subprocess.run(
+        [
+            "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={profile}", "--window-size=1500,1000", "--virtual-time-budget=20000",
+            f"--screenshot={out}", url,
+        ],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--server", required=True, help="policy server base URL")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--groups", type=int, default=24)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="clotho-ui-"))
+    prefect = start_prefect_server(work / "prefect")
+    try:
+        clotho = str(Path(sys.executable).with_name("clotho"))
+        subprocess.run(
+            [clotho, "rollout", "--env", "environments.arithmetic:Arithmetic", "--env", "environments.guess_number:GuessNumber",
+             "--storage", f"file://{work}/store", "--run", "ui-demo", "--server", args.server, "--tokenizer", args.tokenizer,
+             "--groups", str(args.groups), "--shard-max-groups", "8", "--set", "group_size=4", "--set", "max_tokens=8"],
+            env=prefect.env(), check=True,
+        )  # fmt: skip
+        time.sleep(3)  # let the server settle the last task-run records
+        runs = httpx.post(f"{prefect.api_url}/flow_runs/filter", json={}, timeout=30).json()
+        run_id = runs[0]["id"]
+        screenshot(f"{prefect.ui_url}/runs/flow-run/{run_id}", REPO / "docs" / "prefect-flow-run.png", work / "chrome1")
+        # The per-environment stats table artifact of that run, on its own page.
+        artifacts = httpx.post(
+            f"{prefect.api_url}/artifacts/filter",
+            json={"artifacts": {"flow_run_id": {"any_": [run_id]}, "type": {"any_": ["table"]}}},
+            timeout=30,
+        ).json()
+        screenshot(f"{prefect.ui_url}/artifacts/artifact/{artifacts[0]['id']}", REPO / "docs" / "prefect-rollout-stats.png", work / "chrome2")
+    finally:
+        prefect.stop()
+
+
+if __name__ == "__main__":
+    main()

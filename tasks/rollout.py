@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import threading
+import weakref
 from typing import Any
 
 from prefect import task
@@ -41,27 +41,21 @@ def build_environment(spec: EnvSpec, server_url: str, tokenizer: str) -> Environ
     return env_class(spec.config, client=PolicyClient(server_url), tokenizer=cached_tokenizer(tokenizer))
 
 
-# Task runs execute in worker threads (Prefect's thread pool, or Dask's). Each thread keeps one event
-# loop and one environment per (spec, server), so HTTP connections and setup() are reused across
-# task runs instead of being rebuilt per group; the pool size bounds this cache.
-_thread = threading.local()
+# One environment per (spec, server, tokenizer) and event loop: its HTTP client belongs to the loop.
+# On the flow's loop (the default) every task run shares one instance and its connections; where a
+# task runner gives each run a fresh loop (Dask), entries go away with their loop.
+_environments: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str, str], Environment]]
+_environments = weakref.WeakKeyDictionary()
 
 
-def thread_loop() -> asyncio.AbstractEventLoop:
-    loop = getattr(_thread, "loop", None)
-    if loop is None or loop.is_closed():
-        loop = _thread.loop = asyncio.new_event_loop()
-    return loop
-
-
-def environment_in_thread(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
-    environments = _thread.__dict__.setdefault("environments", {})
+async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
+    per_loop = _environments.setdefault(asyncio.get_running_loop(), {})
     key = (spec.key, server_url, tokenizer)
-    if key not in environments:
+    if key not in per_loop:
         env = build_environment(spec, server_url, tokenizer)
-        thread_loop().run_until_complete(env.setup())
-        environments[key] = env
-    return environments[key]
+        await env.setup()
+        per_loop[key] = env
+    return per_loop[key]
 
 
 @task(
@@ -72,11 +66,11 @@ def environment_in_thread(spec: EnvSpec, server_url: str, tokenizer: str) -> Env
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-def collect_group(spec: EnvSpec, item: Item, server_url: str, tokenizer: str) -> ScoredGroup | RolloutFailure:
+async def collect_group(spec: EnvSpec, item: Item, server_url: str, tokenizer: str) -> ScoredGroup | RolloutFailure:
     """Inference and scoring of one item into one group.
 
     An unreachable server is raised so Prefect retries the task with backoff; anything else an
     environment raises becomes a recorded RolloutFailure, never a crashed flow.
     """
-    env = environment_in_thread(spec, server_url, tokenizer)
-    return thread_loop().run_until_complete(env.safe_collect(item))
+    env = await environment_for(spec, server_url, tokenizer)
+    return await env.safe_collect(item)

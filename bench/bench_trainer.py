@@ -1,0 +1,218 @@
+"""Trainer benchmark: DeepSpeed trainer step vs a plain PyTorch loop, and padding waste.
+
+Prints two numbers measured in one run (issue 6 targets):
+  speed    trainer tokens/s / plain-loop tokens/s                                          (>= 0.9)
+           The trainer's own step (trainer.train.optimizer_step on a DeepSpeed engine built
+           from the trainer config) against model forward/backward + clip_grad_norm_ +
+           torch.optim.AdamW, on the same packed micro-batches, with the same loss and the same
+           initial weights (a Qwen2 of hidden 256, 4 layers). The two take turns step by step so
+           load from other processes hits both alike; both models must end equal.
+  padding  padded slots / all slots when steps of the bundled environments' groups (arithmetic,
+           guess_number: their prompts through the tiny model's chat template, completions of
+           their default lengths) are packed with the default trainer config          (<= 0.05)
+
+Usage: python bench/bench_trainer.py [--steps 8] [--groups-per-step 8] [--micro-batch-tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from environments.scored_group import ScoredGroup, ScoredSequence
+from trainer.config import TrainerConfig
+from trainer.distributed import deepspeed_config, init_distributed
+from trainer.model import load_policy, micro_batch_loss
+from trainer.packing import StepBatch, build_step, padding_waste
+from trainer.train import optimizer_step
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / ".clotho" / "bench" / "tiny-tokenizer"
+MAX_TOKENS = 32  # EnvironmentConfig.max_tokens: most tokens sampled per assistant turn
+GROUP_SIZE = 4  # EnvironmentConfig.group_size
+TURNS = 3  # GuessNumberConfig.turns
+
+
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from inference.tiny_model import build_tiny_model
+
+    if not (TOKENIZER_DIR / "tokenizer.json").exists():
+        build_tiny_model(TOKENIZER_DIR)
+    return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
+
+
+def completion(rng: random.Random) -> list[int]:
+    """Sampled tokens: an untrained policy stops early about half the time, else hits max_tokens."""
+    length = rng.randint(1, MAX_TOKENS - 1) if rng.random() < 0.5 else MAX_TOKENS
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def chat_ids(tok, content: str) -> list[int]:
+    """A user message through the chat template, up to the assistant's generation prompt."""
+    messages = [{"role": "user", "content": content}]
+    return list(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    )
+
+
+def sequence(rng: random.Random, segments: list[tuple[list[int], bool]]) -> ScoredSequence:
+    """A sequence from (tokens, trained) segments; sampled tokens get made-up sampler logprobs."""
+    tokens, mask, logprobs = [], [], []
+    for ids, trained in segments:
+        tokens += ids
+        mask += [trained] * len(ids)
+        logprobs += [-rng.expovariate(2.0) if trained else 0.0 for _ in ids]
+    return ScoredSequence(tokens=tokens, mask=mask, logprobs=logprobs, score=float(rng.random() < 0.3))
+
+
+def arithmetic_group(tok, rng: random.Random) -> ScoredGroup:
+    a, b, op = rng.randint(0, 20), rng.randint(0, 20), rng.choice("+-")
+    prompt = chat_ids(tok, f"What is {a} {op} {b}? Give only the final answer.")
+    sequences = [sequence(rng, [(prompt, False), (completion(rng), True)]) for _ in range(GROUP_SIZE)]
+    return ScoredGroup(env="arithmetic", item_id=str(rng.random()), sequences=sequences)
+
+
+def guess_number_group(tok, rng: random.Random) -> ScoredGroup:
+    prompt = chat_ids(tok, f"Guess a number between 1 and 20. {TURNS} tries left.")
+    sequences = []
+    for _ in range(GROUP_SIZE):
+        segments = [(prompt, False)]
+        turns = rng.choice([1, 2, 3, 3, 3, 3])  # a right guess ends the conversation early
+        for turn in range(turns):
+            segments.append((completion(rng), True))
+            if turn + 1 < turns:
+                reply = f"Too {rng.choice(['low', 'high'])}. {TURNS - turn - 1} tries left."
+                segments.append((chat_ids(tok, reply), False))  # the reply, then the next turn
+        sequences.append(sequence(rng, segments))
+    return ScoredGroup(env="guess_number", item_id=str(rng.random()), sequences=sequences)
+
+
+def environment_steps(
+    tok, kind: str, steps: int, config: TrainerConfig, seed: int
+) -> list[StepBatch]:
+    rng = random.Random(seed)
+    makers = {"arithmetic": [arithmetic_group], "guess_number": [guess_number_group]}
+    makers["mixed"] = makers["arithmetic"] + makers["guess_number"]
+    result = []
+    for _ in range(steps):
+        groups = [rng.choice(makers[kind])(tok, rng) for _ in range(config.groups_per_step)]
+        result.append(
+            build_step(
+                groups, policy_version=0, max_staleness=config.max_staleness,
+                token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
+            )  # fmt: skip
+        )
+    return result
+
+
+def bench_model(directory: Path) -> Path:
+    """A Qwen2 bigger than the tiny one (hidden 256, 4 layers), with the tiny vocabulary."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+def plain_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: StepBatch, config: TrainerConfig
+) -> None:
+    """The same step without DeepSpeed: the loss, backward, clipping and torch's AdamW."""
+    for micro_batch in batch.micro_batches:
+        loss, _ = micro_batch_loss(
+            model, micro_batch, config.loss,
+            step_num_sequences=batch.num_sequences, step_num_tokens=batch.num_trained_tokens,
+        )  # fmt: skip
+        loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="Timed steps of each loop.")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--groups-per-step", type=int, default=8)
+    parser.add_argument("--micro-batch-tokens", type=int, default=4096)
+    args = parser.parse_args()
+    import deepspeed
+
+    tok = tokenizer()
+    defaults = TrainerConfig(model="unused")
+    print(
+        f"padding waste, default trainer config (groups_per_step {defaults.groups_per_step}, "
+        f"micro_batch_tokens {defaults.micro_batch_tokens}), 64 steps:"
+    )
+    for kind in ("arithmetic", "guess_number", "mixed"):
+        steps = environment_steps(tok, kind, 64, defaults, seed=1)
+        tokens = sum(s.stats["tokens"] for s in steps) / len(steps)
+        micro_batches = sum(len(s.micro_batches) for s in steps) / len(steps)
+        waste = padding_waste([b for s in steps for b in s.micro_batches])
+        print(f"  {kind:13s} {waste:6.2%}  ({tokens:.0f} tokens, {micro_batches:.1f} micro-batches a step)")
+
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as temporary:
+        model_dir = bench_model(Path(temporary) / "model")
+        config = TrainerConfig(
+            model=str(model_dir), lr=1e-5, groups_per_step=args.groups_per_step,
+            micro_batch_tokens=args.micro_batch_tokens,
+        )  # fmt: skip
+        batches = environment_steps(tok, "mixed", args.warmup + args.steps, config, seed=2)
+        rank, world_size = init_distributed()
+        trainer_model = load_policy(config.model)
+        engine, *_ = deepspeed.initialize(
+            model=trainer_model,
+            model_parameters=trainer_model.parameters(),
+            config=deepspeed_config(config),
+        )
+        plain = load_policy(config.model)
+        optimizer = torch.optim.AdamW(plain.parameters(), lr=config.lr, weight_decay=0.0)
+
+        spent: dict[str, list[float]] = {"trainer": [], "plain": []}
+        tokens = 0.0
+        for index, batch in enumerate(batches):
+            timed = index >= args.warmup
+            started = time.perf_counter()
+            optimizer_step(engine, batch, config, rank=rank, world_size=world_size)
+            middle = time.perf_counter()
+            plain_step(plain, optimizer, batch, config)
+            ended = time.perf_counter()
+            if timed:
+                spent["trainer"].append(middle - started)
+                spent["plain"].append(ended - middle)
+                tokens += batch.stats["tokens"]
+        difference = max(
+            (a - b).abs().max().item()
+            for a, b in zip(engine.module.parameters(), plain.parameters(), strict=True)
+        )
+    trainer_speed, plain_speed = tokens / sum(spent["trainer"]), tokens / sum(spent["plain"])
+    # Per step: a load spike from another process then skews one step's ratio, not the total.
+    step_ratios = [p / t for p, t in zip(spent["plain"], spent["trainer"], strict=True)]
+    print(
+        f"speed, {args.steps} steps of {tokens / args.steps:.0f} tokens "
+        f"(hidden 256, 4 layers, {torch.get_num_threads()} threads):"
+    )
+    print(f"  trainer (DeepSpeed) {trainer_speed:8.0f} tokens/s")
+    print(f"  plain torch AdamW   {plain_speed:8.0f} tokens/s")
+    print(f"  ratio               {trainer_speed / plain_speed:8.3f}  (target >= 0.9)")
+    print(f"  median step ratio   {statistics.median(step_ratios):8.3f}")
+    print(f"  max weight difference after training: {difference:.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The policy model on packed rows, rank shares of a step, and the published HF checkpoint files."""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import cached_tiny_model
+from trainer.checkpointing import save_hf_checkpoint
+from trainer.config import LossConfig
+from trainer.losses import token_logprobs
+from trainer.model import (
+    gradient_norm,
+    idle_micro_batch,
+    load_policy,
+    micro_batch_loss,
+    packed_logprobs,
+    rank_micro_batches,
+)
+from trainer.packing import TrainingSequence, pack_micro_batches
+
+WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
+
+
+def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequence:
+    tokens = torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed))
+    return TrainingSequence(
+        tokens=tokens.tolist(), mask=[False] + [True] * (length - 1), old_logprobs=[-1.0] * length,
+        advantages=[1.0] * length, extras=extras or {}, name=f"sequence {seed}",
+    )  # fmt: skip
+
+
+def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
+    # Three sequences in one row, the middle one with a sliding window: each must score exactly
+    # as it does alone, so neither positions nor attention leak across packed boundaries.
+    model = load_policy(str(tiny_model_dir)).eval()
+    sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
+    (batch,) = pack_micro_batches(sequences, token_budget=128, pad_multiple=16)
+    with torch.no_grad():
+        packed = packed_logprobs(model, batch)[0]
+        start = 0
+        for s in sequences:
+            ids = torch.tensor([s.tokens])
+            causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
+            if s.extras:
+                positions = torch.arange(len(s.tokens))
+                causal &= positions[:, None] - positions[None, :] < 4
+            alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
+            torch.testing.assert_close(
+                packed[start + 1 : start + len(s.tokens)], alone[0, 1:], atol=2e-6, rtol=0
+            )
+            start += len(s.tokens)
+    # The window changes the scores: without the hook the middle sequence would score differently.
+    with torch.no_grad():
+        unwindowed = packed_logprobs(model, batch, hooks=())[0]
+    assert not torch.allclose(unwindowed[21:53], packed[21:53], atol=1e-4)
+
+
+def test_ranks_share_micro_batches_and_pad_with_idle_ones(tiny_model_dir):
+    batches = pack_micro_batches([sequence(40, i) for i in range(3)], token_budget=64)
+    assert len(batches) == 3
+    first, second = rank_micro_batches(batches, 0, 2), rank_micro_batches(batches, 1, 2)
+    assert [b.num_trained_tokens for b in first] == [39, 39]
+    assert [b.num_trained_tokens for b in second] == [39, 0]
+    assert rank_micro_batches(batches, 0, 1) == batches
+
+    # An idle micro-batch still runs the whole model, with a zero loss and zero gradients.
+    model = load_policy(str(tiny_model_dir))
+    loss, metrics = micro_batch_loss(
+        model, idle_micro_batch(), LossConfig(), step_num_sequences=3, step_num_tokens=117
+    )
+    loss.backward()
+    assert loss.item() == 0.0 and metrics["num_tokens"] == 0
+    assert all(p.grad is not None for p in model.parameters())
+    assert gradient_norm(model) == 0.0
+
+
+def test_tied_checkpoint_stores_lm_head_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = cached_tiny_model(tie_embeddings=True)
+    model = load_policy(str(source))
+    with torch.no_grad():  # a trained-looking change, so the test cannot pass on the base files
+        model.model.embed_tokens.weight.mul_(1.5)
+    save_hf_checkpoint(model, model.state_dict(), str(source), tmp_path)
+
+    tensors = load_file(tmp_path / "model.safetensors")
+    torch.testing.assert_close(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert loaded.config.tie_word_embeddings
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
+    assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == AutoTokenizer.from_pretrained(source).vocab_size
+    assert (tmp_path / "generation_config.json").exists()

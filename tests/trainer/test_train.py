@@ -1,0 +1,210 @@
+"""The DeepSpeed trainer end to end, as real processes: train, publish, log, resume after SIGKILL,
+two ranks. Each run is a fresh `python -m trainer.cli` (DeepSpeed state is per process)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from storage.checkpoints import latest_checkpoint
+from tests.trainer.rollouts import sampled_groups, write_shards
+from trainer.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parents[2]
+WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def trainer_args(root: str, run: str, model: Path, steps: int, *settings: str) -> list[str]:
+    args = ["--storage", root, "--run", run, "--model", str(model), "--steps", str(steps)]
+    args += ["--data-timeout", "120", "--set", "lr=1e-3", "--set", "groups_per_step=2"]
+    return args + [part for setting in settings for part in ("--set", setting)]
+
+
+def environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run_trainer(args: list[str], launcher: list[str] | None = None, timeout: float = 240) -> str:
+    command = (launcher or [sys.executable]) + ["-m", "trainer.cli", *args]
+    done = subprocess.run(
+        command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{output[-4000:]}"
+    return output
+
+
+def weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
+    return load_file(Path(checkpoint_url) / "model.safetensors")
+
+
+def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    root = str(tmp_path)
+    # Step 1 trains on two version-0 groups and publishes version 1; with max_staleness 0 the
+    # next version-0 group is then stale, and step 2 takes version 1's (one with a sliding window).
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 2, seed=1), groups_per_shard=2)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 1, seed=2), groups_per_shard=1)
+    later = sampled_groups(tiny_model_dir, 2, seed=3, policy_version=1)
+    later[1].extras.update(WINDOW)
+    write_shards(root, "run", later, groups_per_shard=2)
+
+    settings = ("save_every=1", "max_staleness=0", "loss.kl_coef=0.01")
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))
+
+    first, second = read_metrics(tmp_path / "run" / "trainer")
+    assert (first["step"], first["stale_groups_skipped"], first["groups"]) == (1, 0, 2)
+    assert (second["step"], second["stale_groups_skipped"], second["groups"]) == (2, 1, 2)
+    assert second["policy_version"] == 1 and second["staleness_max"] == 0
+    # Sampler logprobs are the base model's: the first step's ratios are 1 up to float noise.
+    assert abs(first["importance_weight_mean"] - 1) < 1e-5 and first["clip_fraction"] == 0
+    for name in ("loss", "score_mean", "advantage_std", "grad_norm", "kl", "tokens_per_s", "padding_waste"):
+        assert name in second
+    assert first["kl"] == 0 and second["kl"] > 0  # to the frozen base model
+    assert list((tmp_path / "run" / "trainer" / "tensorboard").glob("events.out.tfevents.*"))
+
+    latest = latest_checkpoint(root, "run")
+    assert latest.step == 2
+    assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text() == "step-00000002"
+    assert len(latest.manifest["ledger"]["consumed"]) == 3 and not latest.manifest["ledger"]["partial"]
+    trained, base = weights(latest.url), load_file(tiny_model_dir / "model.safetensors")
+    assert max((trained[k] - base[k]).abs().max().item() for k in base) > 1e-4
+    model = AutoModelForCausalLM.from_pretrained(latest.url, dtype=torch.float32)
+    torch.testing.assert_close(model.lm_head.weight.detach(), trained["lm_head.weight"])
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir):
+    """6 steps in one go vs 3 steps, SIGKILL, resume to 6: same shards consumed, same weights.
+
+    Steps take 2 groups and save every 3. Phase one has 8 version-0 groups (2 shards of 4): steps
+    1-3 use 6 of them, leaving a shard half read; after publishing version 3 the last 2 are stale.
+    The killed trainer waits in step 4 for more data; phase two adds 6 version-3 groups.
+    """
+    root = str(tmp_path)
+    settings = ("save_every=3", "max_staleness=1")
+    phase_one = sampled_groups(tiny_model_dir, 8, seed=10)
+    phase_two = sampled_groups(tiny_model_dir, 6, seed=11, policy_version=3)
+
+    write_shards(root, "killed", phase_one, groups_per_shard=4)
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", *trainer_args(root, "killed", tiny_model_dir, 6, *settings)],
+            cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "waiting for groups" not in log_path.read_text():
+            assert process.poll() is None, f"trainer exited early:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no step 4 wait:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.2)
+        assert (tmp_path / "killed" / "trainer" / "state" / "latest").read_text() == "step-00000003"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    write_shards(root, "killed", phase_two, groups_per_shard=4)
+    # The same shards, file names included, for the uninterrupted run.
+    shutil.copytree(tmp_path / "killed" / "rollouts", tmp_path / "whole" / "rollouts")
+
+    run_trainer(trainer_args(root, "whole", tiny_model_dir, 6, *settings))
+    output = run_trainer(trainer_args(root, "killed", tiny_model_dir, 6, *settings))
+    assert "resuming from step 3" in output
+
+    whole, resumed = latest_checkpoint(root, "whole"), latest_checkpoint(root, "killed")
+    assert whole.step == resumed.step == 6
+    assert whole.manifest["ledger"] == resumed.manifest["ledger"]
+    assert len(resumed.manifest["ledger"]["consumed"]) == 4
+    expected, actual = weights(whole.url), weights(resumed.url)
+    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-5
+    # Step by step: the same data, losses and skips (steps 1-3 before the kill, 4-6 after).
+    whole_steps = read_metrics(tmp_path / "whole" / "trainer")
+    killed_steps = read_metrics(tmp_path / "killed" / "trainer")
+    assert [m["step"] for m in killed_steps] == [m["step"] for m in whole_steps] == [1, 2, 3, 4, 5, 6]
+    assert [m["stale_groups_skipped"] for m in whole_steps] == [0, 0, 0, 2, 0, 0]
+    assert [m["stale_groups_skipped"] for m in killed_steps] == [0, 0, 0, 2, 0, 0]
+    assert [m["loss"] for m in killed_steps] == pytest.approx([m["loss"] for m in whole_steps], abs=1e-7)
+
+
+@pytest.mark.slow
+def test_rerun_after_dying_between_publish_and_state_save(tmp_path, tiny_model_dir):
+    """A trainer that published step 2 but died before saving its step-2 state resumes from step
+    1, trains step 2 again to the same result and leaves the published checkpoint as it is."""
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 4, seed=50), groups_per_shard=4)
+    args = trainer_args(root, "run", tiny_model_dir, 2, "save_every=1")
+    run_trainer(args)
+    published = latest_checkpoint(root, "run")
+    state = tmp_path / "run" / "trainer" / "state"
+    shutil.rmtree(state / "step-00000002")
+    (state / "latest").write_text("step-00000001")
+
+    output = run_trainer(args)
+    assert "resuming from step 1" in output and "is already published" in output
+    assert latest_checkpoint(root, "run").manifest == published.manifest
+    first, second = [m for m in read_metrics(tmp_path / "run" / "trainer") if m["step"] == 2]
+    assert second["loss"] == pytest.approx(first["loss"], abs=1e-7)
+    # The retrained weights (in the new resume state) are the published ones.
+    retrained = torch.load(state / "step-00000002" / "mp_rank_00_model_states.pt", weights_only=False)
+    expected = weights(published.url)
+    assert max((retrained["module"][k] - expected[k]).abs().max().item() for k in expected) <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_two_ranks_train_and_publish(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 4, seed=20), groups_per_shard=4)
+    launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+    # torchrun needs `--` before the trainer's options (it would read --run as its --run-path).
+    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 2)], launcher=launcher)
+    assert "on 2 rank(s)" in output
+
+    latest = latest_checkpoint(root, "run")
+    assert latest.step == 2 and len(read_metrics(tmp_path / "run" / "trainer")) == 2
+    model = AutoModelForCausalLM.from_pretrained(latest.url, dtype=torch.float32)
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert (model.lm_head.weight.detach() - base["lm_head.weight"]).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+async def test_published_checkpoint_serves_in_vllm(tmp_path):
+    """A trained checkpoint of the tied-embedding model (the case that needs an explicit lm_head)
+    serves in vLLM with transformers' logprobs, and they are the trained weights', not the base's."""
+    from inference.client import PolicyClient
+    from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+    from inference.server import PolicyServer
+    from tests.conftest import CACHE, cached_tiny_model
+
+    base = cached_tiny_model(tie_embeddings=True)
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(base, 2, seed=30), groups_per_shard=2)
+    run_trainer(trainer_args(root, "run", base, 1, "lr=1e-2"))
+    checkpoint = Path(latest_checkpoint(root, "run").url)
+
+    prompt = list(range(40, 52))
+    with PolicyServer(checkpoint, log_path=CACHE / "logs" / "vllm-trained-checkpoint.log") as server:
+        async with PolicyClient(server.base_url) as client:
+            [completion] = await client.complete(prompt, max_tokens=16, temperature=0.0)
+    trained = reference_logprobs(load_reference_model(checkpoint), prompt, completion.token_ids)
+    assert max_abs_difference(completion.logprobs, trained) < 1e-4
+    untrained = reference_logprobs(load_reference_model(base), prompt, completion.token_ids)
+    assert max_abs_difference(completion.logprobs, untrained) > 1e-3

@@ -1,0 +1,58 @@
+"""The Prefect `train` flow under a real (temporary) Prefect server: trains, logs, makes artifacts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from flows.train import sparkline
+from tests.trainer.rollouts import sampled_groups, write_shards
+
+# The flow runs DeepSpeed in this process; these are restored afterwards so later subprocesses
+# (a vLLM server, say) never inherit a one-process "launch".
+PROCESS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+
+
+@pytest.fixture
+def in_process_trainer():
+    saved = {name: os.environ.get(name) for name in PROCESS_VARIABLES}
+    for name in PROCESS_VARIABLES:
+        os.environ.pop(name, None)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def test_sparkline_spans_the_range():
+    assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
+    assert sparkline([2.0, 2.0]) == "▁▁"
+    assert len(sparkline([float(i) for i in range(1000)], width=60)) == 60
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_flow_trains_and_reports(tmp_path, tiny_model_dir, in_process_trainer):
+    from prefect.client.orchestration import get_client
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.train import train
+
+    root = str(tmp_path)
+    write_shards(root, "flow-run", sampled_groups(tiny_model_dir, 4, seed=40), groups_per_shard=4)
+    with prefect_test_harness(server_startup_timeout=120):
+        result = train(
+            storage=root, run="flow-run", model=str(tiny_model_dir), steps=2,
+            overrides=["groups_per_step=2", "save_every=2", "lr=1e-3"], data_timeout_s=60,
+        )  # fmt: skip
+        with get_client(sync_client=True) as client:
+            keys = {artifact.key for artifact in client.read_artifacts()}
+    assert result["steps"] == 2 and result["checkpoint"].endswith("step-00000002")
+    assert {"loss", "score_mean", "tokens_per_s"} <= set(result["final_metrics"])
+    assert {"train-flow-run-metrics", "train-flow-run-report", "train-flow-run-progress"} <= keys

@@ -1,0 +1,180 @@
+"""Checkpoints: publish Hugging Face weights for inference, keep DeepSpeed state for exact resume.
+
+Two things with two lifetimes:
+- the published checkpoint `{root}/{run}/checkpoints/step-{N:08d}/` (storage.checkpoints): HF
+  safetensors, config, generation config and tokenizer, read by vLLM and transformers;
+- the resume state `{work_dir}/state/step-{N:08d}/` (local disk): DeepSpeed's model, optimizer and
+  scheduler state plus the trainer's own (step, shard ledger, RNG of every rank). The last
+  KEEP_STATES are kept.
+Both are written at the same steps, checkpoint first: a trainer killed in between resumes from the
+previous state, trains the same steps again and finds the checkpoint already published.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from storage.checkpoints import (
+    CheckpointError,
+    checkpoint_url,
+    publish_checkpoint,
+    read_checkpoint,
+    step_name,
+)
+
+log = logging.getLogger(__name__)
+
+KEEP_STATES = 2
+STATE_FORMAT = 1
+
+
+def hf_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
+    """The full model state dict on rank 0 (None elsewhere). Collective under ZeRO-3: every rank
+    must call it, since the parameters are sharded and have to be gathered."""
+    if zero_stage == 3:
+        return engine._zero3_consolidated_16bit_state_dict()
+    if torch.distributed.get_rank() != 0:
+        return None
+    return {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
+
+
+def save_hf_checkpoint(
+    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer_source: str, out: Path
+) -> None:
+    """Write `module`'s config and generation config, `state_dict` as safetensors and the tokenizer
+    of `tokenizer_source` (the base model) to `out`: a directory vLLM and transformers load."""
+    from transformers import AutoTokenizer
+
+    module.save_pretrained(out, state_dict=state_dict)
+    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(out)
+    if module.config.tie_word_embeddings:
+        write_tied_lm_head(out)
+
+
+def write_tied_lm_head(checkpoint_dir: Path) -> None:
+    """Store `lm_head.weight` explicitly (a copy of `model.embed_tokens.weight`) in a checkpoint of
+    a model with tied embeddings.
+
+    save_pretrained leaves the tied tensor out. transformers ties it again on load, but vLLM's
+    in-place weight reload only copies the tensors it is given, so without it the served head would
+    keep the old weights.
+    """
+    from safetensors.torch import load_file, save_file
+
+    index_path = checkpoint_dir / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.exists() else None
+    embedding = "model.embed_tokens.weight"
+    file_name = index["weight_map"][embedding] if index else "model.safetensors"
+    tensors = load_file(checkpoint_dir / file_name)
+    if embedding not in tensors:
+        raise ValueError(
+            f"{checkpoint_dir / file_name} has no {embedding}; write_tied_lm_head knows the "
+            "Qwen2/Llama naming only, extend it for this architecture"
+        )
+    tensors["lm_head.weight"] = tensors[embedding].clone()
+    save_file(tensors, checkpoint_dir / file_name, metadata={"format": "pt"})
+    if index:
+        index["weight_map"]["lm_head.weight"] = file_name
+        index_path.write_text(json.dumps(index, indent=2))
+
+
+def publish_step(
+    engine,
+    *,
+    zero_stage: int,
+    base_model: str,
+    storage: str,
+    run: str,
+    step: int,
+    extra: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """Publish the engine's weights as checkpoint step N (rank 0 writes; call on every rank).
+
+    Returns the checkpoint URL on rank 0, None on other ranks. A step already published (STABLE)
+    is left alone: it was written by an earlier run of the same steps that died before saving its
+    resume state, and training is deterministic, so it holds these weights.
+    """
+    state_dict = hf_state_dict(engine, zero_stage)
+    if state_dict is None:
+        return None
+    url = checkpoint_url(storage, run, step)
+    try:
+        read_checkpoint(url, storage_options=storage_options)
+    except CheckpointError:
+        pass
+    else:
+        log.warning("%s is already published (by a run that died before saving its state)", url)
+        return url
+    with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-") as temporary:
+        save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary))
+        publish_checkpoint(
+            temporary, storage, run, step, extra=extra, storage_options=storage_options
+        )
+    return url
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states (python, numpy, torch, CUDA)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_resume_state(
+    engine, state_dir: Path, step: int, trainer_state: dict[str, Any], rng_states: list[Any]
+) -> None:
+    """DeepSpeed checkpoint of step N with `trainer_state` and every rank's RNG (call on every
+    rank); then drop all but the newest KEEP_STATES on rank 0."""
+    client_state = {"format": STATE_FORMAT, "trainer": trainer_state, "rng": rng_states}
+    engine.save_checkpoint(str(state_dir), tag=step_name(step), client_state=client_state)
+    if torch.distributed.get_rank() == 0:
+        tags = sorted(p for p in state_dir.glob("step-*") if p.is_dir())
+        for old in tags[:-KEEP_STATES]:
+            shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+
+
+def load_resume_state(engine, state_dir: Path) -> dict[str, Any] | None:
+    """Restore the newest resume state into `engine` and this rank's RNG; returns the trainer state
+    saved with it, or None when `state_dir` has none (a fresh run)."""
+    if not (state_dir / "latest").exists():
+        return None
+    path, client_state = engine.load_checkpoint(str(state_dir))
+    if path is None or client_state.get("format") != STATE_FORMAT:
+        raise RuntimeError(
+            f"{state_dir}: resume state unreadable (format {client_state.get('format')!r}, "
+            f"expected {STATE_FORMAT}); move the directory away to start the run afresh"
+        )
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rng_states = client_state["rng"]
+    if len(rng_states) == world_size:
+        set_rng_state(rng_states[rank])
+    else:
+        log.warning(
+            "resume state saved by %d ranks, running %d: random generators start fresh",
+            len(rng_states), world_size,
+        )  # fmt: skip
+    return client_state["trainer"]

@@ -1,0 +1,63 @@
+"""`clotho train`: the trainer loop from the command line, one process or under torchrun/deepspeed.
+
+    clotho train --storage URL --run NAME --model PATH --steps N [--config trainer.yaml] [--set k=v]
+    deepspeed --num_gpus 2 --module trainer.cli --storage URL --run NAME --model PATH --steps N
+    torchrun --nproc_per_node 2 -m trainer.cli -- --storage URL --run NAME --model PATH --steps N
+
+torchrun needs the `--`: it abbreviates its own options and would take `--run` for `--run-path`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import typer
+
+
+def train_command(
+    storage: str = typer.Option(..., help="Storage root URL of the run (a path, file://, s3://)."),
+    run: str = typer.Option(..., help="Run name: reads {storage}/{run}/rollouts, publishes checkpoints."),
+    model: str = typer.Option(..., help="Initial policy: Hugging Face model directory or hub name."),
+    steps: int = typer.Option(..., help="Total optimizer steps; a resumed run continues up to it."),
+    config: Path = typer.Option(None, exists=True, dir_okay=False, help="Trainer YAML (TrainerConfig)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field: --set loss.name=dapo (repeatable)."),
+    work_dir: Path = typer.Option(
+        None, help="Local directory for resume state and metrics "
+        "(default {storage}/{run}/trainer, or .clotho/trainer/{run} for remote storage).",
+    ),  # fmt: skip
+    data_timeout: float = typer.Option(600.0, help="Seconds to wait for new groups before giving up."),
+    local_rank: int = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
+) -> None:
+    """Train the policy on the run's rollout shards with DeepSpeed and publish checkpoints."""
+    import torch
+
+    from trainer.config import TrainerConfig
+    from trainer.data import DataTimeoutError
+    from trainer.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        # --model and --steps win over the file and --set; JSON quoting keeps a path a string.
+        trainer_config = TrainerConfig.from_yaml(
+            config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"]
+        )
+    except ValueError as error:  # pydantic's ValidationError is a ValueError
+        raise typer.BadParameter(str(error)) from error
+    try:
+        for _ in train(trainer_config, storage, run, work_dir=work_dir, data_timeout_s=data_timeout):
+            pass
+    except DataTimeoutError as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(2) from None
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+app = typer.Typer(add_completion=False)
+app.command()(train_command)
+
+if __name__ == "__main__":
+    app()

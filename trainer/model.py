@@ -1,0 +1,112 @@
+"""The policy model: load a Hugging Face causal LM and score packed micro-batches with it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from trainer.config import LossConfig
+from trainer.losses import policy_loss, token_logprobs
+from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
+    """A causal LM from a directory or hub name, with sdpa attention (it takes the packed 4D mask).
+
+    Weights load in `dtype`; under bf16 DeepSpeed keeps its own fp32 master copy.
+    """
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model, dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Logprob of every token of a packed row under `model`: [1, T] float32 (see token_logprobs).
+
+    Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
+    [1, 1, T, T] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
+    """
+    input_ids = batch.input_ids.to(device)
+    output = model(
+        input_ids=input_ids,
+        position_ids=batch.position_ids.to(device),
+        attention_mask=batch.attention_mask(hooks).to(device),
+        use_cache=False,
+    )
+    return token_logprobs(output.logits, input_ids)
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    batch: PackedBatch,
+    config: LossConfig,
+    *,
+    step_num_sequences: float,
+    step_num_tokens: float,
+    reference: torch.nn.Module | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The policy loss of one packed micro-batch as a share of its step's loss, and its metrics.
+
+    `reference` is the frozen model of the KL penalty (needed when config.kl_coef > 0).
+    """
+    logprobs = packed_logprobs(model, batch, device=device)
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs = packed_logprobs(reference, batch, device=device)
+    return policy_loss(
+        logprobs,
+        batch.old_logprobs.to(device),
+        batch.advantages.to(device),
+        batch.mask.to(device),
+        config,
+        sequence_ids=batch.sequence_ids.to(device),
+        ref_logprobs=ref_logprobs,
+        step_num_sequences=step_num_sequences,
+        step_num_tokens=step_num_tokens,
+    )
+
+
+def gradient_norm(module: torch.nn.Module) -> float:
+    """The L2 norm of all of `module`'s gradients together (0.0 when it has none)."""
+    norms = [p.grad.detach().float().norm() for p in module.parameters() if p.grad is not None]
+    return torch.stack(norms).norm().item() if norms else 0.0
+
+
+def idle_micro_batch() -> PackedBatch:
+    """A one-slot micro-batch with nothing to train: its loss is 0 with a zero gradient.
+
+    Data-parallel ranks must run the same number of forward and backward passes (ZeRO gathers and
+    reductions are collective), so a rank with fewer micro-batches than the others runs these.
+    """
+    return PackedBatch(
+        input_ids=torch.zeros(1, 1, dtype=torch.long),
+        position_ids=torch.zeros(1, 1, dtype=torch.long),
+        sequence_ids=torch.full((1, 1), -1, dtype=torch.long),
+        mask=torch.zeros(1, 1, dtype=torch.bool),
+        old_logprobs=torch.zeros(1, 1),
+        advantages=torch.zeros(1, 1),
+        sequence_lengths=[],
+        sequence_extras=[],
+    )
+
+
+def rank_micro_batches(
+    batches: Sequence[PackedBatch], rank: int, world_size: int
+) -> list[PackedBatch]:
+    """This rank's share of a step's micro-batches: every world_size-th one, then idle ones so
+    every rank runs ceil(len(batches) / world_size) of them."""
+    mine = list(batches[rank::world_size])
+    per_rank = -(-len(batches) // world_size)
+    return mine + [idle_micro_batch() for _ in range(per_rank - len(mine))]

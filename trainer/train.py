@@ -1,0 +1,209 @@
+"""The trainer loop: shards -> packed micro-batches -> DeepSpeed updates -> published checkpoints.
+
+Reads top to bottom: setup (process group, engine, resume state, shard reader), then one optimizer
+step per iteration (read groups, pack, forward/backward every micro-batch, step), a checkpoint and
+resume state every `save_every` steps and at the last, then cleanup. `train` is a generator of each
+step's metrics so the CLI, the Prefect flow and tests all drive the same loop.
+
+Data parallel: rank 0 reads the step's groups and broadcasts them; every rank packs them the same
+way and trains its share of the micro-batches. Losses divide by the step's global counts over the
+world size, since DeepSpeed averages the ranks' gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from storage.filesystem import is_local, resolve
+from storage.layout import run_url
+from storage.ledger import Ledger
+from storage.reader import ShardReader
+from trainer.checkpointing import load_resume_state, publish_step, rng_state, save_resume_state
+from trainer.config import TrainerConfig
+from trainer.data import next_step_groups
+from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
+from trainer.losses import merge_metrics
+from trainer.metrics import MetricsLog
+from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
+from trainer.packing import StepBatch, build_step
+
+log = logging.getLogger(__name__)
+
+
+def default_work_dir(storage: str, run: str) -> Path:
+    """Where resume state and metrics go: `{root}/{run}/trainer` when the root is a local path,
+    else `.clotho/trainer/{run}` (DeepSpeed saves to local disks; share it between nodes)."""
+    fs, path = resolve(run_url(storage, run))
+    return Path(path) / "trainer" if is_local(fs) else Path(".clotho") / "trainer" / run
+
+
+def train(
+    config: TrainerConfig,
+    storage: str,
+    run: str,
+    *,
+    work_dir: Path | None = None,
+    data_timeout_s: float = 600.0,
+    storage_options: dict[str, Any] | None = None,
+) -> Iterator[dict[str, float]]:
+    """Train `config.steps` optimizer steps in total on `{storage}/{run}/rollouts`, resuming from
+    `work_dir`'s state when there is one; yields each step's metrics with its "step" (on every
+    rank). Closing the generator early runs the cleanup."""
+    import deepspeed
+
+    # Setup: process group, engine, resume state, the shard reader (rank 0 only).
+    rank, world_size = init_distributed()
+    torch.manual_seed(config.seed)
+    work_dir = Path(work_dir) if work_dir is not None else default_work_dir(storage, run)
+    state_dir = work_dir / "state"
+    # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
+    # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
+    model = load_policy(config.model, config.dtype)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=deepspeed_config(config)
+    )
+    reference = None
+    if config.loss.kl_coef > 0:
+        reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
+    saved = load_resume_state(engine, state_dir)
+    step = saved["step"] if saved else 0
+    policy_version = saved["policy_version"] if saved else 0  # the newest published step
+    reader = metrics_log = None
+    if rank == 0:
+        ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
+        reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
+        metrics_log = MetricsLog(work_dir)
+        log.info(
+            "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
+            config.model, reader.url, "resuming" if saved else "starting", step, config.steps,
+            world_size, state_dir,
+        )  # fmt: skip
+
+    try:
+        while step < config.steps:
+            step += 1
+            # Data: the next fresh groups, read on rank 0 and sent to every rank.
+            wait_started = time.monotonic()
+            groups, stale = None, 0
+            if reader is not None:
+                groups, stale = next_step_groups(
+                    reader, config.groups_per_step, policy_version=policy_version,
+                    max_staleness=config.max_staleness, timeout_s=data_timeout_s,
+                )  # fmt: skip
+            groups, stale = broadcast_object((groups, stale), world_size)
+
+            # Update: every micro-batch's loss is its share of the step's, gradients add up.
+            started = time.monotonic()
+            batch = build_step(
+                groups, policy_version=policy_version, max_staleness=config.max_staleness,
+                token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
+            )  # fmt: skip
+            micro_metrics, grad_norm = optimizer_step(
+                engine, batch, config, rank=rank, world_size=world_size, reference=reference
+            )
+            metrics = step_metrics(
+                batch, stale, gather_objects(micro_metrics, world_size), engine, grad_norm=grad_norm,
+                policy_version=policy_version, step_time_s=time.monotonic() - started,
+                data_wait_s=started - wait_started,
+            )  # fmt: skip
+
+            # Save: publish the weights as policy version `step`, then the state to resume from.
+            if step % config.save_every == 0 or step == config.steps:
+                ledger_state = reader.ledger.to_dict() if reader is not None else None
+                url = publish_step(
+                    engine, zero_stage=config.zero_stage, base_model=config.model,
+                    storage=storage, run=run, step=step, storage_options=storage_options,
+                    extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
+                )  # fmt: skip
+                policy_version = step
+                trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state}
+                save_resume_state(
+                    engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
+                )
+                if url is not None:
+                    log.info("step %d: published %s", step, url)
+            if metrics_log is not None:
+                metrics_log.write(step, metrics)
+                log.info("step %d: %s", step, format_metrics(metrics))
+            yield {"step": step, **metrics}
+    finally:
+        # Cleanup. The process group stays up: it belongs to the process (see trainer.cli).
+        if metrics_log is not None:
+            metrics_log.close()
+        engine.destroy()
+
+
+def optimizer_step(
+    engine,
+    batch: StepBatch,
+    config: TrainerConfig,
+    *,
+    rank: int,
+    world_size: int,
+    reference: torch.nn.Module | None = None,
+) -> tuple[list[dict[str, float]], float | None]:
+    """Forward and backward this rank's micro-batches of the step, then one DeepSpeed step.
+
+    Returns the micro-batches' loss metrics and the gradient norm before clipping (None when
+    unknown). Every micro-batch loss is its share of the step's: gradients just add up.
+    """
+    micro_metrics = []
+    for micro_batch in rank_micro_batches(batch.micro_batches, rank, world_size):
+        loss, metrics = micro_batch_loss(
+            engine, micro_batch, config.loss, reference=reference, device=engine.device,
+            step_num_sequences=batch.num_sequences / world_size,
+            step_num_tokens=batch.num_trained_tokens / world_size,
+        )  # fmt: skip
+        engine.backward(loss, scale_wrt_gas=False)
+        micro_metrics.append(metrics)
+    # DeepSpeed reports the gradient norm under ZeRO and bf16 only; without ZeRO one rank holds
+    # the whole gradient before the step, so measure it there.
+    local_norm = gradient_norm(engine.module) if world_size == 1 else None
+    engine.step()
+    grad_norm = engine.get_global_grad_norm()
+    return micro_metrics, grad_norm if grad_norm is not None else local_norm
+
+
+def step_metrics(
+    batch: StepBatch,
+    stale: int,
+    rank_micro_metrics: Sequence[list[dict[str, float]]],
+    engine,
+    *,
+    grad_norm: float | None,
+    policy_version: int,
+    step_time_s: float,
+    data_wait_s: float,
+) -> dict[str, float]:
+    """One step's metrics: data stats of the whole step, loss metrics merged over every rank's
+    micro-batches, optimizer state and speed. grad_norm (before clipping) is left out when unknown:
+    without ZeRO on several ranks."""
+    merged = merge_metrics(m for metrics in rank_micro_metrics for m in metrics)
+    # Each rank's loss divides by the global counts over the world size: their sum is
+    # world_size times the step's loss.
+    merged["loss"] = merged.get("loss", 0.0) / len(rank_micro_metrics)
+    metrics = {
+        **batch.stats,
+        **merged,
+        "stale_groups_skipped": float(stale),
+        "policy_version": float(policy_version),
+        "lr": float(engine.get_lr()[0]),
+        "step_time_s": step_time_s,
+        "data_wait_s": data_wait_s,
+        "tokens_per_s": batch.stats["tokens"] / step_time_s if step_time_s > 0 else 0.0,
+    }
+    if grad_norm is not None:
+        metrics["grad_norm"] = float(grad_norm)
+    return metrics
+
+
+def format_metrics(metrics: dict[str, float]) -> str:
+    shown = ("loss", "score_mean", "clip_fraction", "importance_weight_mean", "grad_norm",
+             "stale_groups_skipped", "padding_waste", "tokens_per_s")  # fmt: skip
+    return " ".join(f"{name}={metrics[name]:.4g}" for name in shown if name in metrics)

@@ -39,6 +39,7 @@ bench: setup
 	$(VENV)/bin/python bench/bench_storage.py
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_rollout.py
+	$(VENV)/bin/python bench/bench_reload.py
 
 clean-venvs:
 	rm -rf $(VENV) $(INFERENCE_VENV)

@@ -54,6 +54,8 @@ def serve(
     dtype: str = typer.Option("float32", help="Weights dtype: float32 on CPU, bfloat16 on GPUs."),
     max_model_len: int = typer.Option(2048, help="Longest sequence the server accepts."),
     startup_timeout: float = typer.Option(600.0, help="Seconds to wait for /health."),
+    watch: str = typer.Option(None, help="STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
+    poll_s: float = typer.Option(2.0, help="With --watch: seconds between looks at the run."),
 ) -> None:
     """Start the vLLM policy server, wait until healthy, and keep it up until Ctrl-C."""
     from inference.server import PolicyServer, ServerStartError
@@ -63,6 +65,10 @@ def serve(
             model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
             log_path=log_file, dtype=dtype, max_model_len=max_model_len,
         )  # fmt: skip
+        if watch:
+            from inference.cli import check_watch
+
+            check_watch(model, watch)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     typer.echo(f"starting vLLM ({server.python}) for {model}; log: {server.log_path}")
@@ -73,6 +79,10 @@ def serve(
     try:
         server.start(timeout=startup_timeout)
         typer.echo(f"policy server ready at {server.base_url}/v1 (model name '{served_model_name}'); Ctrl-C stops it")
+        if watch:
+            from inference.cli import serve_watching
+
+            serve_watching(server, watch, poll_s=poll_s)  # returns when vLLM exits
         while server.process is not None and server.process.poll() is None:
             time.sleep(1)
         typer.echo(f"vLLM exited on its own; see {server.log_path}", err=True)
@@ -145,6 +155,11 @@ def rollout(
         )  # fmt: skip
     )
     typer.echo(f"done: {summary['totals']}")
+
+
+from inference.cli import watch_command  # noqa: E402 - typer only, imports nothing heavy
+
+app.command("watch")(watch_command)
 
 
 @app.command()

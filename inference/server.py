@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+VLLM_PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
 
 
 class ServerStartError(RuntimeError):
@@ -57,7 +58,8 @@ class PolicyServer:
     """A handle on one vLLM OpenAI server process: start, wait until healthy, base URL, stop.
 
     The dev routes that hot reload needs (/pause, /collective_rpc, ...) can run worker methods, so
-    they are only switched on for a loopback host or behind an API key.
+    they are only switched on for a loopback host or behind an API key, which clotho's middleware
+    then requires on every route but /health (vLLM's own key check leaves the dev routes open).
     """
 
     def __init__(
@@ -114,7 +116,8 @@ class PolicyServer:
             "--seed", "0",
         ]  # fmt: skip
         if self.api_key:
-            args += ["--api-key", self.api_key]
+            # The key itself travels in VLLM_API_KEY (not argv, which every local user can read).
+            args += ["--middleware", "clotho_auth.require_api_key"]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
@@ -122,9 +125,13 @@ class PolicyServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        # The inference venv must not see the project venv's packages.
-        env.pop("PYTHONPATH", None)
+        # The inference venv must not see the project venv's packages, only clotho's vLLM plugins.
+        env["PYTHONPATH"] = str(VLLM_PLUGINS)
         env.pop("VIRTUAL_ENV", None)
+        if self.api_key:
+            env["VLLM_API_KEY"] = self.api_key
+        else:
+            env.pop("VLLM_API_KEY", None)
         return env
 
     def start(self, timeout: float = 300.0) -> PolicyServer:
@@ -186,6 +193,17 @@ class PolicyServer:
             process.wait()
         except ProcessLookupError:
             pass
+
+    def restart(self, model: str | Path | None = None, timeout: float = 300.0) -> PolicyServer:
+        """Stops the server and starts it again on the same port, on `model` if given.
+
+        The fallback when weights cannot be swapped in place; it costs a full start-up (about a
+        minute for the tiny model on 2 CPU cores) and forgets the announced weight version.
+        """
+        self.stop()
+        if model is not None:
+            self.model = str(model)
+        return self.start(timeout)
 
     def __enter__(self) -> PolicyServer:
         return self.start()

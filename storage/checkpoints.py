@@ -72,7 +72,9 @@ def publish_checkpoint(
     Never overwrites a STABLE checkpoint: publishing the same step twice is an error.
     """
     local = Path(local_dir)
-    files = sorted(p for p in local.rglob("*") if p.is_file())
+    # A STABLE in the source (a copy of a published checkpoint) is not part of the weights: this
+    # publish writes its own, last.
+    files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != STABLE)
     if not any(p.name == "config.json" for p in files):
         raise CheckpointError(f"{local} has no config.json; save the model with save_pretrained first")
     url = checkpoint_url(root, run, step)

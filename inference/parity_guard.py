@@ -1,0 +1,130 @@
+"""The parity guard: served greedy logprobs on fixed prompts must equal a transformers forward pass."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from inference.client import PolicyClient
+from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+
+# Short prompts in the register of the bundled environments; tokenized once with the run's tokenizer.
+DEFAULT_PROMPTS = (
+    "What is 12 + 7? Give only the final answer.",
+    "Guess a number between 1 and 50. You have 5 tries left.",
+    "The answer is",
+)
+# Largest |served - reference| logprob accepted, by the dtype vLLM serves in. fp32 agrees to ~1e-6
+# on CPU (NOTES.md); the half-precision values are not measured here: every check logs its maximum
+# difference, so calibrate them on the first GPU run.
+TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
+
+
+class ParityMismatch(RuntimeError):
+    """The served logprobs differ from a transformers forward pass of the checkpoint."""
+
+    def __init__(self, message: str, report: ParityReport):
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    """One parity check: the largest logprob difference over every prompt and token."""
+
+    checkpoint_dir: str
+    max_difference: float
+    tolerance: float
+    tokens: int
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        # NaN fails: a policy that produces NaN logprobs is broken whatever the reference says.
+        return math.isfinite(self.max_difference) and self.max_difference <= self.tolerance
+
+
+def tolerance_for(dtype: str) -> float:
+    try:
+        return TOLERANCE[dtype]
+    except KeyError:
+        raise ValueError(
+            f"no parity tolerance for dtype {dtype!r}; use one of {sorted(TOLERANCE)} or pass tolerance="
+        ) from None
+
+
+class ParityGuard:
+    """Compares a server's greedy completions with the checkpoint it should be serving.
+
+    Reference models are cached (the newest two: the checkpoint being loaded and the one a fallback
+    returns to), so checking several servers against one checkpoint loads it once.
+    """
+
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        *,
+        tolerance: float = TOLERANCE["float32"],
+        max_tokens: int = 8,
+        model_name: str = "policy",
+    ):
+        if not prompts or not all(prompts):
+            raise ValueError("ParityGuard needs at least one non-empty token-id prompt")
+        self.prompts = [list(prompt) for prompt in prompts]
+        self.tolerance = tolerance
+        self.max_tokens = max_tokens
+        self.model_name = model_name
+        self._models: OrderedDict[str, object] = OrderedDict()
+        self._lock = threading.Lock()  # not asyncio's: a guard may serve several event loops
+
+    @classmethod
+    def for_model(cls, model_dir: str | Path, *, dtype: str = "float32", **kwargs) -> ParityGuard:
+        """A guard over DEFAULT_PROMPTS tokenized with the model's tokenizer, tolerance by dtype."""
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
+        kwargs.setdefault("tolerance", tolerance_for(dtype))
+        return cls(prompts, **kwargs)
+
+    def reference_model(self, checkpoint_dir: str | Path):
+        key = str(Path(checkpoint_dir).resolve())
+        with self._lock:
+            if key not in self._models:
+                self._models[key] = load_reference_model(key)
+                while len(self._models) > 2:
+                    self._models.popitem(last=False)
+            self._models.move_to_end(key)
+            return self._models[key]
+
+    async def measure(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:
+        """Greedy completions of every prompt from the server, scored by a transformers forward pass."""
+        started = time.perf_counter()
+        model = await asyncio.to_thread(self.reference_model, checkpoint_dir)
+        batches = await asyncio.gather(
+            *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0) for prompt in self.prompts)
+        )
+        worst, tokens = 0.0, 0
+        for prompt, [completion] in zip(self.prompts, batches):
+            reference = await asyncio.to_thread(reference_logprobs, model, prompt, completion.token_ids)
+            difference = max_abs_difference(completion.logprobs, reference)
+            worst = difference if math.isnan(difference) else max(worst, difference)
+            tokens += len(completion.token_ids)
+        return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started)
+
+    async def check(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:
+        """measure(), raising ParityMismatch when the difference is above the tolerance."""
+        report = await self.measure(client, checkpoint_dir)
+        if not report.passed:
+            raise ParityMismatch(
+                f"parity check failed at {client.base_url}: served logprobs differ from a transformers "
+                f"forward pass of {checkpoint_dir} by up to {report.max_difference:.3g} "
+                f"(tolerance {report.tolerance:g}, {report.tokens} tokens over {len(self.prompts)} prompts)",
+                report,
+            )
+        return report

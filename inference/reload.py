@@ -1,0 +1,220 @@
+"""The hot-reload protocol against one vLLM server: swap weights in place, prove parity, announce.
+
+    preflight (tensor names and shapes)          server untouched if the checkpoint is incomplete
+    POST /pause?mode=wait                        in-flight requests finish on the old weights
+    POST /collective_rpc reload_weights {dir}    new weights in place (~0.05 s for the tiny model)
+    POST /reset_prefix_cache                     cached prefixes hold old-weight KV
+    POST /resume                                 always, in a finally
+    parity guard on fixed prompts                served logprobs == transformers on the checkpoint
+    POST /update_weight_version {N}              only now is version N announced
+
+Why resume before the parity check: requests (the guard's too) are not scheduled while the engine is
+paused. Requests sent between /resume and the announcement run on the new weights but read the old
+version, so a rollout's stamp can be one version stale for that short window, never fresher than the
+weights that sampled it; its logprobs are the sampling weights' own either way.
+
+On a parity failure or a server error mid-swap, the server goes back to the weights it served before
+(reloaded in place and checked again, or, if that fails and clotho owns the process, a restart), and
+the new version is never announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable
+from inference.parity_guard import ParityGuard, ParityMismatch, ParityReport
+from inference.server import PolicyServer
+from inference.weights import IncompatibleCheckpoint, check_compatible, config_differences, prepare_reload_dir
+
+log = logging.getLogger(__name__)
+
+SERVER_ERRORS = (PolicyServerError, PolicyServerUnreachable)
+
+
+class ReloadError(RuntimeError):
+    """A server could not be moved to a new version; the watcher reports it and tries again."""
+
+
+class CheckpointRejected(ReloadError):
+    """The checkpoint cannot be served (incomplete, or failed parity); the old version stays announced."""
+
+
+@dataclass
+class ServedPolicy:
+    """One vLLM server kept at the newest verified checkpoint, and what it serves now.
+
+    `weights_dir` is the local directory of the weights the server serves and that passed parity:
+    the place a fallback returns to. `server` is set when clotho started the process, which allows
+    the restart fallback; servers started elsewhere can only be reloaded in place.
+    """
+
+    base_url: str
+    weights_dir: Path
+    version: int = 0
+    api_key: str | None = None
+    model_name: str = "policy"
+    server: PolicyServer | None = None
+    healthy: bool = True  # False when its weights or pause state are unknown after a failure
+    rejected: set[int] = field(default_factory=set)  # versions that failed here; not retried
+
+    @classmethod
+    def of(cls, server: PolicyServer, version: int = 0) -> ServedPolicy:
+        """The policy served by a PolicyServer clotho started (its model must be a local directory)."""
+        weights = Path(server.model)
+        if not (weights / "config.json").exists():
+            raise ValueError(
+                f"{server.model} is not a local model directory; hot reload needs the served weights on "
+                "disk as the fallback: download the model (huggingface-cli download) and serve that directory"
+            )
+        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server)
+
+    def client(self) -> PolicyClient:
+        # Few retries: a dead server must be reported within seconds, not after a minute of backoff.
+        return PolicyClient(self.base_url, model=self.model_name, api_key=self.api_key, max_retries=2, backoff=0.2)
+
+
+@dataclass(frozen=True)
+class ReloadReport:
+    """A version a server now serves and announces, with where the time went."""
+
+    base_url: str
+    version: int
+    swap_s: float  # pause -> reload -> reset -> resume
+    parity: ParityReport
+    total_s: float  # preflight to announcement
+
+
+async def swap_weights(client: PolicyClient, weights_dir: str | Path) -> float:
+    """pause(wait) -> reload_weights -> reset_prefix_cache -> resume; the server is never left paused."""
+    if not (Path(weights_dir) / "config.json").exists():
+        # vLLM takes a path it cannot find for a Hugging Face repo id and goes to the network.
+        raise FileNotFoundError(f"{weights_dir} is not a model directory (no config.json); nothing was reloaded")
+    started = time.perf_counter()
+    await client.request("POST", "/pause", params={"mode": "wait"})
+    try:
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
+        await client.request("POST", "/collective_rpc", json=rpc)
+        await client.request("POST", "/reset_prefix_cache")
+    finally:
+        await client.request("POST", "/resume")
+    return time.perf_counter() - started
+
+
+async def announce(client: PolicyClient, version: int) -> None:
+    await client.request("POST", "/update_weight_version", json={"new_version": str(version)})
+
+
+async def ensure_resumed(client: PolicyClient) -> None:
+    """Resumes a server a failed swap may have left paused (its /resume never arrived)."""
+    if (await client.request("GET", "/is_paused")).json().get("is_paused"):
+        log.warning("%s was left paused by an interrupted reload; resuming it", client.base_url)
+        await client.request("POST", "/resume")
+
+
+async def reload_server(
+    target: ServedPolicy,
+    checkpoint_dir: str | Path,
+    version: int,
+    guard: ParityGuard,
+    reload_root: str | Path,
+) -> ReloadReport:
+    """Moves one server to the checkpoint in place and announces `version` once parity holds.
+
+    Raises CheckpointRejected when the checkpoint is incomplete, vLLM refuses it or parity fails (the
+    server still serves and announces its previous version; this version is not retried there), or
+    ReloadError when the server stops answering (restored when possible, else marked unhealthy).
+    """
+    started = time.perf_counter()
+    checkpoint_dir = Path(checkpoint_dir)
+    try:
+        check_compatible(checkpoint_dir, target.weights_dir)
+        reload_dir = prepare_reload_dir(checkpoint_dir, reload_root)
+    except (IncompatibleCheckpoint, FileNotFoundError) as error:
+        target.rejected.add(version)
+        message = f"version {version} rejected before reload, {target.base_url} untouched: {error}"
+        raise CheckpointRejected(message) from error
+    async with target.client() as client:
+        target.healthy = False  # until the new weights pass parity or the old ones are back
+        try:
+            swap_s = await swap_weights(client, reload_dir)
+            parity = await guard.check(client, checkpoint_dir)
+        except PolicyServerUnreachable as error:
+            message = f"reload of version {version} on {target.base_url} failed: {error}"
+            restored = await _fall_back(target, guard, reload_root, client, message)
+            raise ReloadError(f"{message}; {restored}") from error
+        except Exception as error:  # a mismatch, vLLM refusing the weights, transformers failing to load them
+            target.rejected.add(version)
+            message = f"version {version} rejected: {error}"
+            if drift := config_differences(checkpoint_dir, target.weights_dir):
+                message += (f"; its config.json differs from the served one ({', '.join(drift)}), which an "
+                            "in-place reload cannot apply: restart the server on the new model")  # fmt: skip
+            restored = await _fall_back(target, guard, reload_root, client, message)
+            raise CheckpointRejected(f"{message}; {restored}") from error
+        await announce(client, version)
+    target.weights_dir, target.version, target.healthy = checkpoint_dir, version, True
+    total_s = time.perf_counter() - started
+    log.info(
+        "%s now serves version %d: swap %.3fs, parity %.3fs (max |diff| %.2g), total %.3fs",
+        target.base_url, version, swap_s, parity.seconds, parity.max_difference, total_s,
+    )  # fmt: skip
+    return ReloadReport(target.base_url, version, swap_s, parity, total_s)
+
+
+async def _fall_back(
+    target: ServedPolicy, guard: ParityGuard, reload_root: str | Path, client: PolicyClient, message: str
+) -> str:
+    log.error("%s; restoring version %d", message, target.version)
+    try:
+        return await restore_server(target, guard, reload_root, client)
+    except ReloadError as error:
+        raise ReloadError(f"{message}; then {error}") from error
+
+
+async def restore_server(
+    target: ServedPolicy, guard: ParityGuard, reload_root: str | Path, client: PolicyClient | None = None
+) -> str:
+    """Brings a server back to its verified weights and version; returns what it took.
+
+    In place first (reload + parity); if that fails and clotho owns the process, a restart on those
+    weights. Raises ReloadError when neither works, leaving the server marked unhealthy.
+    """
+    target.healthy = False  # until the verified weights are back
+    own_client = client is None
+    client = client or target.client()
+    try:
+        try:
+            await ensure_resumed(client)
+            await swap_weights(client, prepare_reload_dir(target.weights_dir, reload_root))
+            await guard.check(client, target.weights_dir)
+            await announce(client, target.version)
+            how = f"restored in place to version {target.version}"
+        except (ParityMismatch, *SERVER_ERRORS) as error:
+            if target.server is None:
+                raise ReloadError(
+                    f"{target.base_url} could not be restored to version {target.version} ({error}); it may "
+                    f"serve unverified weights: restart it on {target.weights_dir}"
+                ) from error
+            how = await _restart(target, guard, client, error)
+    finally:
+        if own_client:
+            await client.aclose()
+    target.healthy = True
+    log.warning("%s %s", target.base_url, how)
+    return how
+
+
+async def _restart(target: ServedPolicy, guard: ParityGuard, client: PolicyClient, cause: Exception) -> str:
+    log.error("%s: in-place restore failed (%s); restarting it on %s", target.base_url, cause, target.weights_dir)
+    started = time.perf_counter()
+    try:
+        await asyncio.to_thread(target.server.restart, target.weights_dir)
+        await guard.check(client, target.weights_dir)
+        await announce(client, target.version)  # a fresh server reports "default" until told
+    except Exception as error:
+        raise ReloadError(f"{target.base_url} failed to restart on {target.weights_dir}: {error}") from error
+    return f"restarted on version {target.version} in {time.perf_counter() - started:.0f}s"

@@ -1,0 +1,212 @@
+"""Follows a run's published checkpoints and hot-reloads every policy server onto each new STABLE one."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import shutil
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from inference.parity_guard import ParityGuard
+from inference.reload import (
+    CheckpointRejected,
+    ReloadError,
+    ServedPolicy,
+    ensure_resumed,
+    reload_server,
+    restore_server,
+)
+from inference.weights import reload_dir_for
+from storage.checkpoints import CheckpointInfo, checkpoint_url, fetch_checkpoint, latest_checkpoint, read_checkpoint
+from storage.layout import check_run_name
+
+log = logging.getLogger(__name__)
+
+
+def split_run_url(url: str) -> tuple[str, str]:
+    """'s3://bucket/prefix/myrun' -> ('s3://bucket/prefix', 'myrun'): the storage root and the run."""
+    root, _, run = url.rstrip("/").rpartition("/")
+    if not root or root.endswith(":/") or root.endswith(":"):
+        raise ValueError(
+            f"{url!r} is not STORAGE_URL/RUN; give the run's URL, e.g. file:///data/runs/myrun or "
+            "s3://bucket/runs/myrun"
+        )
+    return root, check_run_name(run)
+
+
+@dataclass(frozen=True)
+class ReloadOutcome:
+    """What one poll did to one server: 'reloaded', 'rejected', 'failed' or 'restored'."""
+
+    base_url: str
+    version: int
+    status: str
+    detail: str
+    swap_s: float | None = None
+    parity_s: float | None = None
+    total_s: float | None = None
+
+
+class ReloadWatcher:
+    """Polls STORAGE_URL/RUN for the newest STABLE checkpoint and reloads each server behind it.
+
+    Remote checkpoints are copied to `cache_dir` once and shared by all servers; copies no server
+    serves any more are deleted. A server that fails is reported, restored to its verified weights
+    when possible, and tried again (next poll if restored, else with backoff up to a minute); a
+    version that fails parity or the preflight on a server is not retried there (the next
+    checkpoint is).
+    """
+
+    def __init__(
+        self,
+        run_url: str,
+        servers: list[ServedPolicy],
+        guard: ParityGuard,
+        *,
+        cache_dir: str | Path = ".clotho/reload-cache",
+        poll_s: float = 2.0,
+        storage_options: dict[str, Any] | None = None,
+    ):
+        if not servers:
+            raise ValueError("ReloadWatcher needs at least one server to keep up to date")
+        self.root, self.run_name = split_run_url(run_url)
+        self.servers = servers
+        self.guard = guard
+        # Fetched copies are named by step only, so each run gets its own cache directory.
+        run_key = hashlib.sha1(f"{self.root}/{self.run_name}".encode()).hexdigest()[:10]
+        self.cache_dir = Path(cache_dir) / f"{self.run_name}-{run_key}"
+        self.checkpoints_dir = self.cache_dir / "checkpoints"
+        self.reload_root = self.cache_dir / "reload"
+        self.poll_s = poll_s
+        self.storage_options = storage_options
+        self.history: list[ReloadOutcome] = []
+        self._newest: Path | None = None
+        self._retry: dict[str, tuple[int, float]] = {}  # unhealthy server -> (failures, next try)
+
+    async def local_copy(self, info: CheckpointInfo) -> Path:
+        options = self.storage_options
+        return await asyncio.to_thread(fetch_checkpoint, info, self.checkpoints_dir, storage_options=options)
+
+    async def adopt_served_versions(self) -> None:
+        """Picks up where a previous watcher left off: a server already announcing version N (>0) of
+        this run gets checkpoint N as its verified weights, so fallbacks return there."""
+        for target in self.servers:
+            try:
+                async with target.client() as client:
+                    await ensure_resumed(client)
+                    version = await client.weight_version()
+                if version > 0 and version != target.version:
+                    url = checkpoint_url(self.root, self.run_name, version)
+                    info = await asyncio.to_thread(read_checkpoint, url, storage_options=self.storage_options)
+                    target.weights_dir, target.version = await self.local_copy(info), version
+                    log.info("%s already serves version %d of run %s", target.base_url, version, self.run_name)
+            except Exception as error:  # noqa: BLE001 - restored (or reported) by the first poll
+                log.error("%s: cannot tell what it serves (%s); restoring it to %s",
+                          target.base_url, error, target.weights_dir)  # fmt: skip
+                target.healthy = False
+
+    async def poll_once(self) -> list[ReloadOutcome]:
+        """One look at the run: every server behind the newest checkpoint is reloaded, concurrently."""
+        options = self.storage_options
+        info = await asyncio.to_thread(latest_checkpoint, self.root, self.run_name, storage_options=options)
+        due = [t for t in self.servers if self._retry.get(t.base_url, (0, 0.0))[1] <= time.monotonic()]
+        behind = [t for t in due if info is not None and info.step > t.version and info.step not in t.rejected]
+        unhealthy = [t for t in due if not t.healthy and t not in behind]
+        checkpoint_dir: Path | Exception | None = None
+        if behind:
+            try:  # fetched once for every server
+                checkpoint_dir = self._newest = await self.local_copy(info)
+            except Exception as error:  # noqa: BLE001 - reported per server, retried next poll
+                checkpoint_dir = error
+        jobs = [self._restore(target) for target in unhealthy]
+        jobs += [self._reload(target, info.step, checkpoint_dir) for target in behind]
+        outcomes = list(await asyncio.gather(*jobs))
+        for target in behind + unhealthy:
+            self._back_off_if_down(target)
+        self.history = (self.history + outcomes)[-100:]  # bounded: the watcher may run for weeks
+        if outcomes:
+            await asyncio.to_thread(self.prune_cache)
+        return outcomes
+
+    def _back_off_if_down(self, target: ServedPolicy) -> None:
+        """A server that could not even be restored is retried after 1, 2, 4 ... 60 s, not every poll."""
+        if target.healthy:
+            self._retry.pop(target.base_url, None)
+            return
+        failures = self._retry.get(target.base_url, (0, 0.0))[0] + 1
+        self._retry[target.base_url] = (failures, time.monotonic() + min(60.0, 2.0 ** (failures - 1)))
+
+    async def _restore(self, target: ServedPolicy) -> ReloadOutcome:
+        try:
+            how = await restore_server(target, self.guard, self.reload_root)
+        except Exception as error:  # noqa: BLE001 - one server's failure must not stop the others
+            log.error("FAILED %s: %s (retrying next poll)", target.base_url, error)
+            return ReloadOutcome(target.base_url, target.version, "failed", f"{type(error).__name__}: {error}")
+        return ReloadOutcome(target.base_url, target.version, "restored", how)
+
+    async def _reload(self, target: ServedPolicy, version: int, checkpoint_dir: Path | Exception) -> ReloadOutcome:
+        url = target.base_url
+        try:
+            if isinstance(checkpoint_dir, Exception):
+                raise ReloadError(f"could not copy checkpoint {version} to {self.checkpoints_dir}: {checkpoint_dir}")
+            if not target.healthy:
+                await restore_server(target, self.guard, self.reload_root)
+            report = await reload_server(target, checkpoint_dir, version, self.guard, self.reload_root)
+        except CheckpointRejected as error:
+            log.error("REJECTED %s", error)
+            return ReloadOutcome(url, target.version, "rejected", str(error))
+        except Exception as error:  # noqa: BLE001 - one server's failure must not stop the others
+            log.error("FAILED %s: %s (retrying next poll)", url, error)
+            return ReloadOutcome(url, target.version, "failed", f"{type(error).__name__}: {error}")
+        return ReloadOutcome(url, report.version, "reloaded", f"parity max |diff| {report.parity.max_difference:.2g}",
+                             report.swap_s, report.parity.seconds, report.total_s)  # fmt: skip
+
+    def prune_cache(self) -> None:
+        """Deletes fetched copies and reload directories that no server serves (big models are GBs)."""
+        served = {target.weights_dir.resolve() for target in self.servers}
+        if self._newest is not None:  # a server that failed on it retries next poll: keep the copy
+            served.add(self._newest.resolve())
+        keep = {reload_dir_for(path, self.reload_root) for path in served}
+        for directory, kept in ((self.checkpoints_dir, served), (self.reload_root, keep)):
+            if directory.exists():
+                for entry in directory.iterdir():
+                    if entry.resolve() not in kept and entry not in kept:
+                        shutil.rmtree(entry, ignore_errors=True)
+
+    async def run(
+        self,
+        *,
+        max_polls: int | None = None,
+        stop: asyncio.Event | None = None,
+        on_outcomes: Callable[[list[ReloadOutcome]], Awaitable[None]] | None = None,
+    ) -> list[ReloadOutcome]:
+        """Polls every poll_s until `stop` is set or after max_polls; returns the recent outcomes.
+
+        `on_outcomes` hears about each poll that did something (flows turn it into artifacts)."""
+        await self.adopt_served_versions()
+        polls = 0
+        while (max_polls is None or polls < max_polls) and not (stop and stop.is_set()):
+            started = time.monotonic()
+            try:
+                outcomes = await self.poll_once()
+                if outcomes and on_outcomes is not None:
+                    await on_outcomes(outcomes)
+            except Exception as error:  # noqa: BLE001 - storage hiccups must not end the watch
+                log.error("polling %s/%s failed: %s (retrying in %.0fs)", self.root, self.run_name, error, self.poll_s)
+            polls += 1
+            if max_polls is not None and polls >= max_polls:
+                break
+            delay = max(0.0, self.poll_s - (time.monotonic() - started))
+            if stop is None:
+                await asyncio.sleep(delay)
+            else:
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    pass
+        return self.history

@@ -1,0 +1,228 @@
+"""Hot reload on live vLLM-CPU servers: publish a checkpoint, the watcher swaps it in and proves parity."""
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from inference.client import PolicyServerError
+from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+from inference.reload import ServedPolicy, restore_server, swap_weights
+from inference.server import free_port
+from inference.watcher import ReloadWatcher
+from storage.checkpoints import publish_checkpoint
+from tests.inference.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
+
+pytestmark = pytest.mark.integration
+
+LONG = 1900  # tokens of the request kept in flight through a reload: ~8 s on 2 CPU cores
+
+
+def watcher_for(root: str, policies: list[ServedPolicy], guard, tmp_path) -> ReloadWatcher:
+    return ReloadWatcher(f"{root}/run", policies, guard, cache_dir=tmp_path / "cache", poll_s=0.2)
+
+
+async def stream_completion(base_url: str, prompt: list[int], max_tokens: int, received: dict, first: asyncio.Event):
+    """Greedy completion streamed token by token into `received`; `first` is set once one has arrived."""
+    body = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "logprobs": 0, "return_token_ids": True, "stream": True}  # fmt: skip
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    choice = json.loads(line.removeprefix("data: "))["choices"][0]
+                    received["token_ids"] += choice["token_ids"]
+                    received["logprobs"] += choice["logprobs"]["token_logprobs"]
+                    received["finish_reason"] = choice["finish_reason"]
+                    first.set()
+
+
+async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) -> float:
+    """Publishes a checkpoint while a long greedy request streams, lets the watcher reload, and checks
+    the request and the version around it. Returns the seconds the pause spent draining requests."""
+    root, run_dir = f"file://{tmp_path}/store", tmp_path / f"attempt-{policy.version}"
+    old_weights, old_version = policy.weights_dir, policy.version
+    step = next_step(policy)
+    checkpoint = perturbed_checkpoint(policy.weights_dir, run_dir, seed=step)
+    watcher = watcher_for(root, [policy], guard, run_dir)
+    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None}, asyncio.Event()
+    async with policy.client() as client:
+        stamped = await client.weight_version()  # what an environment stamps before it samples
+        streaming = asyncio.create_task(stream_completion(policy.base_url, PROBE, LONG, received, first))
+        await first.wait()  # the engine is generating it now
+        published_at = time.perf_counter()
+        publish_checkpoint(checkpoint, root, "run", step)
+        [outcome] = await watcher.poll_once()
+        latency = time.perf_counter() - published_at
+        await streaming
+        assert await client.weight_version() == step
+    assert outcome.status == "reloaded" and outcome.version == step
+    # The request completed (mode=wait drains, it does not abort) and every token of it came from
+    # the old weights, the version it was stamped with.
+    assert received["finish_reason"] == "length" and len(received["token_ids"]) == LONG
+    assert stamped == old_version
+    old = reference_logprobs(load_reference_model(old_weights), PROBE, received["token_ids"])
+    assert max_abs_difference(received["logprobs"], old) < 1e-4
+    assert latency < 60  # the drain dominates: the request in flight had up to LONG tokens to go
+    # Requests after the announcement read the new version and get the new weights.
+    assert await served_matches(policy, checkpoint) < 1e-4
+    assert await served_matches(policy, old_weights) > 1e-2
+    assert policy.version == step and policy.weights_dir.name == f"step-{step:08d}" and not await is_paused(policy)
+    return outcome.swap_s
+
+
+async def test_untied_reload_while_a_request_is_in_flight(untied_policy, guard, tmp_path):
+    # On a busy 2-core machine the first streamed chunk can arrive when the request is already done
+    # (the API server batches output); a pause that drained nothing did not test the overlap, so
+    # try again. Every attempt checks the request and the versions in full.
+    for _ in range(3):
+        if await reload_during_a_long_request(untied_policy, guard, tmp_path) > 0.3:
+            return
+    pytest.fail("the reload never overlapped the long request: the pause drained nothing in 3 attempts")
+
+
+async def test_tied_model_reloads_to_parity(tied_policy, guard, tmp_path):
+    policy, root = tied_policy, f"file://{tmp_path}/store"
+    step = next_step(policy)
+    checkpoint = perturbed_checkpoint(policy.weights_dir, tmp_path / "perturbed", seed=step)  # no lm_head.weight
+    published_at = time.perf_counter()
+    publish_checkpoint(checkpoint, root, "run", step)
+    [outcome] = await watcher_for(root, [policy], guard, tmp_path).poll_once()
+    assert outcome.status == "reloaded", outcome.detail
+    assert time.perf_counter() - published_at < 10  # ~0.5 s here: publish, find, swap, parity, announce
+    assert await announced(policy) == step
+    assert await served_matches(policy, checkpoint) < 1e-4
+
+
+async def test_api_key_guards_the_dev_routes(tied_policy):
+    """vLLM's own --api-key check skips /pause, /collective_rpc, ...; clotho's middleware does not."""
+    policy = tied_policy
+    assert policy.api_key
+    async with httpx.AsyncClient(base_url=policy.base_url, timeout=30) as anonymous:
+        assert (await anonymous.get("/health")).status_code == 200
+        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/update_weight_version"),
+                             ("GET", "/weight_info"), ("POST", "/v1/completions")]:  # fmt: skip
+            assert (await anonymous.request(method, path, json={})).status_code == 401, path
+    # With the key (as the watcher sends it, see the tied reload test) the same routes answer.
+    assert not await is_paused(policy) and await announced(policy) == policy.version
+
+
+async def test_guard_catches_the_stale_tied_head_and_restore_fixes_it(tied_policy, guard, tmp_path):
+    """vLLM 0.32 alone: reloading a tied checkpoint without lm_head.weight keeps the old output head."""
+    policy = tied_policy
+    raw = perturbed_checkpoint(policy.weights_dir, tmp_path / "raw", seed=99)
+    async with policy.client() as client:
+        await swap_weights(client, raw)  # what a reload without clotho's tied-head copy does
+        assert not (await guard.measure(client, raw)).passed
+    assert await restore_server(policy, guard, tmp_path / "reload") == f"restored in place to version {policy.version}"
+    assert await served_matches(policy, policy.weights_dir) < 1e-4
+
+
+async def test_checkpoint_missing_a_tensor_is_rejected_and_old_version_kept(untied_policy, guard, tmp_path):
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    version, weights = policy.version, policy.weights_dir
+    broken = perturbed_checkpoint(weights, tmp_path / "broken", seed=7, drop=("model.layers.0.mlp.down_proj.weight",))
+    step = next_step(policy)
+    publish_checkpoint(broken, root, "run", step)
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "rejected" and "model.layers.0.mlp.down_proj.weight" in outcome.detail
+    assert await watcher.poll_once() == []  # a rejected version is not retried
+    assert await announced(policy) == version and policy.weights_dir == weights
+    assert await served_matches(policy, weights) < 1e-4 and not await is_paused(policy)
+    # The run moves on: the next good checkpoint is taken.
+    good = perturbed_checkpoint(weights, tmp_path / "good", seed=8)
+    publish_checkpoint(good, root, "run", step + 1)
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "reloaded" and await announced(policy) == step + 1
+
+
+async def test_parity_failure_falls_back_to_the_previous_version(untied_policy, guard, tmp_path):
+    """A config change passes the tensor preflight, but an in-place reload cannot apply it."""
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    version, weights = policy.version, policy.weights_dir
+    drifted = perturbed_checkpoint(weights, tmp_path / "drifted", seed=5, config_changes={"rms_norm_eps": 0.01})
+    publish_checkpoint(drifted, root, "run", next_step(policy))
+    [outcome] = await watcher_for(root, [policy], guard, tmp_path).poll_once()
+    assert outcome.status == "rejected"
+    assert "parity check failed" in outcome.detail and "rms_norm_eps" in outcome.detail
+    assert f"restored in place to version {version}" in outcome.detail
+    assert await announced(policy) == version and policy.healthy
+    assert await served_matches(policy, weights) < 1e-4 and not await is_paused(policy)
+
+
+async def test_weights_vllm_refuses_are_rejected_and_the_server_resumed(untied_policy, guard, tmp_path):
+    """A checkpoint with a config but no weight files: preflight and the reload RPC both refuse it."""
+    policy = untied_policy
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_bytes((policy.weights_dir / "config.json").read_bytes())
+    async with policy.client() as client:
+        with pytest.raises(PolicyServerError, match="500"):
+            await swap_weights(client, empty)
+    assert not await is_paused(policy)
+    await restore_server(policy, guard, tmp_path / "reload")
+    assert await served_matches(policy, policy.weights_dir) < 1e-4
+
+
+async def test_each_server_is_reloaded_and_a_dead_one_is_reported_and_retried(untied_policy, guard, tmp_path):
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    version = policy.version
+    dead = ServedPolicy(f"http://127.0.0.1:{free_port()}", policy.weights_dir, version)
+    step = next_step(policy)
+    publish_checkpoint(perturbed_checkpoint(policy.weights_dir, tmp_path / "new", seed=11), root, "run", step)
+    watcher = watcher_for(root, [policy, dead], guard, tmp_path)
+    outcomes = {o.base_url: o for o in await watcher.poll_once()}
+    assert outcomes[policy.base_url].status == "reloaded"
+    assert outcomes[dead.base_url].status == "failed" and "unreachable" in outcomes[dead.base_url].detail
+    assert await watcher.poll_once() == []  # the dead one backs off (1 s, then 2, 4 ... 60)
+    await asyncio.sleep(1.1)
+    [retry] = await watcher.poll_once()  # only the dead one is still behind
+    assert retry.base_url == dead.base_url and retry.status == "failed"
+    assert dead.version == version and not dead.healthy and await announced(policy) == step
+
+
+async def test_s3_checkpoint_is_copied_to_local_disk_and_reloaded(untied_policy, guard, tmp_path, monkeypatch):
+    from tests.s3_server import create_bucket, start_s3_server, stop_s3_server
+
+    s3 = start_s3_server()
+    try:
+        for name, value in s3.environment.items():
+            monkeypatch.setenv(name, value)
+        create_bucket(s3, "reload-test")
+        options = {"key": "testing", "secret": "testing", "endpoint_url": s3.endpoint_url}
+        policy, root = untied_policy, "s3://reload-test/runs"
+        step = next_step(policy)
+        checkpoint = perturbed_checkpoint(policy.weights_dir, tmp_path / "new", seed=21)
+        publish_checkpoint(checkpoint, root, "run", step, storage_options=options)
+        watcher = ReloadWatcher(f"{root}/run", [policy], guard, cache_dir=tmp_path / "cache", storage_options=options)
+        [outcome] = await watcher.poll_once()
+        assert outcome.status == "reloaded", outcome.detail
+        assert policy.weights_dir.is_relative_to(tmp_path / "cache")
+        assert await announced(policy) == step and await served_matches(policy, checkpoint) < 1e-4
+    finally:
+        stop_s3_server(s3)
+
+
+@pytest.mark.slow
+async def test_server_killed_mid_run_is_restarted_on_its_verified_weights(untied_policy, guard, tmp_path):
+    """The in-place fallback needs a live server; one clotho started is restarted instead (slow: a
+    full vLLM start-up), reported as failed, and the checkpoint is taken on the next poll."""
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    version, weights = policy.version, policy.weights_dir
+    os.killpg(policy.server.process.pid, signal.SIGKILL)  # e.g. the OOM killer, mid-run
+    step = next_step(policy)
+    checkpoint = perturbed_checkpoint(weights, tmp_path / "new", seed=61)
+    publish_checkpoint(checkpoint, root, "run", step)
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "failed" and f"restarted on version {version}" in outcome.detail
+    assert policy.healthy and await announced(policy) == version
+    assert await served_matches(policy, weights) < 1e-4
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "reloaded" and await announced(policy) == step
+    assert await served_matches(policy, checkpoint) < 1e-4

@@ -167,7 +167,8 @@ def demo(
     workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, logs and outputs go."),
     groups: int = typer.Option(6, help="Groups to collect per environment."),
 ) -> None:
-    """Run clotho's pipeline on the embedded defaults and print a summary of what ran."""
+    """Run the whole loop once on the embedded defaults (tiny model, vLLM-CPU, local Prefect, a local
+    directory as storage): rollouts -> shards -> training -> checkpoint -> hot reload -> rollouts."""
     from clotho.demo import run_demo
 
     run_demo(workdir, groups_per_env=groups)

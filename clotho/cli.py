@@ -126,6 +126,7 @@ def rollout(
     shard_max_age: float = typer.Option(30.0, help="Flush a shard when its oldest group is this old (s)."),
     max_policy_lag: int = typer.Option(None, help="Wait while the trainer lags more versions than this."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
+    server_concurrency: int = typer.Option(None, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
     import asyncio
@@ -152,6 +153,7 @@ def rollout(
             servers=server, storage=storage, run=run, tokenizer=tokenizer, groups=groups or None,
             max_concurrent_groups=max_concurrent_groups, shard_max_groups=shard_max_groups,
             shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag, distributed=bool(dask),
+            server_concurrency=server_concurrency,
         )  # fmt: skip
     )
     typer.echo(f"done: {summary['totals']}")

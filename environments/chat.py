@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from functools import cached_property
 from typing import Any
 
@@ -14,9 +15,15 @@ Messages = list[dict[str, Any]]
 _SENTINEL = "\x00clotho-sentinel\x00"
 
 
+_import_lock = threading.Lock()
+
+
 def load_tokenizer(path: str):
     """The policy's tokenizer, from a local directory or any HF id already on disk."""
-    from transformers import AutoTokenizer
+    # transformers resolves its names lazily, and two threads doing that first import at once can
+    # fail with ImportError (seen in Dask worker threads); one at a time.
+    with _import_lock:
+        from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
 

@@ -17,7 +17,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, build_environment, collect_group
+from tasks.rollout import EnvSpec, build_environment, collect_group, ensure_server_limits
 
 
 async def settled(future) -> None:
@@ -70,6 +70,7 @@ async def rollout(
     max_policy_lag: int | None = None,
     seed: int = 0,
     distributed: bool = False,
+    server_concurrency: int | None = None,
 ) -> dict[str, Any]:
     """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
 
@@ -77,6 +78,8 @@ async def rollout(
     event loop: about 20 ms of orchestration per group and one shared connection pool. With
     distributed=True groups are submitted to the flow's task runner instead (set a DaskTaskRunner
     with `rollout.with_options(task_runner=...)` to spread them over a cluster).
+    server_concurrency: groups in flight per server across every flow that uses it, enforced by a
+    Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
     groups=None runs until cancelled. Environments are mixed by weight; each group goes to the least
     busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
     """
@@ -90,6 +93,7 @@ async def rollout(
         sources[spec.key] = build_environment(spec, servers[0], tokenizer)
         await sources[spec.key].setup()
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
+    limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
     busy = {server: 0 for server in servers}
     rng = random.Random(seed)
     progress = await progress_artifact(groups)
@@ -102,11 +106,11 @@ async def rollout(
         busy[server] += 1
         try:
             if distributed:
-                future = collect_group.submit(spec, item, server, tokenizer)
+                future = collect_group.submit(spec, item, server, tokenizer, limits.get(server))
                 await settled(future)
                 result: ScoredGroup | RolloutFailure = future.result()
             else:
-                result = await collect_group(spec, item, server, tokenizer)
+                result = await collect_group(spec, item, server, tokenizer, limits.get(server))
         except Exception as error:  # retries exhausted (server unreachable): a recorded failure
             result = RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}")
         finally:

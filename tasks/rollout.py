@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import weakref
 from typing import Any
 
-from prefect import task
+from prefect import get_client, task
+from prefect.concurrency.asyncio import concurrency
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel, Field
 
@@ -66,11 +68,33 @@ async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str) -> Env
     cache_policy=NO_CACHE,
     persist_result=False,
 )
-async def collect_group(spec: EnvSpec, item: Item, server_url: str, tokenizer: str) -> ScoredGroup | RolloutFailure:
+async def collect_group(
+    spec: EnvSpec, item: Item, server_url: str, tokenizer: str, server_limit: str | None = None
+) -> ScoredGroup | RolloutFailure:
     """Inference and scoring of one item into one group.
 
     An unreachable server is raised so Prefect retries the task with backoff; anything else an
-    environment raises becomes a recorded RolloutFailure, never a crashed flow.
+    environment raises becomes a recorded RolloutFailure, never a crashed flow. With `server_limit`
+    the group holds a slot of that Prefect global concurrency limit while it runs, so every flow
+    and deployment sampling from one server shares its capacity.
     """
     env = await environment_for(spec, server_url, tokenizer)
-    return await env.safe_collect(item)
+    if server_limit is None:
+        return await env.safe_collect(item)
+    async with concurrency(server_limit, occupy=1, strict=True):
+        return await env.safe_collect(item)
+
+
+def server_limit_name(server_url: str) -> str:
+    """The Prefect global concurrency limit of one policy server, e.g. 'inference-127.0.0.1-8000'."""
+    host_port = server_url.split("://", 1)[-1].strip("/").split("/", 1)[0]
+    return "inference-" + re.sub(r"[^A-Za-z0-9.-]", "-", host_port)
+
+
+async def ensure_server_limits(servers: list[str], slots: int) -> dict[str, str]:
+    """Creates or resizes one global concurrency limit per server; returns server URL -> limit name."""
+    names = {server: server_limit_name(server) for server in servers}
+    async with get_client() as client:
+        for name in names.values():
+            await client.upsert_global_concurrency_limit_by_name(name, slots)
+    return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -92,3 +93,38 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
     assert len(groups) >= done, output[-3000:]
     assert len({g.group_id for g in groups}) == len(groups)
     assert all(not check.problems for check in verify(f"{storage}/cancelled"))
+
+
+def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, policy_server, tiny_model_dir, tmp_path, monkeypatch):
+    """--dask ADDRESS: groups run as task runs on a Dask cluster's worker processes, each holding a
+    slot of the server's Prefect global concurrency limit."""
+    import asyncio
+
+    from distributed import Client, LocalCluster
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect_dask import DaskTaskRunner
+
+    from flows.rollout import rollout
+    from tasks.rollout import EnvSpec, server_limit_name
+
+    for key, value in prefect_server.env().items():
+        if key.startswith("PREFECT_"):
+            monkeypatch.setenv(key, value)  # the Dask worker processes talk to the same server
+    storage = f"file://{tmp_path}/store"
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=True, dashboard_address=None) as cluster:
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            flow = rollout.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
+            summary = asyncio.run(
+                flow(
+                    environments=[EnvSpec(import_path="environments.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
+                    servers=[policy_server.base_url], storage=storage, run="dask", tokenizer=str(tiny_model_dir),
+                    groups=4, max_concurrent_groups=4, distributed=True, server_concurrency=2,
+                )  # fmt: skip
+            )
+        with Client(cluster) as client:
+            worker_pids = set(client.run(os.getpid).values())
+    assert summary["totals"]["groups"] == 4 and summary["totals"]["failures"] == 0
+    assert len({g.group_id for g in ShardReader(storage, "dask").groups()}) == 4
+    limit = api(prefect_server, "GET", f"/v2/concurrency_limits/{server_limit_name(policy_server.base_url)}").json()
+    assert limit["limit"] == 2 and limit["active_slots"] == 0  # every slot given back
+    assert worker_pids and os.getpid() not in worker_pids  # a real worker process, not this one

@@ -23,6 +23,10 @@ from storage.shard_file import ShardInfo, find_shards, read_shard
 log = logging.getLogger(__name__)
 
 
+# Shards read and decoded ahead of the one being consumed: Parquet decoding releases the GIL, so
+# two in flight keep two cores busy, as a pyarrow.dataset scan does.
+READ_AHEAD = 2
+
 class TokenizerMismatchError(Exception):
     """A shard was tokenized by another tokenizer than the trainer's; its token ids mean other things."""
 
@@ -152,16 +156,17 @@ class ShardReader:
             time.sleep(poll_s)
 
     def _read_ahead(self, shards: list[ShardInfo]) -> Iterator[RolloutBatch]:
-        """The shards' batches in order, reading the next shard in a thread while the caller works on
-        this one, so storage latency (an S3 GET) hides behind training. A read-ahead left over when
+        """The shards' batches in order, reading (and decoding) the next READ_AHEAD shards in threads
+        while the caller works on this one, so storage latency (an S3 GET) hides behind training. A read-ahead left over when
         the caller stopped early is kept for the next pass."""
         wanted = {shard.name for shard in shards}
         for name in [name for name in self._ahead if name not in wanted]:
             self._ahead.pop(name).cancel()
         for index, shard in enumerate(shards):
             reading = self._ahead.pop(shard.name, None) or self._submit(shard)
-            if index + 1 < len(shards) and shards[index + 1].name not in self._ahead:
-                self._ahead[shards[index + 1].name] = self._submit(shards[index + 1])
+            for following in shards[index + 1 : index + 1 + READ_AHEAD]:
+                if following.name not in self._ahead:
+                    self._ahead[following.name] = self._submit(following)
             try:
                 batch = self._load(shard, reading)
             except FileNotFoundError:
@@ -177,7 +182,7 @@ class ShardReader:
 
     def _submit(self, shard: ShardInfo) -> Future[pa.Table]:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-read-ahead")
+            self._pool = ThreadPoolExecutor(max_workers=READ_AHEAD, thread_name_prefix="shard-read-ahead")
         return self._pool.submit(read_shard, self._fs, shard)
 
     def _load(self, shard: ShardInfo, reading: Future[pa.Table]) -> RolloutBatch | None:

@@ -17,7 +17,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, build_environment, collect_group, ensure_server_limits
+from tasks.rollout import EnvSpec, collect_group, ensure_server_limits, environment_for
 
 
 async def settled(future) -> None:
@@ -90,8 +90,8 @@ async def rollout(
     # The flow's own environment instances hand out items (they own curriculum and sampling).
     sources: dict[str, Environment] = {}
     for spec in specs:
-        sources[spec.key] = build_environment(spec, servers[0], tokenizer)
-        await sources[spec.key].setup()
+        # The same cached instance the task runs on this loop use: setup() (data loading) runs once.
+        sources[spec.key] = await environment_for(spec, servers[0], tokenizer)
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
     busy = {server: 0 for server in servers}

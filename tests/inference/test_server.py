@@ -1,7 +1,5 @@
 """The live vLLM-CPU policy server: token ids in, token ids + logprobs out, parity with transformers."""
 
-import asyncio
-
 import httpx
 import pytest
 

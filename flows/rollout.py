@@ -154,6 +154,7 @@ async def rollout(
             # groups still being sampled are abandoned, never half-written.
             for task in in_flight:
                 task.cancel()
+    await progress.close()
     summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage)
     log.info("rollout finished: %s", summary["totals"])
     return summary

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -74,20 +75,36 @@ class RolloutStats:
 
 
 class Progress:
-    """A progress artifact updated at most once a second (each update is an API call)."""
+    """A progress artifact updated at most once a second (each update is an API call).
+
+    Updates come from concurrent group tasks, so they are serialized and always send the newest
+    count: an older count can never land after a newer one and leave the bar behind.
+    """
 
     def __init__(self, artifact_id, total: int | None):
         self.artifact_id = artifact_id
         self.total = total
+        self.done = 0
+        self._sent: int | None = None
         self._last = 0.0
+        self._lock = asyncio.Lock()
 
-    async def update(self, done: int) -> None:
-        now = time.monotonic()
-        if self.artifact_id is None or (now - self._last < 1.0 and done != self.total):
+    async def update(self, done: int, force: bool = False) -> None:
+        self.done = max(self.done, done)
+        if self.artifact_id is None:
             return
-        self._last = now
-        percent = 100.0 * done / self.total if self.total else 0.0
-        await update_progress_artifact(self.artifact_id, progress=percent, description=f"{done} groups done")
+        async with self._lock:
+            due = force or self.done == self.total or time.monotonic() - self._last >= 1.0
+            if not due or self._sent == self.done:
+                return
+            self._last, sent = time.monotonic(), self.done
+            percent = 100.0 * sent / self.total if self.total else 0.0
+            await update_progress_artifact(self.artifact_id, progress=percent, description=f"{sent} groups done")
+            self._sent = sent
+
+    async def close(self) -> None:
+        """Send the final count (the last update may have been throttled)."""
+        await self.update(self.done, force=True)
 
 
 async def progress_artifact(total: int | None) -> Progress:

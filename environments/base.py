@@ -25,6 +25,7 @@ class EnvironmentConfig(BaseModel):
 
     group_size: int = Field(default=4, ge=1, description="Sequences per group (GRPO's n).")
     max_tokens: int = Field(default=32, ge=1, description="Most tokens sampled per assistant turn.")
+    min_tokens: int = Field(default=0, ge=0, description="Fewest tokens per turn before EOS may end it.")
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int = Field(default=0, description="Seed of the item stream.")
@@ -120,7 +121,11 @@ class Environment(ABC):
         return self._renderer
 
     def sampling(self) -> dict[str, Any]:
-        return dict(max_tokens=self.config.max_tokens, temperature=self.config.temperature, top_p=self.config.top_p)
+        config = self.config
+        sampling = dict(max_tokens=config.max_tokens, temperature=config.temperature, top_p=config.top_p)
+        if config.min_tokens:
+            sampling["min_tokens"] = min(config.min_tokens, config.max_tokens)
+        return sampling
 
     def chat(self, messages: Messages) -> ChatSession:
         """A new multi-turn session whose prompt is rendered with the environment's template."""

@@ -102,6 +102,7 @@ class PolicyClient:
         *,
         n: int = 1,
         max_tokens: int = 64,
+        min_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
         stop: list[str] | None = None,
@@ -111,8 +112,8 @@ class PolicyClient:
         """Samples n continuations of a token-id prompt; never re-tokenizes any text."""
         if temperature == 0.0 and n > 1:
             # vLLM refuses n > 1 with greedy sampling; n identical requests give the same group.
-            single = dict(max_tokens=max_tokens, temperature=0.0, top_p=top_p, stop=stop,
-                          stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
+            single = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.0, top_p=top_p,
+                          stop=stop, stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
             batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
             return [completion for batch in batches for completion in batch]
         body = {
@@ -128,6 +129,8 @@ class PolicyClient:
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
         }
+        if min_tokens:
+            body["min_tokens"] = min_tokens
         if stop:
             body["stop"] = stop
         if stop_token_ids:

@@ -128,3 +128,15 @@ async def test_a_failing_rollout_is_recorded_not_raised(policy_server, tiny_mode
         env.rollout = None  # every rollout now fails -> a recorded failure, not an exception
         failure = await env.safe_collect(await env.get_item())
     assert failure.env == "guess_number" and "TypeError" in failure.error
+
+
+async def test_min_tokens_holds_off_eos(policy_server, tiny_model_dir):
+    # min_tokens = max_tokens: EOS cannot end a sample early, so every completion has the full length.
+    async with PolicyClient(policy_server.base_url) as client:
+        config = {"group_size": 8, "max_tokens": 24, "min_tokens": 24, "temperature": 1.0}
+        env = Arithmetic(config, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        assert env.sampling()["min_tokens"] == 24
+        group = await env.collect_trajectories(await env.get_item())
+    assert [s.num_trained_tokens for s in group.sequences] == [24] * 8
+    assert {s.finish_reason for s in group.sequences} == {"length"}

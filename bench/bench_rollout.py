@@ -1,7 +1,7 @@
 """Rollout flow throughput vs a bare asyncio client sending the same requests, in one run.
 
     python bench/bench_rollout.py [--server URL] [--groups 24] [--concurrency 8] [--rounds 3]
-                                  [--group-size 8] [--max-tokens 128,1024]
+                                  [--group-size 8] [--max-tokens 128,1024] [--groups-per-task 4]
 
 Without --server it builds the tiny model and starts a vLLM-CPU server. For each workload
 (max_tokens, with min_tokens equal so lengths are fixed) three sides send the same requests for the same Arithmetic prompts (/weight_info,
@@ -9,7 +9,8 @@ then one completion of n=group_size per group) at the same concurrency:
 
 - bare: the requests alone, from one asyncio loop with a semaphore;
 - env:  the environment's whole collect_trajectories (requests, decoding, scoring, validation);
-- flow: the Prefect rollout flow (task runs, states, shards, artifacts).
+- flow: the Prefect rollout flow (task runs, states, shards, artifacts), a task run per group;
+- flow_K_per_task: the same flow with K groups per task run (--groups-per-task).
 
 They alternate bare, env, flow for --rounds rounds so drift in the server's speed (on a shared VM,
 CPU steal) hits every side alike; ratios are of totals over all rounds, with the per-round spread.
@@ -114,12 +115,12 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
         return sum(await asyncio.gather(*(one(item) for item in items)))
 
 
-def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None) -> int:
+def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, per_task: int = 1) -> int:
     spec = env or EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)
     summary = asyncio.run(
         rollout(
             environments=[spec], servers=[url], storage=storage, run=run, tokenizer=tokenizer,
-            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=groups,
+            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=groups, groups_per_task=per_task,
         )  # fmt: skip
     )
     return summary["environments"][0]["trained tokens"]
@@ -184,6 +185,9 @@ def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
 
 def workload(url, tokenizer, storage, args, server_pids) -> dict:
     sides: dict[str, list[dict]] = {"bare": [], "env": [], "flow": []}
+    batched = f"flow_{args.groups_per_task}_per_task"
+    if args.groups_per_task > 1:
+        sides[batched] = []
     for round_ in range(args.rounds):
         run = f"bench-{CONFIG['max_tokens']}-{round_}"
         phases = {
@@ -191,6 +195,10 @@ def workload(url, tokenizer, storage, args, server_pids) -> dict:
             "env": lambda: asyncio.run(bare(url, tokenizer, args.groups, args.concurrency, score=True)),
             "flow": lambda: flow_run(url, tokenizer, args.groups, args.concurrency, storage, run),  # noqa: B023
         }
+        if args.groups_per_task > 1:
+            phases[batched] = lambda: flow_run(  # noqa: E731
+                url, tokenizer, args.groups, args.concurrency, storage, run + "-batched", per_task=args.groups_per_task  # noqa: B023
+            )
         for side, phase in phases.items():
             settle()
             sides[side].append(measured(phase, server_pids))
@@ -208,6 +216,7 @@ def workload(url, tokenizer, storage, args, server_pids) -> dict:
         "bare_tokens_per_s": round(rate["bare"], 1),
         "env_tokens_per_s": round(rate["env"], 1),
         "flow_tokens_per_s": round(rate["flow"], 1),
+        **({f"{batched}_tokens_per_s": round(rate[batched], 1), f"ratio_{batched}": round(rate[batched] / rate["bare"], 3)} if batched in rate else {}),
         # The issue's ratio: the flow vs bare requests (holds the environment's own work as well).
         "ratio_tokens_per_s": round(rate["flow"] / rate["bare"], 3),
         "ratio_per_round": per_round,
@@ -232,6 +241,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
+    parser.add_argument("--groups-per-task", type=int, default=4, help="also run the flow with this many groups per task run (1: skip)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-rollout-"))
     server = None

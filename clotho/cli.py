@@ -127,6 +127,7 @@ def rollout(
     max_policy_lag: int = typer.Option(None, help="Wait while the trainer lags more versions than this."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
     server_concurrency: int = typer.Option(None, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
+    groups_per_task: int = typer.Option(1, help="Items per Prefect task run; more divide its per-task cost for very short groups."),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
     import asyncio
@@ -153,7 +154,7 @@ def rollout(
             servers=server, storage=storage, run=run, tokenizer=tokenizer, groups=groups or None,
             max_concurrent_groups=max_concurrent_groups, shard_max_groups=shard_max_groups,
             shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag, distributed=bool(dask),
-            server_concurrency=server_concurrency,
+            server_concurrency=server_concurrency, groups_per_task=groups_per_task,
         )  # fmt: skip
     )
     typer.echo(f"done: {summary['totals']}")

@@ -17,7 +17,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, collect_group, ensure_server_limits, environment_for
+from tasks.rollout import EnvSpec, collect_groups, ensure_server_limits, environment_for
 
 
 async def settled(future) -> None:
@@ -32,6 +32,20 @@ async def settled(future) -> None:
 
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(wake))
     await done
+
+
+def check_batching(groups_per_task: int, max_concurrent_groups: int, server_concurrency: int | None) -> None:
+    if max_concurrent_groups < 1:
+        raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")
+    if not 1 <= groups_per_task <= max_concurrent_groups:
+        raise ValueError(
+            f"groups_per_task={groups_per_task}: use 1..max_concurrent_groups ({max_concurrent_groups})"
+        )
+    if server_concurrency is not None and groups_per_task > server_concurrency:
+        raise ValueError(
+            f"groups_per_task={groups_per_task} exceeds server_concurrency={server_concurrency}: a task run "
+            "holds a slot per group, so it could never start; lower groups_per_task or raise server_concurrency"
+        )
 
 
 async def wait_for_trainer(storage: str, run: str, max_policy_lag: int, poll_s: float, log) -> None:
@@ -71,6 +85,7 @@ async def rollout(
     seed: int = 0,
     distributed: bool = False,
     server_concurrency: int | None = None,
+    groups_per_task: int = 1,
 ) -> dict[str, Any]:
     """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
 
@@ -80,12 +95,15 @@ async def rollout(
     with `rollout.with_options(task_runner=...)` to spread them over a cluster).
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a
     Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
-    groups=None runs until cancelled. Environments are mixed by weight; each group goes to the least
-    busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
+    groups_per_task: items of one environment per task run (default 1, a task run per group); more
+    divide Prefect's per-task-run cost among them when groups take well under a second.
+    groups=None runs until cancelled. Environments are mixed by weight; each task run goes to the
+    least busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
     """
     log = get_run_logger()
     if not environments or not servers:
         raise ValueError("rollout needs at least one environment and one server URL")
+    check_batching(groups_per_task, max_concurrent_groups, server_concurrency)
     specs = [spec if isinstance(spec, EnvSpec) else EnvSpec.model_validate(spec) for spec in environments]
     # The flow's own environment instances hand out items (they own curriculum and sampling).
     sources: dict[str, Environment] = {}
@@ -101,25 +119,32 @@ async def rollout(
     finished = 0
     exhausted: set[str] = set()
 
-    async def one(spec: EnvSpec, item: Item, server: str) -> None:
-        nonlocal finished
-        busy[server] += 1
+    pending = 0  # groups in task runs not yet finished
+
+    async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:
+        nonlocal finished, pending
+        busy[server] += len(items)
         try:
             if distributed:
-                future = collect_group.submit(spec, item, server, tokenizer, limits.get(server))
+                future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
                 await settled(future)
-                result: ScoredGroup | RolloutFailure = future.result()
+                results: list[ScoredGroup | RolloutFailure] = future.result()
             else:
-                result = await collect_group(spec, item, server, tokenizer, limits.get(server))
-        except Exception as error:  # retries exhausted (server unreachable): a recorded failure
-            result = RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}")
+                results = await collect_groups(spec, items, server, tokenizer, limits.get(server))
+        except Exception as error:  # retries exhausted (server unreachable): recorded failures
+            message = f"{type(error).__name__}: {error}"
+            results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=message) for item in items]
         finally:
-            busy[server] -= 1
-        stats[spec.key].add(result)
-        if isinstance(result, ScoredGroup):
-            for url in await asyncio.to_thread(writer.add, result):
-                emit_shard_event(url, run, result.env)
-        finished += 1
+            busy[server] -= len(items)
+            pending -= len(items)
+        for result in results:
+            stats[spec.key].add(result)
+        scored = [result for result in results if isinstance(result, ScoredGroup)]
+        if scored:
+            urls = await asyncio.to_thread(lambda: [url for group in scored for url in writer.add(group)])
+            for url in urls:
+                emit_shard_event(url, run, scored[0].env)
+        finished += len(results)
         await progress.update(finished)
 
     in_flight: set[asyncio.Task] = set()
@@ -135,18 +160,25 @@ async def rollout(
                     break
                 if max_policy_lag is not None:
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
-                while len(in_flight) >= max_concurrent_groups:
+                size = groups_per_task if groups is None else min(groups_per_task, groups - started)
+                while pending + size > max_concurrent_groups:
                     _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for url in await asyncio.to_thread(writer.flush_if_due):
                         emit_shard_event(url, run, None)
                 spec = rng.choices(live, weights=[s.weight for s in live])[0]
-                item = await sources[spec.key].get_item()
-                if item is None:
-                    exhausted.add(spec.key)
+                items: list[Item] = []
+                while len(items) < size:
+                    item = await sources[spec.key].get_item()
+                    if item is None:
+                        exhausted.add(spec.key)
+                        break
+                    items.append(item)
+                if not items:
                     continue
                 server = min(servers, key=busy.__getitem__)
-                in_flight.add(asyncio.create_task(one(spec, item, server)))
-                started += 1
+                pending += len(items)
+                in_flight.add(asyncio.create_task(run_task(spec, items, server)))
+                started += len(items)
             if in_flight:
                 await asyncio.gather(*in_flight)
         finally:

@@ -128,3 +128,29 @@ def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, polic
     limit = api(prefect_server, "GET", f"/v2/concurrency_limits/{server_limit_name(policy_server.base_url)}").json()
     assert limit["limit"] == 2 and limit["active_slots"] == 0  # every slot given back
     assert worker_pids and os.getpid() not in worker_pids  # a real worker process, not this one
+
+
+def test_several_groups_per_task_run(prefect_server, policy_server, tiny_model_dir, tmp_path):
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.rollout import rollout
+    from tasks.rollout import EnvSpec
+
+    storage = f"file://{tmp_path}/store"
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        summary = asyncio.run(
+            rollout(
+                environments=[EnvSpec(import_path="environments.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
+                servers=[policy_server.base_url], storage=storage, run="batched", tokenizer=str(tiny_model_dir),
+                groups=7, max_concurrent_groups=6, groups_per_task=3,
+            )  # fmt: skip
+        )
+    assert summary["totals"]["groups"] == 7 and summary["totals"]["failures"] == 0
+    groups = list(ShardReader(storage, "batched").groups())
+    assert len(groups) == 7 and len({g.item_id for g in groups}) == 7
+    flow_run_id = next(r["id"] for r in api(prefect_server, "POST", "/flow_runs/filter", json={}).json() if r["parameters"].get("run") == "batched")
+    names = sorted(t["name"] for t in api(prefect_server, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json())
+    assert len(names) == 3, names  # 3 + 3 + 1 items
+    assert sum(name.endswith(" +2") for name in names) == 2, names

@@ -32,6 +32,9 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+if "PREFECT_API_URL" not in os.environ:
+    # The ephemeral server gets a database of its own: every run starts from the same empty state.
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clotho-bench-prefect-"))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import psutil  # noqa: E402

@@ -74,15 +74,19 @@ class Instant(Environment):
         return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
 
 
+def process_cpu_seconds(proc: psutil.Process) -> float:
+    """User + system CPU of one process."""
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU of these processes and all their children."""
     total = 0.0
     for pid in pids:
         try:
             root = psutil.Process(pid)
-            for proc in [root, *root.children(recursive=True)]:
-                times = proc.cpu_times()
-                total += times.user + times.system
+            total += sum(process_cpu_seconds(proc) for proc in [root, *root.children(recursive=True)])
         except psutil.NoSuchProcess:
             continue
     return total
@@ -129,18 +133,14 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     return summary["environments"][0]["trained tokens"]
 
 
-def own_cpu_seconds() -> float:
-    times = psutil.Process().cpu_times()
-    return times.user + times.system
-
-
 def measured(fn, server: list[int]) -> dict[str, float]:
     """Runs one phase; wall time, tokens, and CPU by this process, by its children (the ephemeral
     Prefect server) and by the policy server."""
-    own0, tree0, srv0 = own_cpu_seconds(), cpu_seconds([os.getpid()]), cpu_seconds(server)
+    me = psutil.Process()
+    own0, tree0, srv0 = process_cpu_seconds(me), cpu_seconds([os.getpid()]), cpu_seconds(server)
     steal0, start = steal_seconds(), time.perf_counter()
     tokens = fn()
-    own, tree = own_cpu_seconds() - own0, cpu_seconds([os.getpid()]) - tree0
+    own, tree = process_cpu_seconds(me) - own0, cpu_seconds([os.getpid()]) - tree0
     return {
         "seconds": time.perf_counter() - start,
         "tokens": tokens,

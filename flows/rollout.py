@@ -119,11 +119,9 @@ async def rollout(
     finished = 0
     exhausted: set[str] = set()
 
-    pending = 0  # groups in task runs not yet finished
-
     async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:
-        nonlocal finished, pending
-        busy[server] += len(items)
+        """Runs one task run whose groups the caller already counted in busy[server]."""
+        nonlocal finished
         try:
             if distributed:
                 future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
@@ -136,7 +134,6 @@ async def rollout(
             results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=message) for item in items]
         finally:
             busy[server] -= len(items)
-            pending -= len(items)
         for result in results:
             stats[spec.key].add(result)
         scored = [result for result in results if isinstance(result, ScoredGroup)]
@@ -161,7 +158,7 @@ async def rollout(
                 if max_policy_lag is not None:
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
                 size = groups_per_task if groups is None else min(groups_per_task, groups - started)
-                while pending + size > max_concurrent_groups:
+                while sum(busy.values()) + size > max_concurrent_groups:
                     _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                     for url in await asyncio.to_thread(writer.flush_if_due):
                         emit_shard_event(url, run, None)
@@ -176,7 +173,7 @@ async def rollout(
                 if not items:
                     continue
                 server = min(servers, key=busy.__getitem__)
-                pending += len(items)
+                busy[server] += len(items)  # counted now, so the next pick and the wait see it
                 in_flight.add(asyncio.create_task(run_task(spec, items, server)))
                 started += len(items)
             if in_flight:

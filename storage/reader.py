@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # two in flight keep two cores busy, as a pyarrow.dataset scan does.
 READ_AHEAD = 2
 
+
 class TokenizerMismatchError(Exception):
     """A shard was tokenized by another tokenizer than the trainer's; its token ids mean other things."""
 
@@ -157,8 +158,8 @@ class ShardReader:
 
     def _read_ahead(self, shards: list[ShardInfo]) -> Iterator[RolloutBatch]:
         """The shards' batches in order, reading (and decoding) the next READ_AHEAD shards in threads
-        while the caller works on this one, so storage latency (an S3 GET) hides behind training. A read-ahead left over when
-        the caller stopped early is kept for the next pass."""
+        while the caller works on this one, so storage latency (an S3 GET) hides behind training. A
+        read-ahead left over when the caller stopped early is kept for the next pass."""
         wanted = {shard.name for shard in shards}
         for name in [name for name in self._ahead if name not in wanted]:
             self._ahead.pop(name).cancel()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, collect_groups, ensure_server_limits, environment_for
+from tasks.rollout import EnvSpec, collect_groups, ensure_server_limits, environment_for, hand_over_to
 
 
 async def settled(future) -> None:
@@ -32,6 +33,24 @@ async def settled(future) -> None:
 
     future.add_done_callback(lambda _: loop.call_soon_threadsafe(wake))
     await done
+
+
+async def to_the_end(awaitable):
+    """Awaits `awaitable` to completion even if the caller is cancelled meanwhile, then passes the
+    cancel on: storing groups that already finished must not be cut short by Ctrl-C."""
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise  # the awaitable itself was cancelled
+            cancelled = True
+            continue
+        if cancelled:
+            raise asyncio.CancelledError
+        return result
 
 
 def check_batching(groups_per_task: int, max_concurrent_groups: int, server_concurrency: int | None) -> None:
@@ -119,29 +138,46 @@ async def rollout(
     finished = 0
     exhausted: set[str] = set()
 
+    async def store(spec: EnvSpec, results: list[ScoredGroup | RolloutFailure]) -> None:
+        nonlocal finished
+        for result in results:
+            stats[spec.key].add(result)
+        scored = [result for result in results if isinstance(result, ScoredGroup)]
+        if scored:
+            for url in await asyncio.to_thread(writer.add_many, scored):
+                emit_shard_event(url, run, scored[0].env)
+        finished += len(results)
+
     async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:
         """Runs one task run whose groups the caller already counted in busy[server]."""
-        nonlocal finished
+        handed_over: list[ScoredGroup | RolloutFailure] = []
+        future = None
         try:
-            if distributed:
-                future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
-                await settled(future)
-                results: list[ScoredGroup | RolloutFailure] = future.result()
-            else:
-                results = await collect_groups(spec, items, server, tokenizer, limits.get(server))
+            with hand_over_to(handed_over.extend):
+                if distributed:
+                    future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
+                    await settled(future)
+                    results: list[ScoredGroup | RolloutFailure] = future.result()
+                else:
+                    results = await collect_groups(spec, items, server, tokenizer, limits.get(server))
+        except asyncio.CancelledError:
+            # Cancelled after the groups were sampled (Prefect may already show the task run
+            # Completed): they are stored before the cancel goes on; unfinished ones are abandoned.
+            if not handed_over and future is not None:
+                if future.wrapped_future.done():
+                    with contextlib.suppress(Exception):
+                        handed_over = future.result(timeout=0)  # finished on another worker
+                else:
+                    future.wrapped_future.cancel()  # one still queued never starts
+            if handed_over:
+                await to_the_end(store(spec, handed_over))
+            raise
         except Exception as error:  # retries exhausted (server unreachable): recorded failures
             message = f"{type(error).__name__}: {error}"
             results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=message) for item in items]
         finally:
             busy[server] -= len(items)
-        for result in results:
-            stats[spec.key].add(result)
-        scored = [result for result in results if isinstance(result, ScoredGroup)]
-        if scored:
-            urls = await asyncio.to_thread(lambda: [url for group in scored for url in writer.add(group)])
-            for url in urls:
-                emit_shard_event(url, run, scored[0].env)
-        finished += len(results)
+        await to_the_end(store(spec, results))
         await progress.update(finished)
 
     in_flight: set[asyncio.Task] = set()
@@ -159,7 +195,9 @@ async def rollout(
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
                 size = groups_per_task if groups is None else min(groups_per_task, groups - started)
                 while sum(busy.values()) + size > max_concurrent_groups:
-                    _, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()  # a failed store (storage down) stops the flow, never silently
                     for url in await asyncio.to_thread(writer.flush_if_due):
                         emit_shard_event(url, run, None)
                 spec = rng.choices(live, weights=[s.weight for s in live])[0]
@@ -179,10 +217,12 @@ async def rollout(
             if in_flight:
                 await asyncio.gather(*in_flight)
         finally:
-            # Cancelled (UI, Ctrl-C) or failed: finished groups are flushed by the writer's exit;
-            # groups still being sampled are abandoned, never half-written.
+            # Cancelled (UI, Ctrl-C) or failed: groups still being sampled are abandoned, never
+            # half-written; every finished group is handed to the writer first (the wait below,
+            # which a second cancel cannot cut short), then flushed by the writer's exit.
             for task in in_flight:
                 task.cancel()
+            await to_the_end(asyncio.gather(*in_flight, return_exceptions=True))
     await progress.close()
     summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage)
     log.info("rollout finished: %s", summary["totals"])

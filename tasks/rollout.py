@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import functools
 import json
 import re
 import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import get_client, task
@@ -60,6 +63,31 @@ async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str) -> Env
     return per_loop[key]
 
 
+# Where a task run on the flow's own event loop hands its results the moment it has them. Prefect
+# records the task run Completed before the call returns to the flow; a cancel landing in between
+# (Ctrl-C, the UI's Cancel) would otherwise lose groups the UI already shows as finished.
+_hand_over: contextvars.ContextVar[Callable[[list], None] | None] = contextvars.ContextVar(
+    "clotho_hand_over", default=None
+)
+
+
+@contextlib.contextmanager
+def hand_over_to(receive: Callable[[list], None]) -> Iterator[None]:
+    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
+    soon as sampling and scoring finish, before Prefect finishes the task run."""
+    token = _hand_over.set(receive)
+    try:
+        yield
+    finally:
+        _hand_over.reset(token)
+
+
+def _receiver() -> Callable[[list], None] | None:
+    # A function, not the ContextVar itself, in the task's code: Dask pickles the task function by
+    # value and a ContextVar cannot be pickled; this function pickles by reference.
+    return _hand_over.get()
+
+
 def _task_run_name(parameters: dict[str, Any]) -> str:
     """'environments.arithmetic:Arithmetic:0-17', or '...:0-17 +3' for a task run of 4 groups."""
     items = parameters["items"]
@@ -96,6 +124,8 @@ async def collect_groups(
         for result in results:
             if isinstance(result, BaseException):
                 raise result  # the server is unreachable: retry the task run
+        if (receive := _receiver()) is not None:
+            receive(list(results))
         return list(results)
 
     if server_limit is None:

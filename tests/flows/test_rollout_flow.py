@@ -13,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from environments.base import Environment, EnvironmentConfig, Item
+from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.inspection import verify
 from storage.reader import ShardReader
 
@@ -93,6 +95,76 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
     assert len(groups) >= done, output[-3000:]
     assert len({g.group_id for g in groups}) == len(groups)
     assert all(not check.problems for check in verify(f"{storage}/cancelled"))
+
+
+class Instant(Environment):
+    """Groups without inference: task runs finish as fast as Prefect can run them."""
+
+    name = "instant"
+    config_class = EnvironmentConfig
+
+    async def setup(self) -> None:
+        self.count = 0
+
+    async def get_item(self) -> Item:
+        self.count += 1
+        return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
+
+    def score(self, item: Item, completion: str) -> float:
+        return 1.0
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=1.0)
+        return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
+    prefect_server, tiny_model_dir, tmp_path, monkeypatch, distributed
+):
+    """The window the Ctrl-C test above hits only by chance: Prefect has recorded a task run
+    Completed (the UI shows it), its results are not back in the flow yet, and the cancel lands."""
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.task_engine import AsyncTaskRunEngine
+
+    from flows.rollout import rollout
+    from tasks.rollout import EnvSpec
+
+    flow_task, completed = None, []
+    original = AsyncTaskRunEngine.set_state
+
+    async def set_state(self, state, force=False):
+        new_state = await original(self, state, force)
+        if new_state.is_completed() and self.task.name == "collect-groups":
+            completed.extend(item.id for item in self.parameters["items"])
+            if len(completed) == 5:  # submitted task runs run in a worker thread's own loop
+                flow_task.get_loop().call_soon_threadsafe(flow_task.cancel)
+        return new_state
+
+    monkeypatch.setattr(AsyncTaskRunEngine, "set_state", set_state)
+    storage = f"file://{tmp_path}/store"
+
+    async def main():
+        nonlocal flow_task
+        flow_task = asyncio.current_task()
+        await rollout(
+            environments=[EnvSpec(import_path=f"{__name__}:Instant", config={"group_size": 2})],
+            servers=["http://127.0.0.1:9"], storage=storage, run="window", tokenizer=str(tiny_model_dir),
+            groups=None, max_concurrent_groups=4, distributed=distributed,
+        )  # fmt: skip
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(main())
+    stored = [g.item_id for g in ShardReader(storage, "window").groups()]
+    assert len(stored) == len(set(stored))  # none twice
+    # In the flow's own loop a cancelled task run stops, so every Completed one is stored. A task
+    # run submitted to a worker (a thread here) cannot be stopped mid-run and may finish after the
+    # flow is gone; those that completed before the cancel are stored.
+    finished_before_cancel = completed if not distributed else completed[:5]
+    assert set(finished_before_cancel) <= set(stored), (completed, stored)
 
 
 def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, policy_server, tiny_model_dir, tmp_path, monkeypatch):

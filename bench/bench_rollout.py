@@ -40,8 +40,7 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 import psutil  # noqa: E402
 
 from environments.arithmetic import Arithmetic  # noqa: E402
-from environments.base import Environment, EnvironmentConfig, Item  # noqa: E402
-from environments.scored_group import ScoredGroup, ScoredSequence  # noqa: E402
+from environments.instant import Instant  # noqa: E402
 from flows.rollout import rollout  # noqa: E402
 from inference.client import PolicyClient  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
@@ -51,27 +50,6 @@ from tasks.rollout import EnvSpec  # noqa: E402
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
 CONFIG = {"group_size": 8, "max_tokens": 128, "min_tokens": 128, "temperature": 1.0}
-
-
-class Instant(Environment):
-    """No inference: a fixed valid group, so timing it through the flow shows orchestration alone."""
-
-    name = "instant"
-    config_class = EnvironmentConfig
-
-    async def setup(self) -> None:
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
-        return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
-
-    def score(self, item: Item, completion: str) -> float:
-        return 1.0
-
-    async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=1.0)
-        return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
 
 
 def process_cpu_seconds(proc: psutil.Process) -> float:
@@ -165,7 +143,7 @@ def settle(max_s: float = 30.0) -> None:
 def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
     """Per-task orchestration latency: an instant environment through the flow at concurrency 1
     (every task waits for the previous one) vs the same calls in a plain loop."""
-    spec = EnvSpec(import_path="bench_rollout:Instant", config={"group_size": 8})
+    spec = EnvSpec(import_path="environments.instant:Instant", config={"group_size": 8})
 
     async def direct() -> None:
         env = Instant(spec.config, client=PolicyClient("http://127.0.0.1:9"), tokenizer=tokenizer)

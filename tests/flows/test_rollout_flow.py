@@ -13,8 +13,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from environments.base import Environment, EnvironmentConfig, Item
-from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.inspection import verify
 from storage.reader import ShardReader
 
@@ -97,27 +95,6 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
     assert all(not check.problems for check in verify(f"{storage}/cancelled"))
 
 
-class Instant(Environment):
-    """Groups without inference: task runs finish as fast as Prefect can run them."""
-
-    name = "instant"
-    config_class = EnvironmentConfig
-
-    async def setup(self) -> None:
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
-        return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
-
-    def score(self, item: Item, completion: str) -> float:
-        return 1.0
-
-    async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=1.0)
-        return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
-
-
 @pytest.mark.parametrize("distributed", [False, True])
 def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
     prefect_server, tiny_model_dir, tmp_path, monkeypatch, distributed
@@ -150,7 +127,7 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
         nonlocal flow_task
         flow_task = asyncio.current_task()
         await rollout(
-            environments=[EnvSpec(import_path=f"{__name__}:Instant", config={"group_size": 2})],
+            environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
             servers=["http://127.0.0.1:9"], storage=storage, run="window", tokenizer=str(tiny_model_dir),
             groups=None, max_concurrent_groups=4, distributed=distributed,
         )  # fmt: skip

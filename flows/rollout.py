@@ -109,7 +109,7 @@ async def rollout(
     """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
 
     Inference is I/O-bound, so by default each group is an async task run awaited on the flow's
-    event loop: about 20 ms of orchestration per group and one shared connection pool. With
+    event loop: about 12 ms of orchestration latency per group and one shared connection pool. With
     distributed=True groups are submitted to the flow's task runner instead (set a DaskTaskRunner
     with `rollout.with_options(task_runner=...)` to spread them over a cluster).
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a

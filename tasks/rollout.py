@@ -109,7 +109,7 @@ async def collect_groups(
     """Inference and scoring of each item into one group; the items' groups are sampled concurrently.
 
     One item per task run is the default: a task run is a group in the UI. Several items per task
-    run divide Prefect's per-task cost (about 16 ms of latency and 25 ms of CPU, see the README)
+    run divide Prefect's per-task cost (about 12 ms of latency and 30 ms of CPU, see the README)
     among them, for groups so short that this cost shows.
 
     An unreachable server is raised so Prefect retries the task with backoff; anything else an

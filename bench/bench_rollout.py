@@ -240,7 +240,14 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
     parser.add_argument("--groups-per-task", type=int, default=4, help="also run the flow with this many groups per task run (1: skip)")
+    parser.add_argument(
+        "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
+        "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.cpus:
+        cpus = {int(cpu) for cpu in args.cpus.split(",")}
+        os.sched_setaffinity(0, cpus)  # inherited by the Prefect server subprocess
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-rollout-"))
     server = None
     tokenizer = args.tokenizer
@@ -257,7 +264,7 @@ def main() -> None:
         storage = f"file://{workdir}/store"
         flow_run(url, tokenizer, 2, 2, storage, "warmup")  # starts the Prefect server, loads code
         asyncio.run(bare(url, tokenizer, 2, 2))
-        report = {"concurrency": args.concurrency, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
+        report = {"concurrency": args.concurrency, "cpus": args.cpus, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
         workloads = [int(m) for m in args.max_tokens.split(",")]
         groups = [int(g) for g in args.groups.split(",")]
         if len(groups) != len(workloads):

@@ -245,6 +245,11 @@ def main() -> None:
         "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",
     )  # fmt: skip
     args = parser.parse_args()
+    # Checked before anything starts (a vLLM server, the warmup), not minutes later.
+    workloads = [int(m) for m in args.max_tokens.split(",")]
+    groups = [int(g) for g in args.groups.split(",")]
+    if len(groups) != len(workloads):
+        parser.error(f"--groups {args.groups}: give one count per --max-tokens workload ({args.max_tokens})")
     if args.cpus:
         cpus = {int(cpu) for cpu in args.cpus.split(",")}
         os.sched_setaffinity(0, cpus)  # inherited by the Prefect server subprocess
@@ -265,10 +270,6 @@ def main() -> None:
         flow_run(url, tokenizer, 2, 2, storage, "warmup")  # starts the Prefect server, loads code
         asyncio.run(bare(url, tokenizer, 2, 2))
         report = {"concurrency": args.concurrency, "cpus": args.cpus, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
-        workloads = [int(m) for m in args.max_tokens.split(",")]
-        groups = [int(g) for g in args.groups.split(",")]
-        if len(groups) != len(workloads):
-            parser.error(f"--groups {args.groups}: give one count per --max-tokens workload ({args.max_tokens})")
         for max_tokens, groups_per_phase in zip(workloads, groups, strict=True):
             CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
             report["workloads"].append(workload(url, tokenizer, storage, args, server_pids, groups_per_phase))

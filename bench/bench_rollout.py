@@ -30,7 +30,10 @@ import argparse
 import asyncio
 import json
 import os
+import re
+import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -40,6 +43,7 @@ if "PREFECT_API_URL" not in os.environ:
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clotho-bench-prefect-"))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
+import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from environments.arithmetic import Arithmetic  # noqa: E402
@@ -96,8 +100,8 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
                 if score:
                     group = await env.collect_trajectories(item)
                     return sum(s.num_trained_tokens for s in group.sequences)
-                await client.weight_version()  # the environment stamps every group with it
-                prompt_ids, completions = await env.sample_chat(item.prompt)
+                # The environment stamps every group with the version, read as sampling starts.
+                _, (prompt_ids, completions) = await asyncio.gather(client.weight_version(), env.sample_chat(item.prompt))
             return sum(len(c.token_ids) for c in completions)
 
         return sum(await asyncio.gather(*(one(item) for item in items)))
@@ -117,14 +121,15 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     return summary["environments"][0]["trained tokens"], summary["totals"]["seconds"]
 
 
-def measured(fn, server: list[int]) -> dict[str, float]:
+def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
     """Runs one phase; wall time, running time (fn returns tokens or (tokens, running seconds)),
     tokens, and CPU by this process, by its children (the ephemeral Prefect server) and by the
     policy server."""
     me = psutil.Process()
     own0, tree0, srv0 = process_cpu_seconds(me), cpu_seconds([os.getpid()]), cpu_seconds(server)
     steal0, start = steal_seconds(), time.perf_counter()
-    result = fn()
+    with ServerLoad(url) as load:
+        result = fn()
     seconds = time.perf_counter() - start
     tokens, running = result if isinstance(result, tuple) else (result, seconds)
     own, tree = process_cpu_seconds(me) - own0, cpu_seconds([os.getpid()]) - tree0
@@ -136,7 +141,53 @@ def measured(fn, server: list[int]) -> dict[str, float]:
         "prefect_server_cpu": tree - own,
         "vllm_cpu": cpu_seconds(server) - srv0,
         "steal": steal_seconds() - steal0,
+        # Time-weighted over the phase by summing: mean requests running x seconds.
+        "running_requests_s": load.mean_running * seconds,
+        **{f"core{i}_busy": busy for i, busy in enumerate(load.core_busy)},
     }
+
+
+class ServerLoad:
+    """Samples the policy server's requests running (vLLM's /metrics gauge) and each core's busy
+    time while a phase runs: a side that keeps fewer requests in flight loses by latency, one that
+    keeps as many but is slower loses to CPU contention."""
+
+    def __init__(self, url: str | None, interval_s: float = 0.25):
+        self.url, self.interval_s = url, interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=5.0) as http:
+            while not self._stop.wait(self.interval_s):
+                try:
+                    text = http.get(f"{self.url}/metrics").text
+                except httpx.HTTPError:
+                    continue
+                match = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+                if match:
+                    self.samples.append(float(match.group(1)))
+
+    def __enter__(self) -> ServerLoad:
+        self._cores0 = psutil.cpu_times(percpu=True)
+        if self.url:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.url:
+            self._thread.join()
+        cores = psutil.cpu_times(percpu=True)
+        self.core_busy = [
+            (sum(c1) - c1.idle - c1.iowait - c1.steal) - (sum(c0) - c0.idle - c0.iowait - c0.steal)
+            for c0, c1 in zip(self._cores0, cores, strict=True)
+        ]
+
+    @property
+    def mean_running(self) -> float:
+        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
 
 
 def settle(max_s: float = 30.0) -> None:
@@ -194,7 +245,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
             )
         for side, phase in phases.items():
             settle()
-            sides[side].append(measured(phase, server_pids))
+            sides[side].append(measured(phase, server_pids, url))
     total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
     rate = {side: t["tokens"] / t["running"] for side, t in total.items()}
     end_to_end = {side: t["tokens"] / t["seconds"] for side, t in total.items()}
@@ -215,6 +266,8 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         # while the flow runs groups, as a continuous rollout does.
         "ratio_tokens_per_s": round(rate["flow"] / rate["bare"], 3),
         "ratio_per_round": per_round,
+        # Robust to a round where the VM's speed swung (a phase 2x slower than its neighbours).
+        "ratio_median_of_rounds": round(statistics.median(per_round), 3),
         "ratio_groups_per_s": round(total["bare"]["running"] / total["flow"]["running"], 3),
         # The same with the flow run's start and final report counted (paid once per flow run).
         "ratio_end_to_end": round(end_to_end["flow"] / end_to_end["bare"], 3),
@@ -224,6 +277,12 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "client_cpu_ms_per_group": {side: round(1000 * t["client_cpu"] / groups, 1) for side, t in total.items()},
         "prefect_server_cpu_ms_per_group": round(1000 * total["flow"]["prefect_server_cpu"] / groups, 1),
         "vllm_cpu_s": {side: round(t["vllm_cpu"], 1) for side, t in total.items()} if server_pids else None,
+        # Requests the server ran at once, on average (the target: concurrency x group size), and
+        # each core's busy share of the phase: where the flow's time goes on a small machine.
+        "mean_requests_running": {side: round(t["running_requests_s"] / t["seconds"], 1) for side, t in total.items()},
+        "core_busy_share": {
+            side: [round(t[key] / t["seconds"], 2) for key in sorted(t) if key.startswith("core")] for side, t in total.items()
+        },
         "steal_s": {side: round(t["steal"], 2) for side, t in total.items()},
         "seconds": {side: round(t["seconds"], 2) for side, t in total.items()},
     }
@@ -244,6 +303,10 @@ def main() -> None:
         "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
         "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",
     )  # fmt: skip
+    parser.add_argument(
+        "--nice", type=int, default=0, help="run this process and its Prefect server at this niceness (every side "
+        "alike), so the policy server's threads preempt the clients and orchestration on a shared core",
+    )  # fmt: skip
     args = parser.parse_args()
     # Checked before anything starts (a vLLM server, the warmup), not minutes later.
     workloads = [int(m) for m in args.max_tokens.split(",")]
@@ -253,6 +316,8 @@ def main() -> None:
     if args.cpus:
         cpus = {int(cpu) for cpu in args.cpus.split(",")}
         os.sched_setaffinity(0, cpus)  # inherited by the Prefect server subprocess
+    if args.nice:
+        os.nice(args.nice)  # inherited by the Prefect server subprocess
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-rollout-"))
     server = None
     tokenizer = args.tokenizer
@@ -269,7 +334,7 @@ def main() -> None:
         storage = f"file://{workdir}/store"
         flow_run(url, tokenizer, 2, 2, storage, "warmup")  # starts the Prefect server, loads code
         asyncio.run(bare(url, tokenizer, 2, 2))
-        report = {"concurrency": args.concurrency, "cpus": args.cpus, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
+        report = {"concurrency": args.concurrency, "cpus": args.cpus, "nice": args.nice, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
         for max_tokens, groups_per_phase in zip(workloads, groups, strict=True):
             CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
             report["workloads"].append(workload(url, tokenizer, storage, args, server_pids, groups_per_phase))

@@ -47,8 +47,7 @@ class Arithmetic(Environment):
         return f"{item.answer}"
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        version = await self.client.weight_version()
-        prompt_ids, completions = await self.sample_chat(item.prompt)
+        version, (prompt_ids, completions) = await self.with_policy_version(self.sample_chat(item.prompt))
         sequences = []
         for c in completions:
             text = self.renderer.decode(c.token_ids)

@@ -7,13 +7,16 @@ import importlib
 import logging
 import traceback
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Coroutine
+from collections.abc import Awaitable
+from typing import Any, ClassVar, Coroutine, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from inference.client import Completion, PolicyClient, PolicyServerUnreachable
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +145,24 @@ class Environment(ABC):
         prompt_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         completions = await self.client.complete(prompt_ids, n=n or self.config.group_size, **self.sampling())
         return prompt_ids, completions
+
+    async def with_policy_version(self, sampling: Awaitable[T]) -> tuple[int, T]:
+        """The served policy version and the result of `sampling`, e.g.
+        `version, (prompt_ids, completions) = await self.with_policy_version(self.sample_chat(msgs))`.
+
+        The version is read while sampling starts, in parallel: a read before it would hold every
+        group back by a round-trip that, on a busy server, waits for an engine step (0.05-0.35 s
+        here against 2 s groups). The stamp is as exact either way: a reload pauses the server and
+        drains the requests in flight, so only one that arrives during the pause can run on newer
+        weights than it was stamped with, whichever order the two requests go in.
+        """
+        version = asyncio.ensure_future(self.client.weight_version())
+        try:
+            result = await sampling
+        except BaseException:
+            version.cancel()
+            raise
+        return await version, result  # errors keep their type (an unreachable server is retried)
 
     async def gather_sequences(self, rollouts: list[Coroutine[Any, Any, ScoredSequence]]) -> tuple[list[ScoredSequence], list[str]]:
         """Runs rollouts concurrently; a failed one is recorded as an error string, not raised."""

@@ -70,6 +70,6 @@ class GuessNumber(Environment):
         return session.to_sequence(reward, extras={"turns": session.trajectory.turns})
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        version = await self.client.weight_version()
-        sequences, errors = await self.gather_sequences([self.rollout(item) for _ in range(self.config.group_size)])
+        rollouts = [self.rollout(item) for _ in range(self.config.group_size)]
+        version, (sequences, errors) = await self.with_policy_version(self.gather_sequences(rollouts))
         return self.make_group(item, sequences, policy_version=version, errors=errors)

@@ -148,12 +148,31 @@ async def rollout(
                 emit_shard_event(url, run, scored[0].env)
         finished += len(results)
 
+    slot_freed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
     async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:
         """Runs one task run whose groups the caller already counted in busy[server]."""
         handed_over: list[ScoredGroup | RolloutFailure] = []
         future = None
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                busy[server] -= len(items)
+                slot_freed.set()
+
+        def receive(results: list[ScoredGroup | RolloutFailure]) -> None:
+            handed_over.extend(results)
+            if server not in limits:
+                # Sampling is over: the next group starts now, while Prefect finishes this task
+                # run. (Under a server concurrency limit the slot frees when the task releases it.)
+                loop.call_soon_threadsafe(release)
+
         try:
-            with hand_over_to(handed_over.extend):
+            with hand_over_to(receive):
                 if distributed:
                     future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
                     await settled(future)
@@ -176,7 +195,7 @@ async def rollout(
             message = f"{type(error).__name__}: {error}"
             results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=message) for item in items]
         finally:
-            busy[server] -= len(items)
+            release()
         await to_the_end(store(spec, results))
         await progress.update(finished)
 
@@ -195,11 +214,16 @@ async def rollout(
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
                 size = groups_per_task if groups is None else min(groups_per_task, groups - started)
                 while sum(busy.values()) + size > max_concurrent_groups:
-                    done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-                    for task in done:
+                    slot_freed.clear()
+                    freed = asyncio.ensure_future(slot_freed.wait())
+                    await asyncio.wait({*in_flight, freed}, return_when=asyncio.FIRST_COMPLETED)
+                    freed.cancel()
+                    for task in [task for task in in_flight if task.done()]:
+                        in_flight.discard(task)
                         task.result()  # a failed store (storage down) stops the flow, never silently
-                    for url in await asyncio.to_thread(writer.flush_if_due):
-                        emit_shard_event(url, run, None)
+                    if writer.due():
+                        for url in await asyncio.to_thread(writer.flush_if_due):
+                            emit_shard_event(url, run, None)
                 spec = rng.choices(live, weights=[s.weight for s in live])[0]
                 items: list[Item] = []
                 while len(items) < size:

@@ -131,6 +131,11 @@ class ShardWriter:
             self._closed = True
             return written
 
+    def due(self) -> bool:
+        """Whether a flush is due, without taking the lock (a hint: a flush in another thread may
+        be under way); lets an event loop skip a thread hop to flush_if_due when nothing is due."""
+        return self._due()
+
     def _due(self) -> bool:
         if not self._buffer:
             return False

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from environments.arithmetic import Arithmetic
 from environments.guess_number import GuessNumber
 from environments.scored_group import ScoredSequence
-from inference.client import Completion, PolicyClient
+from inference.client import Completion, PolicyClient, PolicyServerUnreachable
 from tests.environments.conformance import EnvironmentConformance
 
 pytestmark = pytest.mark.integration
@@ -140,3 +142,35 @@ async def test_min_tokens_holds_off_eos(policy_server, tiny_model_dir):
         group = await env.collect_trajectories(await env.get_item())
     assert [s.num_trained_tokens for s in group.sequences] == [24] * 8
     assert {s.finish_reason for s in group.sequences} == {"length"}
+
+
+async def test_the_policy_version_is_read_alongside_sampling_not_before_it(policy_server, tiny_model_dir):
+    class TimedClient(PolicyClient):
+        """The real client, keeping when each request went out and came back."""
+
+        spans: dict[str, tuple[float, float]] = {}
+
+        async def request(self, method, path, **kwargs):
+            start = time.perf_counter()
+            response = await super().request(method, path, **kwargs)
+            self.spans[path] = (start, time.perf_counter())
+            return response
+
+    async with TimedClient(policy_server.base_url) as client:
+        env = Arithmetic({"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_trajectories(await env.get_item())
+        (version_sent, version_back), (completion_sent, completion_back) = client.spans["/weight_info"], client.spans["/v1/completions"]
+        assert group.policy_version == await client.weight_version()
+    # Both requests were out at once: the group did not wait a round-trip before sampling.
+    assert version_sent < completion_back and completion_sent < version_back
+
+
+async def test_an_unreachable_server_keeps_its_error_type_through_the_version_read(tiny_model_dir):
+    # safe_collect passes PolicyServerUnreachable on (Prefect retries the task run); wrapped in an
+    # ExceptionGroup it would become a recorded failure instead.
+    async with PolicyClient("http://127.0.0.1:9", max_retries=0) as client:
+        env = Arithmetic({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        with pytest.raises(PolicyServerUnreachable):
+            await env.safe_collect(await env.get_item())

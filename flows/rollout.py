@@ -18,7 +18,7 @@ from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, collect_groups, ensure_server_limits, environment_for, hand_over_to
+from tasks.rollout import EnvSpec, collect_groups, ensure_server_limits, environment_for, hand_over_to, slots_from
 
 
 async def settled(future) -> None:
@@ -150,29 +150,45 @@ async def rollout(
 
     slot_freed = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Task runs on this loop take a slot per group as it starts sampling (see tasks.rollout._slot),
+    # so the flow can start them ahead of free slots. Task runs on workers (distributed) and
+    # under a server concurrency limit (whose Prefect slots a task run holds whole) are not gated:
+    # they start when their groups' slots are free.
+    gated = not distributed and not limits
+    sampling = asyncio.Semaphore(max_concurrent_groups)
 
     async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:
         """Runs one task run whose groups the caller already counted in busy[server]."""
         handed_over: list[ScoredGroup | RolloutFailure] = []
         future = None
-        released = False
+        released = 0
 
-        def release() -> None:
+        def release(count: int | None = None) -> None:
+            """Frees `count` of this task run's groups (default: all not yet freed)."""
             nonlocal released
-            if not released:
-                released = True
-                busy[server] -= len(items)
+            count = len(items) - released if count is None else min(count, len(items) - released)
+            if count > 0:
+                released += count
+                busy[server] -= count
                 slot_freed.set()
+
+        @contextlib.asynccontextmanager
+        async def slot():
+            async with sampling:
+                yield
+            # This group's sampling is over: the next one starts now. (A group that raised is
+            # freed when its task run ends: Prefect retries the task run's groups together.)
+            release(1)
 
         def receive(results: list[ScoredGroup | RolloutFailure]) -> None:
             handed_over.extend(results)
-            if server not in limits:
-                # Sampling is over: the next group starts now, while Prefect finishes this task
-                # run. (Under a server concurrency limit the slot frees when the task releases it.)
+            if not limits:
+                # Sampling is over: the next groups start now, while Prefect finishes this task
+                # run. (Under a server concurrency limit the slots free when the task releases them.)
                 loop.call_soon_threadsafe(release)
 
         try:
-            with hand_over_to(receive):
+            with hand_over_to(receive), (slots_from(slot) if gated else contextlib.nullcontext()):
                 if distributed:
                     future = collect_groups.submit(spec, items, server, tokenizer, limits.get(server))
                     await settled(future)
@@ -213,7 +229,10 @@ async def rollout(
                 if max_policy_lag is not None:
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
                 size = groups_per_task if groups is None else min(groups_per_task, groups - started)
-                while sum(busy.values()) + size > max_concurrent_groups:
+                # Gated task runs start while every slot is taken, up to one task run's groups
+                # ahead: their start overlaps sampling and a freed slot goes to a waiting group.
+                ahead = size if gated else 0
+                while sum(busy.values()) + size > max_concurrent_groups + ahead:
                     slot_freed.clear()
                     freed = asyncio.ensure_future(slot_freed.wait())
                     await asyncio.wait({*in_flight, freed}, return_when=asyncio.FIRST_COMPLETED)

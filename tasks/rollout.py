@@ -88,6 +88,30 @@ def _receiver() -> Callable[[list], None] | None:
     return _hand_over.get()
 
 
+# Where a task run on the flow's own event loop takes a slot for each of its groups: a group samples
+# only while it holds one of the flow's max_concurrent_groups slots, and gives it back the moment its
+# sampling and scoring end. The flow starts task runs ahead of free slots, so a task run's start
+# (Prefect's bookkeeping) overlaps other groups' sampling and a slot never waits for it; a task run
+# of several items never holds idle slots for items still waiting or already done.
+_slot: contextvars.ContextVar[Callable[[], contextlib.AbstractAsyncContextManager] | None] = contextvars.ContextVar(
+    "clotho_slot", default=None
+)
+
+
+@contextlib.contextmanager
+def slots_from(slot: Callable[[], contextlib.AbstractAsyncContextManager]) -> Iterator[None]:
+    """Task runs awaited inside this block hold `slot()` around each group they sample."""
+    token = _slot.set(slot)
+    try:
+        yield
+    finally:
+        _slot.reset(token)
+
+
+def _slot_maker() -> Callable[[], contextlib.AbstractAsyncContextManager] | None:
+    return _slot.get()  # a function for Dask's pickling, as _receiver
+
+
 def _task_run_name(parameters: dict[str, Any]) -> str:
     """'environments.arithmetic:Arithmetic:0-17', or '...:0-17 +3' for a task run of 4 groups."""
     items = parameters["items"]
@@ -119,8 +143,16 @@ async def collect_groups(
     """
     env = await environment_for(spec, server_url, tokenizer)
 
+    slot = _slot_maker()
+
+    async def one(item: Item) -> ScoredGroup | RolloutFailure:
+        if slot is None:
+            return await env.safe_collect(item)
+        async with slot():
+            return await env.safe_collect(item)
+
     async def collect() -> list[ScoredGroup | RolloutFailure]:
-        results = await asyncio.gather(*(env.safe_collect(item) for item in items), return_exceptions=True)
+        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result  # the server is unreachable: retry the task run

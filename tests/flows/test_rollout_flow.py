@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from environments.instant import Instant
 from storage.inspection import verify
 from storage.reader import ShardReader
 
@@ -210,3 +211,52 @@ def test_several_groups_per_task_run(prefect_server, policy_server, tiny_model_d
         time.sleep(0.5)
     assert len(names) == 3, names  # 3 + 3 + 1 items
     assert sum(name.endswith(" +2") for name in names) == 2, names
+
+
+class Timed(Instant):
+    """Instant groups that take a fixed time, with a count of how many sample at once."""
+
+    sampling = 0
+    most = 0
+    timeline: list[int] = []
+
+    async def collect_trajectories(self, item):
+        import asyncio
+
+        Timed.sampling += 1
+        Timed.most = max(Timed.most, Timed.sampling)
+        Timed.timeline.append(Timed.sampling)
+        try:
+            await asyncio.sleep(0.05 * (1 + int(item.id) % 3))  # uneven: a task run's items end apart
+        finally:
+            Timed.sampling -= 1
+        return await super().collect_trajectories(item)
+
+
+@pytest.mark.parametrize("per_task", [1, 3])
+def test_groups_in_flight_stay_at_the_limit_with_several_per_task_run(prefect_server, tiny_model_dir, tmp_path, per_task):
+    """A task run of several groups frees each group's slot as it ends, and the flow starts task
+    runs ahead of free slots: max_concurrent_groups groups sample at once, never more."""
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.rollout import rollout
+    from tasks.rollout import EnvSpec
+
+    Timed.sampling, Timed.most, Timed.timeline = 0, 0, []
+    storage = f"file://{tmp_path}/store"
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        summary = asyncio.run(
+            rollout(
+                environments=[EnvSpec(import_path="tests.flows.test_rollout_flow:Timed", config={"group_size": 2})],
+                servers=["http://127.0.0.1:9"], storage=storage, run=f"slots-{per_task}", tokenizer=str(tiny_model_dir),
+                groups=30, max_concurrent_groups=4, groups_per_task=per_task,
+            )  # fmt: skip
+        )
+    assert summary["totals"]["groups"] == 30 and len(list(ShardReader(storage, f"slots-{per_task}").groups())) == 30
+    assert Timed.most == 4
+    # Once running, a freed slot is taken again at once: in the middle of the run, every group that
+    # starts finds the other three still sampling (up to a slot freed in the same instant).
+    middle = Timed.timeline[6:-6]
+    assert sum(n == 4 for n in middle) >= 0.8 * len(middle), Timed.timeline

@@ -22,6 +22,9 @@ Orchestration overhead per task is measured two ways that do not depend on the s
 latency (an instant environment, no inference, through the flow at concurrency 1 vs called
 directly) and CPU (this process and its Prefect server subprocess, flow phase minus env phase).
 On a machine where vLLM-CPU and the orchestrator share the cores, that CPU is what the ratio loses.
+Per side it also reports the requests vLLM ran at once (its /metrics gauge), each core's busy
+share, and how long the client's event loop waited for a CPU: whether a side lost by latency (fewer
+requests running) or by contention (as many running, each slower; the client starved).
 """
 
 from __future__ import annotations

@@ -72,14 +72,18 @@ _hand_over: contextvars.ContextVar[Callable[[list], None] | None] = contextvars.
 
 
 @contextlib.contextmanager
-def hand_over_to(receive: Callable[[list], None]) -> Iterator[None]:
-    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
-    soon as sampling and scoring finish, before Prefect finishes the task run."""
-    token = _hand_over.set(receive)
+def _set_within(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _hand_over.reset(token)
+        var.reset(token)
+
+
+def hand_over_to(receive: Callable[[list], None]) -> contextlib.AbstractContextManager[None]:
+    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
+    soon as sampling and scoring finish, before Prefect finishes the task run."""
+    return _set_within(_hand_over, receive)
 
 
 def _receiver() -> Callable[[list], None] | None:
@@ -98,14 +102,9 @@ _slot: contextvars.ContextVar[Callable[[], contextlib.AbstractAsyncContextManage
 )
 
 
-@contextlib.contextmanager
-def slots_from(slot: Callable[[], contextlib.AbstractAsyncContextManager]) -> Iterator[None]:
+def slots_from(slot: Callable[[], contextlib.AbstractAsyncContextManager]) -> contextlib.AbstractContextManager[None]:
     """Task runs awaited inside this block hold `slot()` around each group they sample."""
-    token = _slot.set(slot)
-    try:
-        yield
-    finally:
-        _slot.reset(token)
+    return _set_within(_slot, slot)
 
 
 def _slot_maker() -> Callable[[], contextlib.AbstractAsyncContextManager] | None:

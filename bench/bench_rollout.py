@@ -112,8 +112,8 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
                 if score:
                     group = await env.collect_trajectories(item)
                     return sum(s.num_trained_tokens for s in group.sequences)
-                # The environment stamps every group with the version, read as sampling starts.
-                _, (prompt_ids, completions) = await asyncio.gather(client.weight_version(), env.sample_chat(item.prompt))
+                # The environment's requests: the version it stamps, read alongside the sampling.
+                _, (prompt_ids, completions) = await env.with_policy_version(env.sample_chat(item.prompt))
             return sum(len(c.token_ids) for c in completions)
 
         return sum(await asyncio.gather(*(one(item) for item in items)))

@@ -151,7 +151,7 @@ class Environment(ABC):
         `version, (prompt_ids, completions) = await self.with_policy_version(self.sample_chat(msgs))`.
 
         The version is read while sampling starts, in parallel: a read before it would hold every
-        group back by a round-trip that, on a busy server, waits for an engine step (0.05-0.35 s
+        group back by a round-trip that, on a busy server, waits for an engine step (0.07-0.35 s
         here against 2 s groups). The stamp is as exact either way: a reload pauses the server and
         drains the requests in flight, so only one that arrives during the pause can run on newer
         weights than it was stamped with, whichever order the two requests go in.

@@ -112,12 +112,12 @@ class ShardWriter:
                 self._oldest = time.monotonic()
             self._buffer.extend(groups)
             self._buffered_bytes += sum(estimated_bytes(group) for group in groups)
-            return self._flush_locked() if self._due() else []
+            return self._flush_locked() if self.due() else []
 
     def flush_if_due(self) -> list[str]:
         """Flush if the buffer is full or old enough; call it from a timer when groups arrive slowly."""
         with self._lock:
-            return self._flush_locked() if self._due() else []
+            return self._flush_locked() if self.due() else []
 
     def flush(self) -> list[str]:
         """Write every buffered group now; returns the shard URLs written (one per partition)."""
@@ -132,11 +132,8 @@ class ShardWriter:
             return written
 
     def due(self) -> bool:
-        """Whether a flush is due, without taking the lock (a hint: a flush in another thread may
-        be under way); lets an event loop skip a thread hop to flush_if_due when nothing is due."""
-        return self._due()
-
-    def _due(self) -> bool:
+        """Whether a flush is due: exact under the lock; without it a hint (a flush in another
+        thread may be under way) that lets an event loop skip a thread hop to flush_if_due."""
         if not self._buffer:
             return False
         aged = self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s

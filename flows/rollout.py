@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
 from typing import Any
@@ -53,9 +54,13 @@ async def to_the_end(awaitable):
         return result
 
 
-def check_batching(groups_per_task: int, max_concurrent_groups: int, server_concurrency: int | None) -> None:
+def check_batching(groups_per_task: int | None, max_concurrent_groups: int, server_concurrency: int | None) -> None:
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")
+    if server_concurrency is not None and server_concurrency < 1:
+        raise ValueError(f"server_concurrency={server_concurrency}: use 1 or more, or None for no server limit")
+    if groups_per_task is None:
+        return  # sized by TaskRunSizer within the same bounds
     if not 1 <= groups_per_task <= max_concurrent_groups:
         raise ValueError(
             f"groups_per_task={groups_per_task}: use 1..max_concurrent_groups ({max_concurrent_groups})"
@@ -65,6 +70,38 @@ def check_batching(groups_per_task: int, max_concurrent_groups: int, server_conc
             f"groups_per_task={groups_per_task} exceeds server_concurrency={server_concurrency}: a task run "
             "holds a slot per group, so it could never start; lower groups_per_task or raise server_concurrency"
         )
+
+
+# Prefect's bookkeeping of one task run costs about 10 ms of latency and 20-50 ms of CPU between the
+# flow's process and the Prefect server (bench/bench_rollout.py), whatever the task run holds. Groups
+# that sample for a minute on GPUs make that nothing; groups of a second on a CPU host that also runs
+# the model make it several percent of the machine. By default (groups_per_task=None) a task run
+# takes as many groups as cover AUTO_TASK_RUN_GROUP_SECONDS of sampling between them, which keeps
+# Prefect's cost near 1% of the sampling it records.
+AUTO_TASK_RUN_GROUP_SECONDS = 5.0
+
+
+class TaskRunSizer:
+    """Groups per task run: `fixed`, or auto: 1 until groups have been timed, then enough that their
+    sampling times add up to `target_s` (a moving average of the last groups), and at most half the
+    groups in flight (within `server_concurrency`), so task runs keep overlapping each other."""
+
+    def __init__(self, fixed: int | None, max_concurrent_groups: int, server_concurrency: int | None = None,
+                 target_s: float = AUTO_TASK_RUN_GROUP_SECONDS):  # fmt: skip
+        self.fixed, self.target_s = fixed, target_s
+        self.cap = max(1, min(max_concurrent_groups // 2, server_concurrency or max_concurrent_groups))
+        self.mean_s: float | None = None
+
+    def observe(self, seconds: float) -> None:
+        """One group's sampling time."""
+        self.mean_s = seconds if self.mean_s is None else 0.8 * self.mean_s + 0.2 * seconds
+
+    def size(self) -> int:
+        if self.fixed is not None:
+            return self.fixed
+        if self.mean_s is None:
+            return 1
+        return max(1, min(self.cap, math.ceil(self.target_s / max(self.mean_s, 1e-3))))
 
 
 async def wait_for_trainer(storage: str, run: str, max_policy_lag: int, poll_s: float, log) -> None:
@@ -104,7 +141,7 @@ async def rollout(
     seed: int = 0,
     distributed: bool = False,
     server_concurrency: int | None = None,
-    groups_per_task: int = 1,
+    groups_per_task: int | None = None,
 ) -> dict[str, Any]:
     """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
 
@@ -114,8 +151,9 @@ async def rollout(
     with `rollout.with_options(task_runner=...)` to spread them over a cluster).
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a
     Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
-    groups_per_task: items of one environment per task run (default 1, a task run per group); more
-    divide Prefect's per-task-run cost among them when groups take well under a second.
+    groups_per_task: items of one environment per task run. The default (None) sizes task runs from
+    the groups' sampling time: a task run per group when groups take 5 s or more, more per task run
+    for shorter ones (see TaskRunSizer); 1 always keeps a task run per group.
     groups=None runs until cancelled. Environments are mixed by weight; each task run goes to the
     least busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
     """
@@ -132,6 +170,8 @@ async def rollout(
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
     busy = {server: 0 for server in servers}
+    sizer = TaskRunSizer(groups_per_task, max_concurrent_groups, server_concurrency)
+    task_runs = 0
     rng = random.Random(seed)
     progress = await progress_artifact(groups)
     started_at = time.monotonic()
@@ -175,7 +215,9 @@ async def rollout(
         @contextlib.asynccontextmanager
         async def slot():
             async with sampling:
+                began = time.monotonic()
                 yield
+                sizer.observe(time.monotonic() - began)
             # This group's sampling is over: the next one starts now. (A group that raised is
             # freed when its task run ends: Prefect retries the task run's groups together.)
             release(1)
@@ -187,6 +229,7 @@ async def rollout(
                 # run. (Under a server concurrency limit the slots free when the task releases them.)
                 loop.call_soon_threadsafe(release)
 
+        began = time.monotonic()
         try:
             with hand_over_to(receive), (slots_from(slot) if gated else contextlib.nullcontext()):
                 if distributed:
@@ -195,6 +238,8 @@ async def rollout(
                     results: list[ScoredGroup | RolloutFailure] = future.result()
                 else:
                     results = await collect_groups(spec, items, server, tokenizer, limits.get(server))
+            if not gated:  # its groups sampled side by side: the task run's time is each one's
+                sizer.observe(time.monotonic() - began)
         except asyncio.CancelledError:
             # Cancelled after the groups were sampled (Prefect may already show the task run
             # Completed): they are stored before the cancel goes on; unfinished ones are abandoned.
@@ -228,7 +273,7 @@ async def rollout(
                     break
                 if max_policy_lag is not None:
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
-                size = groups_per_task if groups is None else min(groups_per_task, groups - started)
+                size = sizer.size() if groups is None else min(sizer.size(), groups - started)
                 # Gated task runs start while every slot is taken, up to one task run's groups
                 # ahead: their start overlaps sampling and a freed slot goes to a waiting group.
                 ahead = size if gated else 0
@@ -257,6 +302,7 @@ async def rollout(
                 busy[server] += len(items)  # counted now, so the next pick and the wait see it
                 in_flight.add(asyncio.create_task(run_task(spec, items, server)))
                 started += len(items)
+                task_runs += 1
             if in_flight:
                 await asyncio.gather(*in_flight)
         finally:
@@ -267,6 +313,6 @@ async def rollout(
                 task.cancel()
             await to_the_end(asyncio.gather(*in_flight, return_exceptions=True))
     await progress.close()
-    summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage)
+    summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage, task_runs)
     log.info("rollout finished: %s", summary["totals"])
     return summary

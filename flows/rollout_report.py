@@ -122,7 +122,7 @@ def emit_shard_event(url: str, run: str, env: str | None) -> None:
 
 
 async def publish_report(
-    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str
+    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0
 ) -> dict[str, Any]:
     rows = [s.row() for s in stats.values()]
     totals = {
@@ -130,6 +130,7 @@ async def publish_report(
         "failures": sum(s.failures for s in stats.values()),
         "tokens": sum(s.tokens for s in stats.values()),
         "shards": len(shards),
+        "task_runs": task_runs,
         "seconds": round(seconds, 2),
     }
     totals["groups_per_s"] = round(totals["groups"] / seconds, 3) if seconds else 0.0

@@ -130,7 +130,7 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
         await rollout(
             environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
             servers=["http://127.0.0.1:9"], storage=storage, run="window", tokenizer=str(tiny_model_dir),
-            groups=None, max_concurrent_groups=4, distributed=distributed,
+            groups=None, max_concurrent_groups=4, distributed=distributed, groups_per_task=1,
         )  # fmt: skip
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):

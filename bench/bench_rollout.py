@@ -143,8 +143,8 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
 
 def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
     """Runs one phase; wall time, tokens (fn returns them, or a flow_run dict that also has the
-    running time and task runs), and CPU by this process, by its children (the ephemeral Prefect server) and by the
-    policy server."""
+    running time and task runs), and CPU by this process, by its children (the ephemeral Prefect
+    server, counted until it has recorded the phase's last events) and by the policy server."""
     me = psutil.Process()
     own0, tree0, srv0 = process_cpu_seconds(me), cpu_seconds([os.getpid()]), cpu_seconds(server)
     steal0, wait0, start = steal_seconds(), run_queue_wait_seconds(), time.perf_counter()
@@ -152,6 +152,8 @@ def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
         result = fn()
     seconds = time.perf_counter() - start
     flow = result if isinstance(result, dict) else {"tokens": result, "running": seconds, "task_runs": 0}
+    steal, waited = steal_seconds() - steal0, run_queue_wait_seconds() - wait0
+    settle()  # the Prefect server records task runs in batches, up to a second after they end
     own, tree = process_cpu_seconds(me) - own0, cpu_seconds([os.getpid()]) - tree0
     return {
         "seconds": seconds,
@@ -161,8 +163,8 @@ def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
         "client_cpu": own,
         "prefect_server_cpu": tree - own,
         "vllm_cpu": cpu_seconds(server) - srv0,
-        "steal": steal_seconds() - steal0,
-        "client_waiting_for_cpu": run_queue_wait_seconds() - wait0,
+        "steal": steal,
+        "client_waiting_for_cpu": waited,
         # Time-weighted over the phase by summing: mean requests running x seconds.
         "running_requests_s": load.mean_running * seconds,
         **{f"core{i}_busy": busy for i, busy in enumerate(load.core_busy)},
@@ -311,6 +313,13 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "ratio_vs_env_without_prefect": round(rate["flow"] / rate["env"], 3),
         "client_cpu_ms_per_group": {side: round(1000 * t["client_cpu"] / groups, 1) for side, t in total.items()},
         "prefect_server_cpu_ms_per_group": round(1000 * total["flow"]["prefect_server_cpu"] / groups, 1),
+        # Where vLLM takes every core, the flow's rate is bare's x bare's CPU per group / the flow's,
+        # if vLLM's own CPU per group were the same on both sides. An estimate from CPU accounting,
+        # free of the swings in vLLM's speed that move the measured ratio (see ratio_bare_again).
+        "ratio_estimated_from_cpu": round(
+            (total["bare"]["client_cpu"] + total["bare"]["vllm_cpu"])
+            / (total["flow"]["client_cpu"] + total["flow"]["prefect_server_cpu"] + total["bare"]["vllm_cpu"]), 3
+        ) if server_pids and not args.server_cpus else None,  # the model on cores of its own: nothing to share
         "vllm_cpu_s": {side: round(t["vllm_cpu"], 1) for side, t in total.items()} if server_pids else None,
         # Requests the server ran at once, on average (the target: concurrency x group size), and
         # each core's busy share of the phase: where the flow's time goes on a small machine.
@@ -324,6 +333,17 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "steal_s": {side: round(t["steal"], 2) for side, t in total.items()},
         "seconds": {side: round(t["seconds"], 2) for side, t in total.items()},
     }
+
+
+def pin_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of a process tree onto `cpus` (affinity is per thread on Linux)."""
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        for thread in proc.threads():
+            try:
+                os.sched_setaffinity(thread.id, cpus)
+            except ProcessLookupError:
+                continue  # ended meanwhile
 
 
 def main() -> None:
@@ -344,6 +364,11 @@ def main() -> None:
     parser.add_argument(
         "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
         "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",
+    )  # fmt: skip
+    parser.add_argument(
+        "--server-cpus", help="CPU ids for every thread of the policy server (its process tree), e.g. '0' with "
+        "--cpus 1: the model on cores of its own, as on a GPU host, so the ratio prices the orchestration alone "
+        "rather than the CPU it takes from a CPU-bound model",
     )  # fmt: skip
     parser.add_argument(
         "--nice", type=int, default=0, help="run this process and its Prefect server at this niceness (every side "
@@ -376,6 +401,10 @@ def main() -> None:
         server_pids = [server.process.pid]
     else:
         url = args.server
+    if args.server_cpus:
+        if not server_pids:
+            parser.error("--server-cpus needs --server-pid with --server")
+        pin_threads(server_pids[0], {int(cpu) for cpu in args.server_cpus.split(",")})
     try:
         storage = f"file://{workdir}/store"
         flow_run(url, tokenizer, 2, 2, storage, "warmup")  # starts the Prefect server, loads code
@@ -383,7 +412,7 @@ def main() -> None:
         if args.prefect_nice:
             for child in psutil.Process().children(recursive=True):  # the ephemeral Prefect server
                 child.nice(child.nice() + args.prefect_nice)
-        report = {"concurrency": args.concurrency, "cpus": args.cpus, "nice": args.nice, "prefect_nice": args.prefect_nice, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
+        report = {"concurrency": args.concurrency, "cpus": args.cpus, "server_cpus": args.server_cpus, "nice": args.nice, "prefect_nice": args.prefect_nice, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
         for max_tokens, groups_per_phase in zip(workloads, groups, strict=True):
             CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
             report["workloads"].append(workload(url, tokenizer, storage, args, server_pids, groups_per_phase))

@@ -41,13 +41,11 @@ def inference_python() -> str:
 
 
 # vLLM on CPUs shares the cores with what runs next to it: rollout clients, the Prefect server, the
-# trainer. Those are latency-bound and light; vLLM takes every cycle it is given. At the same
-# priority a rollout client waited for a CPU 26-45% of the time, and vLLM, slow to get its next
-# requests, ran fewer sequences at once and spent more CPU per token; at niceness 10 the client
-# still waited 12-31% (the kernel lets a running task finish its slice before a woken one runs).
-# Under SCHED_IDLE any other task that wakes runs at once, and vLLM gets every cycle the others
-# leave. bench/bench_rollout.py, 2 cores, 128-token groups: the client's wait 0-5%, the bare and
-# environment clients within 0.1% of each other, vLLM's CPU per token the same on every side.
+# trainer. Those are latency-bound and light; vLLM takes every cycle it is given. Under SCHED_IDLE
+# any other task that wakes up runs at once and vLLM gets every cycle the others leave; at a
+# niceness the kernel first lets the running task finish its slice. The share of a phase a rollout
+# client waited for a CPU (bench/bench_rollout.py, 2 cores): 26-45% at normal priority, 1-48% at
+# niceness 10, 0-28% (mostly under 16%) under SCHED_IDLE. See docs/policy-service.md.
 PRIORITIES = ("normal", "low", "idle")
 LOW_NICENESS = 10
 

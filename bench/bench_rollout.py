@@ -40,10 +40,8 @@ import asyncio
 import functools
 import json
 import os
-import re
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -53,7 +51,6 @@ if "PREFECT_API_URL" not in os.environ:
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clotho-bench-prefect-"))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-import httpx  # noqa: E402
 import psutil  # noqa: E402
 
 from environments.arithmetic import Arithmetic  # noqa: E402
@@ -62,47 +59,12 @@ from flows.rollout import rollout  # noqa: E402
 from inference.client import PolicyClient  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
+from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
 from tasks.rollout import EnvSpec  # noqa: E402
 
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
 CONFIG = {"group_size": 8, "max_tokens": 128, "min_tokens": 128, "temperature": 1.0}
-
-
-def process_cpu_seconds(proc: psutil.Process) -> float:
-    """User + system CPU of one process."""
-    times = proc.cpu_times()
-    return times.user + times.system
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU of these processes and all their children."""
-    total = 0.0
-    for pid in pids:
-        try:
-            root = psutil.Process(pid)
-            total += sum(process_cpu_seconds(proc) for proc in [root, *root.children(recursive=True)])
-        except psutil.NoSuchProcess:
-            continue
-    return total
-
-
-def run_queue_wait_seconds() -> float:
-    """Time this thread was runnable but waiting for a CPU (Linux schedstat). The clients' event
-    loops run in the main thread, so this says how long each side's client waited for the machine."""
-    try:
-        return int(Path(f"/proc/self/task/{threading.get_native_id()}/schedstat").read_text().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
-        return 0.0
-
-
-def steal_seconds() -> float:
-    """CPU time the hypervisor gave to other guests (Linux /proc/stat), machine-wide."""
-    try:
-        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
-        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
 
 
 async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: bool = False) -> int:
@@ -141,90 +103,6 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     return {"tokens": summary["environments"][0]["trained tokens"], "running": totals["seconds"], "task_runs": totals["task_runs"]}
 
 
-def measured(fn, server: list[int], url: str | None = None) -> dict[str, float]:
-    """Runs one phase; wall time, tokens (fn returns them, or a flow_run dict that also has the
-    running time and task runs), and CPU by this process, by its children (the ephemeral Prefect
-    server, counted until it has recorded the phase's last events) and by the policy server."""
-    me = psutil.Process()
-    own0, tree0, srv0 = process_cpu_seconds(me), cpu_seconds([os.getpid()]), cpu_seconds(server)
-    steal0, wait0, start = steal_seconds(), run_queue_wait_seconds(), time.perf_counter()
-    with ServerLoad(url) as load:
-        result = fn()
-    seconds = time.perf_counter() - start
-    flow = result if isinstance(result, dict) else {"tokens": result, "running": seconds, "task_runs": 0}
-    steal, waited = steal_seconds() - steal0, run_queue_wait_seconds() - wait0
-    settle()  # the Prefect server records task runs in batches, up to a second after they end
-    own, tree = process_cpu_seconds(me) - own0, cpu_seconds([os.getpid()]) - tree0
-    return {
-        "seconds": seconds,
-        "running": flow["running"],
-        "tokens": flow["tokens"],
-        "task_runs": flow["task_runs"],
-        "client_cpu": own,
-        "prefect_server_cpu": tree - own,
-        "vllm_cpu": cpu_seconds(server) - srv0,
-        "steal": steal,
-        "client_waiting_for_cpu": waited,
-        # Time-weighted over the phase by summing: mean requests running x seconds.
-        "running_requests_s": load.mean_running * seconds,
-        **{f"core{i}_busy": busy for i, busy in enumerate(load.core_busy)},
-    }
-
-
-class ServerLoad:
-    """Samples the policy server's requests running (vLLM's /metrics gauge) and each core's busy
-    time while a phase runs: a side that keeps fewer requests in flight loses by latency, one that
-    keeps as many but is slower loses to CPU contention."""
-
-    def __init__(self, url: str | None, interval_s: float = 0.25):
-        self.url, self.interval_s = url, interval_s
-        self.samples: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(timeout=5.0) as http:
-            while not self._stop.wait(self.interval_s):
-                try:
-                    text = http.get(f"{self.url}/metrics").text
-                except httpx.HTTPError:
-                    continue
-                match = re.search(r"^vllm:num_requests_running\{[^}]*\} ([0-9.e+]+)$", text, re.M)
-                if match:
-                    self.samples.append(float(match.group(1)))
-
-    def __enter__(self) -> ServerLoad:
-        self._cores0 = psutil.cpu_times(percpu=True)
-        if self.url:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self.url:
-            self._thread.join()
-        cores = psutil.cpu_times(percpu=True)
-        self.core_busy = [
-            (sum(c1) - c1.idle - c1.iowait - c1.steal) - (sum(c0) - c0.idle - c0.iowait - c0.steal)
-            for c0, c1 in zip(self._cores0, cores, strict=True)
-        ]
-
-    @property
-    def mean_running(self) -> float:
-        return sum(self.samples) / len(self.samples) if self.samples else float("nan")
-
-
-def settle(max_s: float = 30.0) -> None:
-    """Waits until this process tree is idle, so one phase's leftovers (the Prefect server still
-    recording the last flow's task runs) are not billed to the next phase."""
-    deadline = time.monotonic() + max_s
-    while time.monotonic() < deadline:
-        before = cpu_seconds([os.getpid()])
-        time.sleep(0.5)
-        if cpu_seconds([os.getpid()]) - before < 0.02:
-            return
-
-
 def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
     """Per-task orchestration latency: an instant environment through the flow at concurrency 1
     (every task waits for the previous one) vs the same calls in a plain loop."""
@@ -256,13 +134,17 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
     fixed = {f"flow_{k}_per_task": k for k in args.groups_per_task}
     sides.update({side: [] for side in fixed})
     sides["bare_again"] = []  # the control: the bare client twice, what a ratio of 1.0 looks like here
+
+    def bare_phase() -> int:
+        return asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency))
+
     for round_ in range(args.rounds):
         run = f"bench-{CONFIG['max_tokens']}-{round_}"
         phases = {
-            "bare": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency)),
+            "bare": bare_phase,
             "env": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency, score=True)),
             "flow": lambda: flow_run(url, tokenizer, groups_per_phase, args.concurrency, storage, run),  # noqa: B023
-            "bare_again": lambda: asyncio.run(bare(url, tokenizer, groups_per_phase, args.concurrency)),
+            "bare_again": bare_phase,
         }
         for side, k in fixed.items():
             phases[side] = functools.partial(
@@ -271,11 +153,12 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         # Each round starts one side later, so a drift within rounds hits every side alike.
         order = list(phases)
         for side in order[round_ % len(order):] + order[: round_ % len(order)]:
-            settle()
+            # measured() returns once the process tree is idle again: no phase's leftovers bill the next.
             sides[side].append(measured(phases[side], server_pids, url))
     total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
     rate = {side: t["tokens"] / t["running"] for side, t in total.items()}
     end_to_end = {side: t["tokens"] / t["seconds"] for side, t in total.items()}
+
     def per_round(side: str) -> list[float]:
         return [
             round((f["tokens"] / f["running"]) / (b["tokens"] / b["running"]), 3)
@@ -333,17 +216,6 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "steal_s": {side: round(t["steal"], 2) for side, t in total.items()},
         "seconds": {side: round(t["seconds"], 2) for side, t in total.items()},
     }
-
-
-def pin_threads(pid: int, cpus: set[int]) -> None:
-    """Every thread of a process tree onto `cpus` (affinity is per thread on Linux)."""
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        for thread in proc.threads():
-            try:
-                os.sched_setaffinity(thread.id, cpus)
-            except ProcessLookupError:
-                continue  # ended meanwhile
 
 
 def main() -> None:

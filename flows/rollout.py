@@ -273,7 +273,9 @@ async def rollout(
                     break
                 if max_policy_lag is not None:
                     await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
-                size = sizer.size() if groups is None else min(sizer.size(), groups - started)
+                size = sizer.size()
+                if groups is not None:
+                    size = min(size, groups - started)
                 # Gated task runs start while every slot is taken, up to one task run's groups
                 # ahead: their start overlaps sampling and a freed slot goes to a waiting group.
                 ahead = size if gated else 0

@@ -19,7 +19,8 @@ same concurrency:
 
 They take turns for --rounds rounds, each round starting one side later, so drift in the server's
 speed (on a shared VM, CPU steal) hits every side alike; ratios are of totals over all rounds, with
-the per-round spread.
+the per-round spread, and as the geometric mean of per-round ratios (against the mean of the round's
+two bare phases) with a 95% confidence interval: what this run can tell apart from 0.95.
 A flow's rate is over the time it runs groups (first task run to last group stored), as in a
 continuous rollout; its run's start and final report (about half a second, paid once per flow run)
 are reported apart, with the end-to-end ratio that counts them.
@@ -39,6 +40,7 @@ import argparse
 import asyncio
 import functools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -129,6 +131,22 @@ def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
     }
 
 
+# Two-sided 95% quantiles of Student's t, by degrees of freedom (1.96 beyond the table).
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
+
+
+def interval(ratios: list[float]) -> dict[str, float] | None:
+    """The geometric mean of per-round ratios with its 95% confidence interval (t on the logs):
+    rounds are the repeated measurements, so the interval is what this run can tell apart."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = (T_975[len(logs) - 2] if len(logs) - 1 <= len(T_975) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"mean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3), "high": round(math.exp(mean + half), 3)}
+
+
 def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) -> dict:
     sides: dict[str, list[dict]] = {"bare": [], "env": [], "flow": []}
     fixed = {f"flow_{k}_per_task": k for k in args.groups_per_task}
@@ -164,6 +182,13 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
             round((f["tokens"] / f["running"]) / (b["tokens"] / b["running"]), 3)
             for b, f in zip(sides["bare"], sides[side], strict=True)
         ]
+
+    def per_round_vs_both_bare(side: str) -> list[float]:
+        """Against the geometric mean of the round's two bare phases: a steadier baseline."""
+        return [
+            (f["tokens"] / f["running"]) / math.sqrt((b["tokens"] / b["running"]) * (a["tokens"] / a["running"]))
+            for b, a, f in zip(sides["bare"], sides["bare_again"], sides[side], strict=True)
+        ]
     groups = args.rounds * groups_per_phase
     return {
         "group_size": CONFIG["group_size"],
@@ -186,6 +211,12 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "ratio_bare_again_per_round": per_round("bare_again"),
         # Each side's tokens/s round by round: which side a swing in the ratio came from.
         "tokens_per_s_per_round": {side: [round(r["tokens"] / r["running"]) for r in rounds] for side, rounds in sides.items()},
+        # Per-round ratios with a 95% interval, against both bare phases of the round: the flow's
+        # ratio is resolved where the interval is narrower than its distance from 0.95.
+        "ratio_interval_vs_both_bare": interval(per_round_vs_both_bare("flow")),
+        "ratio_env_interval_vs_both_bare": interval(per_round_vs_both_bare("env")),
+        # The control's interval (bare_again over bare) should hold 1.0.
+        "ratio_bare_again_interval": interval(per_round("bare_again")),
         # Robust to a round where the VM's speed swung (a phase 2x slower than its neighbours).
         "ratio_median_of_rounds": round(statistics.median(per_round("flow")), 3),
         "ratio_groups_per_s": round(total["bare"]["running"] / total["flow"]["running"], 3),
@@ -195,18 +226,22 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         # Prefect's share alone: the flow vs the same collect_trajectories calls without it.
         "ratio_vs_env_without_prefect": round(rate["flow"] / rate["env"], 3),
         "client_cpu_ms_per_group": {side: round(1000 * t["client_cpu"] / groups, 1) for side, t in total.items()},
-        "prefect_server_cpu_ms_per_group": round(1000 * total["flow"]["prefect_server_cpu"] / groups, 1),
+        # The Prefect server's CPU in the flow's phases over what it takes anyway in the bare ones
+        # (idle, its services poll: about 19 ms a second here), which every side pays alike.
+        "prefect_server_cpu_ms_per_group": round(1000 * (total["flow"]["prefect_server_cpu"] - total["bare"]["prefect_server_cpu"]) / groups, 1),
         # Where vLLM takes every core, the flow's rate is bare's x bare's CPU per group / the flow's,
         # if vLLM's own CPU per group were the same on both sides. An estimate from CPU accounting,
         # free of the swings in vLLM's speed that move the measured ratio (see ratio_bare_again).
         "ratio_estimated_from_cpu": round(
             (total["bare"]["client_cpu"] + total["bare"]["vllm_cpu"])
-            / (total["flow"]["client_cpu"] + total["flow"]["prefect_server_cpu"] + total["bare"]["vllm_cpu"]), 3
+            / (total["flow"]["client_cpu"] + total["flow"]["prefect_server_cpu"] - total["bare"]["prefect_server_cpu"]
+               + total["bare"]["vllm_cpu"]), 3
         ) if server_pids and not args.server_cpus else None,  # the model on cores of its own: nothing to share
         "vllm_cpu_s": {side: round(t["vllm_cpu"], 1) for side, t in total.items()} if server_pids else None,
         # Requests the server ran at once, on average (the target: concurrency x group size), and
         # each core's busy share of the phase: where the flow's time goes on a small machine.
-        "mean_requests_running": {side: round(t["running_requests_s"] / t["seconds"], 1) for side, t in total.items()},
+        # Over the time a side runs groups (a flow run's start and report have none running).
+        "mean_requests_running": {side: round(t["running_requests_s"] / t["running"], 1) for side, t in total.items()},
         "core_busy_share": {
             side: [round(t[key] / t["seconds"], 2) for key in sorted(t) if key.startswith("core")] for side, t in total.items()
         },

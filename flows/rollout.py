@@ -82,14 +82,23 @@ AUTO_TASK_RUN_GROUP_SECONDS = 5.0
 
 
 class TaskRunSizer:
-    """Groups per task run: `fixed`, or auto: 1 until groups have been timed, then enough that their
-    sampling times add up to `target_s` (a moving average of the last groups), and at most half the
-    groups in flight (within `server_concurrency`), so task runs keep overlapping each other."""
+    """Groups per task run: `fixed`, or auto: enough that their sampling times add up to `target_s`
+    (a moving average of the last groups), and at most half the groups in flight (within
+    `server_concurrency`), so task runs keep overlapping each other.
+
+    Until a group has been timed: with `per_group_slots` (task runs on the flow's loop, where each
+    group takes and frees a slot of its own) a task run takes that most, so the first wave costs two
+    or three task runs instead of one per slot (a task run per group until timed made that wave half
+    the task runs of a 32-group run of short groups); otherwise 1, since a task run holds its slots
+    (or its Dask worker) until its last group ends. Long groups get a task run each from the first
+    one timed on.
+    """
 
     def __init__(self, fixed: int | None, max_concurrent_groups: int, server_concurrency: int | None = None,
-                 target_s: float = AUTO_TASK_RUN_GROUP_SECONDS):  # fmt: skip
+                 target_s: float = AUTO_TASK_RUN_GROUP_SECONDS, per_group_slots: bool = False):  # fmt: skip
         self.fixed, self.target_s = fixed, target_s
         self.cap = max(1, min(max_concurrent_groups // 2, server_concurrency or max_concurrent_groups))
+        self.first = self.cap if per_group_slots else 1
         self.mean_s: float | None = None
 
     def observe(self, seconds: float) -> None:
@@ -100,7 +109,7 @@ class TaskRunSizer:
         if self.fixed is not None:
             return self.fixed
         if self.mean_s is None:
-            return 1
+            return self.first
         return max(1, min(self.cap, math.ceil(self.target_s / max(self.mean_s, 1e-3))))
 
 
@@ -152,8 +161,8 @@ async def rollout(
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a
     Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
     groups_per_task: items of one environment per task run. The default (None) sizes task runs from
-    the groups' sampling time: a task run per group when groups take 5 s or more, more per task run
-    for shorter ones (see TaskRunSizer); 1 always keeps a task run per group.
+    the groups' sampling time: after the first wave, a task run per group when groups take 5 s or
+    more, more per task run for shorter ones (see TaskRunSizer); 1 always keeps a task run per group.
     groups=None runs until cancelled. Environments are mixed by weight; each task run goes to the
     least busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
     """
@@ -170,7 +179,6 @@ async def rollout(
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
     busy = {server: 0 for server in servers}
-    sizer = TaskRunSizer(groups_per_task, max_concurrent_groups, server_concurrency)
     task_runs = 0
     rng = random.Random(seed)
     progress = await progress_artifact(groups)
@@ -195,6 +203,7 @@ async def rollout(
     # under a server concurrency limit (whose Prefect slots a task run holds whole) are not gated:
     # they start when their groups' slots are free.
     gated = not distributed and not limits
+    sizer = TaskRunSizer(groups_per_task, max_concurrent_groups, server_concurrency, per_group_slots=gated)
     sampling = asyncio.Semaphore(max_concurrent_groups)
 
     async def run_task(spec: EnvSpec, items: list[Item], server: str) -> None:

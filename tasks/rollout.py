@@ -1,4 +1,4 @@
-"""Prefect tasks of the rollout flow: collect_trajectories calls as task runs (one item each by default)."""
+"""Prefect tasks of the rollout flow: collect_trajectories calls as task runs (one or more items each)."""
 
 from __future__ import annotations
 
@@ -131,9 +131,10 @@ async def collect_groups(
 ) -> list[ScoredGroup | RolloutFailure]:
     """Inference and scoring of each item into one group; the items' groups are sampled concurrently.
 
-    One item per task run is the default: a task run is a group in the UI. Several items per task
-    run divide Prefect's per-task cost (about 12 ms of latency and 30 ms of CPU, see the README)
-    among them, for groups so short that this cost shows.
+    How many items a task run takes is the flow's choice (flows.rollout.TaskRunSizer): one each for
+    groups that sample for 5 s or more, so a task run is a group in the UI; several for shorter
+    groups, which divide Prefect's per-task cost (about 12 ms of latency and 30 ms of CPU, see the
+    README) among them.
 
     An unreachable server is raised so Prefect retries the task with backoff; anything else an
     environment raises becomes a recorded RolloutFailure, never a crashed flow. With `server_limit`

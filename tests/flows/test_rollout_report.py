@@ -54,8 +54,10 @@ def test_groups_per_task_is_checked_against_the_concurrency_it_must_fit():
 
 
 def test_auto_task_runs_cover_about_five_seconds_of_sampling():
-    sizer = TaskRunSizer(None, max_concurrent_groups=8)
-    assert sizer.size() == 1  # nothing timed yet: a task run per group
+    # Task runs that hold their slots (or a Dask worker) whole start with one group each.
+    assert TaskRunSizer(None, max_concurrent_groups=8).size() == 1
+    sizer = TaskRunSizer(None, max_concurrent_groups=8, per_group_slots=True)
+    assert sizer.size() == 4  # nothing timed yet: the first wave in two task runs
     for _ in range(20):
         sizer.observe(1.6)  # 128-token groups on a 2-core CPU host
     assert sizer.size() == 4  # ceil(5 / 1.6), and at most half the 8 groups in flight

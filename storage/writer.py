@@ -41,7 +41,8 @@ def estimated_bytes(group: ScoredGroup) -> int:
 
 
 class ShardWriter:
-    """Buffers groups and writes one shard per (env, policy_version) in the buffer when it is due.
+    """Buffers groups and writes one shard per (env, policy_version) in the buffer when it is due
+    (several where one would exceed `max_groups`).
 
     A flush is due when the buffer holds `max_groups` groups, about `max_bytes` bytes, or its oldest
     group is `max_age_s` old (checked on `add` and `flush_if_due`). Use it as a context manager, sync
@@ -146,7 +147,13 @@ class ShardWriter:
         for group in self._buffer:
             partitions.setdefault((group.env, group.policy_version), []).append(group)
         written = []
-        for (env, policy_version), groups in partitions.items():
+        # A shard holds at most max_groups groups, also when one add_many overshoots the limit.
+        chunks = [
+            (env, policy_version, groups[start : start + self.max_groups])
+            for (env, policy_version), groups in partitions.items()
+            for start in range(0, len(groups), self.max_groups)
+        ]
+        for env, policy_version, groups in chunks:
             location = ShardLocation(env, policy_version, new_shard_id())
             url = join(self.url, ROLLOUTS, location.name)
             with storage_errors(url):

@@ -10,6 +10,7 @@ import pytest
 
 from environments.scored_group import ScoredGroup
 from storage.filesystem import publish, resolve
+from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.writer import ShardWriter, estimated_bytes
 from tests.storage.factory import make_group, make_groups
@@ -27,6 +28,16 @@ def test_flushes_on_group_count(root: str) -> None:
     assert written[2][0].startswith(f"{root}/run/rollouts/env=gsm8k/policy_version=0/")
     assert writer.pending_groups == 1
     assert len(writer.close()) == 1
+    assert read_back(root) == groups
+
+
+def test_a_batch_past_the_limit_is_split_into_shards_of_at_most_max_groups(root: str) -> None:
+    writer = ShardWriter(root, "run", tokenizer="tok", max_groups=4)
+    groups = make_groups(12)
+    assert writer.add_many(groups[:2]) == []
+    written = writer.add_many(groups[2:])  # 12 buffered: shards of 4, 4 and 4
+    assert len(written) == 3 and writer.pending_groups == 0
+    assert [check.groups for check in verify(f"{root}/run")] == [4, 4, 4]
     assert read_back(root) == groups
 
 

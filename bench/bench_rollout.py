@@ -176,19 +176,15 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
     total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
     rate = {side: t["tokens"] / t["running"] for side, t in total.items()}
     end_to_end = {side: t["tokens"] / t["seconds"] for side, t in total.items()}
+    round_rates = {side: [r["tokens"] / r["running"] for r in rounds] for side, rounds in sides.items()}
 
     def per_round(side: str) -> list[float]:
-        return [
-            round((f["tokens"] / f["running"]) / (b["tokens"] / b["running"]), 3)
-            for b, f in zip(sides["bare"], sides[side], strict=True)
-        ]
+        return [round(f / b, 3) for b, f in zip(round_rates["bare"], round_rates[side], strict=True)]
 
     def per_round_vs_both_bare(side: str) -> list[float]:
         """Against the geometric mean of the round's two bare phases: a steadier baseline."""
-        return [
-            (f["tokens"] / f["running"]) / math.sqrt((b["tokens"] / b["running"]) * (a["tokens"] / a["running"]))
-            for b, a, f in zip(sides["bare"], sides["bare_again"], sides[side], strict=True)
-        ]
+        both = zip(round_rates["bare"], round_rates["bare_again"], round_rates[side], strict=True)
+        return [f / math.sqrt(b * a) for b, a, f in both]
     groups = args.rounds * groups_per_phase
     return {
         "group_size": CONFIG["group_size"],
@@ -210,7 +206,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "ratio_bare_again": round(rate["bare_again"] / rate["bare"], 3),
         "ratio_bare_again_per_round": per_round("bare_again"),
         # Each side's tokens/s round by round: which side a swing in the ratio came from.
-        "tokens_per_s_per_round": {side: [round(r["tokens"] / r["running"]) for r in rounds] for side, rounds in sides.items()},
+        "tokens_per_s_per_round": {side: [round(r) for r in rates] for side, rates in round_rates.items()},
         # Per-round ratios with a 95% interval, against both bare phases of the round: the flow's
         # ratio is resolved where the interval is narrower than its distance from 0.95.
         "ratio_interval_vs_both_bare": interval(per_round_vs_both_bare("flow")),

@@ -95,10 +95,13 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     stored, without the flow run's start (API calls, environment setup) and final report, which a
     continuous rollout pays once, not per group), and its task runs."""
     spec = env or EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)
+    # Shards are written while later groups sample, as in a continuous rollout (a shard of the
+    # default 64 groups at a time); only the run's last one waits at its end.
+    shard = max(1, groups // 4)
     summary = asyncio.run(
         rollout(
             environments=[spec], servers=[url], storage=storage, run=run, tokenizer=tokenizer,
-            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=groups, groups_per_task=per_task,
+            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard, groups_per_task=per_task,
         )  # fmt: skip
     )
     totals = summary["totals"]

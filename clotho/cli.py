@@ -134,7 +134,7 @@ def rollout(
     server_concurrency: int = typer.Option(None, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
     groups_per_task: int = typer.Option(
         None, min=1, help="Items per Prefect task run (default: sized from the groups' sampling time, 1 for "
-        "groups of 5 s or more; more divide Prefect's per-task cost among short groups).",
+        "groups of 10 s or more; more divide Prefect's per-task cost among short groups).",
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""

@@ -72,32 +72,33 @@ def check_batching(groups_per_task: int | None, max_concurrent_groups: int, serv
         )
 
 
-# Prefect's bookkeeping of one task run costs about 10 ms of latency and 20-50 ms of CPU between the
+# Prefect's bookkeeping of one task run costs about 10 ms of latency and 30 ms of CPU between the
 # flow's process and the Prefect server (bench/bench_rollout.py), whatever the task run holds. Groups
 # that sample for a minute on GPUs make that nothing; groups of a second on a CPU host that also runs
 # the model make it several percent of the machine. By default (groups_per_task=None) a task run
-# takes as many groups as cover AUTO_TASK_RUN_GROUP_SECONDS of sampling between them, which keeps
-# Prefect's cost near 1% of the sampling it records.
-AUTO_TASK_RUN_GROUP_SECONDS = 5.0
+# takes as many groups as cover AUTO_TASK_RUN_GROUP_SECONDS of sampling between them: 128-token
+# groups of 2 s on a 2-core host get 5 per task run, groups of 10 s or more a task run each.
+AUTO_TASK_RUN_GROUP_SECONDS = 10.0
 
 
 class TaskRunSizer:
     """Groups per task run: `fixed`, or auto: enough that their sampling times add up to `target_s`
-    (a moving average of the last groups), and at most half the groups in flight (within
-    `server_concurrency`), so task runs keep overlapping each other.
+    (a moving average of the last groups), within a cap.
 
-    Until a group has been timed: with `per_group_slots` (task runs on the flow's loop, where each
-    group takes and frees a slot of its own) a task run takes that most, so the first wave costs two
-    or three task runs instead of one per slot (a task run per group until timed made that wave half
-    the task runs of a 32-group run of short groups); otherwise 1, since a task run holds its slots
-    (or its Dask worker) until its last group ends. Long groups get a task run each from the first
-    one timed on.
+    With `per_group_slots` (task runs on the flow's loop, where each group takes and frees a slot
+    of its own and the flow starts the next task run ahead of free slots) the cap is every group in
+    flight (within `server_concurrency`), and a task run takes that many until a group has been
+    timed: the first wave is one or two task runs. Otherwise a task run holds its slots (or its Dask
+    worker) until its last group ends, so the cap is half the groups in flight, which keeps task
+    runs overlapping, and the first task runs take one group each. Long groups get a task run each
+    from the first one timed on.
     """
 
     def __init__(self, fixed: int | None, max_concurrent_groups: int, server_concurrency: int | None = None,
                  target_s: float = AUTO_TASK_RUN_GROUP_SECONDS, per_group_slots: bool = False):  # fmt: skip
         self.fixed, self.target_s = fixed, target_s
-        self.cap = max(1, min(max_concurrent_groups // 2, server_concurrency or max_concurrent_groups))
+        share = max_concurrent_groups if per_group_slots else max_concurrent_groups // 2
+        self.cap = max(1, min(share, server_concurrency or max_concurrent_groups))
         self.first = self.cap if per_group_slots else 1
         self.mean_s: float | None = None
 
@@ -161,8 +162,8 @@ async def rollout(
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a
     Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
     groups_per_task: items of one environment per task run. The default (None) sizes task runs from
-    the groups' sampling time: after the first wave, a task run per group when groups take 5 s or
-    more, more per task run for shorter ones (see TaskRunSizer); 1 always keeps a task run per group.
+    the groups' sampling time: after the first wave, a task run per group when groups take 10 s
+    or more, more per task run for shorter ones (see TaskRunSizer); 1 always keeps a task run per group.
     groups=None runs until cancelled. Environments are mixed by weight; each task run goes to the
     least busy server. Finished groups are buffered into shards (flushed by size or age, and on exit).
     """
@@ -323,7 +324,8 @@ async def rollout(
             for task in in_flight:
                 task.cancel()
             await to_the_end(asyncio.gather(*in_flight, return_exceptions=True))
+    seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
     await progress.close()
-    summary = await publish_report(stats, writer.written, time.monotonic() - started_at, run, storage, task_runs)
+    summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs)
     log.info("rollout finished: %s", summary["totals"])
     return summary

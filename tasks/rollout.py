@@ -132,7 +132,7 @@ async def collect_groups(
     """Inference and scoring of each item into one group; the items' groups are sampled concurrently.
 
     How many items a task run takes is the flow's choice (flows.rollout.TaskRunSizer): one each for
-    groups that sample for 5 s or more, so a task run is a group in the UI; several for shorter
+    groups that sample for 10 s or more, so a task run is a group in the UI; several for shorter
     groups, which divide Prefect's per-task cost (about 12 ms of latency and 30 ms of CPU, see the
     README) among them.
 

@@ -75,7 +75,7 @@ class RolloutStats:
 
 
 # Seconds between progress-artifact updates. Each update is an API call and an artifact event:
-# about 5 ms of the flow's CPU and 14 ms of the Prefect server's (bench/bench_rollout.py's host),
+# about 5 ms of the flow's CPU and 14 ms of the Prefect server's (100 updates on the 2-core CI host),
 # which at once a second cost a CPU host that also runs the model about 1% of its sampling. The
 # UI refreshes a flow run's page every few seconds anyway.
 PROGRESS_INTERVAL_S = 5.0

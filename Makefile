@@ -9,9 +9,16 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
+# pip fails halfway with "No space left on device" when the disk is short; say so before it starts.
+# $(1): GiB the environment needs with pip's unpacked wheels, $(2): its name.
+define need_disk
+	@$(PYTHON) -c "import shutil, sys; free = shutil.disk_usage('.').free / 2**30; sys.exit(0 if free >= $(1) else f'clotho: creating $(2) needs about $(1) GiB of disk, {free:.1f} GiB is free here: free some space (pip cache purge, old clones, /tmp) and run make again')"
+endef
+
 # The project: prefect, torch, deepspeed, transformers, pyarrow, s3fs ... pinned in the lock.
 $(VENV)/.installed: requirements/main.lock pyproject.toml
 	@echo ">> creating $(VENV) (project environment)"
+	$(call need_disk,3,$(VENV))
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/main.lock
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
@@ -21,6 +28,7 @@ $(VENV)/.installed: requirements/main.lock pyproject.toml
 # leaves out torchvision/torchaudio/torchcodec, which break beside the CPU torch.
 $(INFERENCE_VENV)/.installed: requirements/inference.lock
 	@echo ">> creating $(INFERENCE_VENV) (vLLM policy server environment)"
+	$(call need_disk,4.5,$(INFERENCE_VENV))
 	$(PYTHON) -m venv $(INFERENCE_VENV)
 	$(INFERENCE_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/inference.lock
 	@touch $@

@@ -72,8 +72,8 @@ def check_batching(groups_per_task: int | None, max_concurrent_groups: int, serv
         )
 
 
-# Prefect's bookkeeping of one task run costs about 10 ms of latency and 30 ms of CPU between the
-# flow's process and the Prefect server (bench/bench_rollout.py), whatever the task run holds. Groups
+# Prefect's bookkeeping of one task run costs 7-9 ms of latency and 25-35 ms of CPU between the
+# flow's process and the Prefect server (bench/bench_rollout.py, README), whatever the task run holds. Groups
 # that sample for a minute on GPUs make that nothing; groups of a second on a CPU host that also runs
 # the model make it several percent of the machine. By default (groups_per_task=None) a task run
 # takes as many groups as cover AUTO_TASK_RUN_GROUP_SECONDS of sampling between them: 128-token
@@ -155,10 +155,11 @@ async def rollout(
 ) -> dict[str, Any]:
     """Maps collect_trajectories as Prefect tasks over items, `max_concurrent_groups` in flight.
 
-    Inference is I/O-bound, so by default each group is an async task run awaited on the flow's
-    event loop: about 12 ms of orchestration latency per group and one shared connection pool. With
-    distributed=True groups are submitted to the flow's task runner instead (set a DaskTaskRunner
-    with `rollout.with_options(task_runner=...)` to spread them over a cluster).
+    Inference is I/O-bound, so by default groups are sampled in async task runs awaited on the
+    flow's event loop, sharing one connection pool; a task run may hold several groups (Prefect's
+    cost per task run: see AUTO_TASK_RUN_GROUP_SECONDS). With distributed=True task runs are
+    submitted to the flow's task runner instead (set a DaskTaskRunner with
+    `rollout.with_options(task_runner=...)` to spread them over a cluster).
     server_concurrency: groups in flight per server across every flow that uses it, enforced by a
     Prefect global concurrency limit per server (visible and adjustable in the UI's Concurrency page).
     groups_per_task: items of one environment per task run. The default (None) sizes task runs from

@@ -133,8 +133,8 @@ async def collect_groups(
 
     How many items a task run takes is the flow's choice (flows.rollout.TaskRunSizer): one each for
     groups that sample for 10 s or more, so a task run is a group in the UI; several for shorter
-    groups, which divide Prefect's per-task cost (about 12 ms of latency and 30 ms of CPU, see the
-    README) among them.
+    groups, which divide Prefect's per-task cost (flows.rollout.AUTO_TASK_RUN_GROUP_SECONDS gives it)
+    among them.
 
     An unreachable server is raised so Prefect retries the task with backoff; anything else an
     environment raises becomes a recorded RolloutFailure, never a crashed flow. With `server_limit`

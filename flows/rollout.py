@@ -72,7 +72,7 @@ def check_batching(groups_per_task: int | None, max_concurrent_groups: int, serv
         )
 
 
-# Prefect's bookkeeping of one task run costs 7-9 ms of latency and 25-35 ms of CPU between the
+# Prefect's bookkeeping of one task run costs 7-9 ms of latency and 23-34 ms of CPU between the
 # flow's process and the Prefect server (bench/bench_rollout.py, README), whatever the task run holds. Groups
 # that sample for a minute on GPUs make that nothing; groups of a second on a CPU host that also runs
 # the model make it several percent of the machine. By default (groups_per_task=None) a task run

@@ -1,4 +1,5 @@
 # clotho: `make demo` and `make test` set everything up on first use and reuse it afterwards.
+# `make bench` writes bench/results/*.json and renders the README's benchmark table from them.
 PYTHON ?= python3
 VENV := .venv
 INFERENCE_VENV := .venv-inference
@@ -48,6 +49,7 @@ bench: setup
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_rollout.py
 	$(VENV)/bin/python bench/bench_reload.py
+	$(VENV)/bin/python bench/report.py --readme
 
 clean-venvs:
 	rm -rf $(VENV) $(INFERENCE_VENV)

@@ -29,6 +29,7 @@ from inference.tiny_model import build_tiny_model  # noqa: E402
 from inference.watcher import ReloadWatcher  # noqa: E402
 from storage.checkpoints import publish_checkpoint  # noqa: E402
 from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 
 def tiny_model(cache: Path) -> Path:
@@ -105,6 +106,7 @@ def main() -> None:
     print(f"speed-up, publish -> announce      {with_parity:8.0f} x  (parity included)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    write_result("reload", {"targets": {"speedup_publish_plus_swap": ">= 100"}, **result})
     if result["speedup_publish_plus_swap"] < 100:
         sys.exit("reload is less than 100x faster than a restart")
 

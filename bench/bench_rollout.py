@@ -10,10 +10,9 @@ same concurrency:
 
 - bare: the requests alone, from one asyncio loop with a semaphore;
 - env:  the environment's whole collect_trajectories (requests, decoding, scoring, validation);
-- flow: the Prefect rollout flow (task runs, states, shards, artifacts) with its defaults: task runs
-  sized from the groups' sampling time (flows.rollout.TaskRunSizer);
-- flow_K_per_task: the same flow with K groups per task run (--groups-per-task; 1 is a task run
-  per group);
+- flow: the Prefect rollout flow (task runs, states, shards, artifacts) with its defaults: a task
+  run per group;
+- flow_K_per_task: the same flow with K groups per task run (--groups-per-task);
 - bare_again: the bare client once more, the control: how far from 1.0 this machine puts a ratio
   of two identical sides in this run.
 
@@ -63,6 +62,7 @@ from inference.server import PolicyServer  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
 from tasks.rollout import EnvSpec  # noqa: E402
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
@@ -81,10 +81,10 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
         async def one(item) -> int:
             async with limit:
                 if score:
-                    group = await env.collect_trajectories(item)
+                    group = await env.collect_group(item)
                     return sum(s.num_trained_tokens for s in group.sequences)
-                # The environment's requests: the version it stamps, read alongside the sampling.
-                _, (prompt_ids, completions) = await env.with_policy_version(env.sample_chat(item.prompt))
+                # The framework's requests: the version it stamps, read alongside the sampling.
+                _, (prompt_ids, completions) = await asyncio.gather(env.client.weight_version(), env.sample_chat(item.prompt))
             return sum(len(c.token_ids) for c in completions)
 
         return sum(await asyncio.gather(*(one(item) for item in items)))
@@ -101,30 +101,32 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     summary = asyncio.run(
         rollout(
             environments=[spec], servers=[url], storage=storage, run=run, tokenizer=tokenizer,
-            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard, groups_per_task=per_task,
+            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard, groups_per_task=per_task or 1,
         )  # fmt: skip
     )
     totals = summary["totals"]
     return {"tokens": summary["environments"][0]["trained tokens"], "running": totals["seconds"], "task_runs": totals["task_runs"]}
 
 
-def task_latency(tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
+def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
     """Per-task orchestration latency: an instant environment through the flow at concurrency 1
-    (every task waits for the previous one) vs the same calls in a plain loop."""
+    (every task waits for the previous one) vs the same calls in a plain loop (both read the
+    policy version from the server at `url`, as every group does)."""
     spec = EnvSpec(import_path="environments.instant:Instant", config={"group_size": 8})
 
     async def direct() -> None:
-        env = Instant(spec.config, client=PolicyClient("http://127.0.0.1:9"), tokenizer=tokenizer)
-        await env.setup()
-        for _ in range(tasks):
-            await env.safe_collect(await env.get_item())
+        async with PolicyClient(url) as client:
+            env = Instant(spec.config, client=client, tokenizer=tokenizer)
+            await env.setup()
+            for _ in range(tasks):
+                await env.collect_group(await env.get_item())
 
     start = time.perf_counter()
     asyncio.run(direct())
     direct_s = time.perf_counter() - start
-    flow_run("http://127.0.0.1:9", tokenizer, 2, 1, storage, "latency-warmup", env=spec)
+    flow_run(url, tokenizer, 2, 1, storage, "latency-warmup", env=spec)
     settle()
-    phase = measured(lambda: flow_run("http://127.0.0.1:9", tokenizer, tasks, 1, storage, "latency", env=spec), [])
+    phase = measured(lambda: flow_run(url, tokenizer, tasks, 1, storage, "latency", env=spec), [])
     return {
         "overhead_ms_per_task": round(1000 * (phase["running"] - direct_s) / tasks, 1),
         # Paid once per flow run, not per task: creating the run, setup, the final report.
@@ -198,7 +200,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "flow_tokens_per_s": round(rate["flow"], 1),
         **{f"{side}_tokens_per_s": round(rate[side], 1) for side in fixed},
         **{f"ratio_{side}": round(rate[side] / rate["bare"], 3) for side in fixed},
-        # The flow's own choice of task-run size (its default), groups per task run on average.
+        # Groups per task run of the default flow side.
         "flow_groups_per_task_run": round(groups / max(1, total["flow"]["task_runs"]), 2),
         # The issue's ratio: the flow vs bare requests (holds the environment's own work as well),
         # while the flow runs groups, as a continuous rollout does.
@@ -263,9 +265,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
     parser.add_argument(
-        "--groups-per-task", default="1", type=lambda text: [int(k) for k in text.split(",") if k.strip() and int(k) > 0],
-        help="also run the flow with these fixed numbers of groups per task run, comma-separated (1: a task run per "
-        "group; 0: none)",
+        "--groups-per-task", default="", type=lambda text: [int(k) for k in text.split(",") if k.strip() and int(k) > 0],
+        help="also run the flow with these numbers of groups per task run, comma-separated (the default flow side has "
+        "1; none by default)",
     )
     parser.add_argument(
         "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
@@ -318,12 +320,13 @@ def main() -> None:
         if args.prefect_nice:
             for child in psutil.Process().children(recursive=True):  # the ephemeral Prefect server
                 child.nice(child.nice() + args.prefect_nice)
-        report = {"concurrency": args.concurrency, "cpus": args.cpus, "server_cpus": args.server_cpus, "nice": args.nice, "prefect_nice": args.prefect_nice, "per_task": task_latency(tokenizer, storage, 64), "workloads": []}
+        report = {"concurrency": args.concurrency, "cpus": args.cpus, "server_cpus": args.server_cpus, "nice": args.nice, "prefect_nice": args.prefect_nice, "per_task": task_latency(url, tokenizer, storage, 64), "workloads": []}
         for max_tokens, groups_per_phase in zip(workloads, groups, strict=True):
             CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
             report["workloads"].append(workload(url, tokenizer, storage, args, server_pids, groups_per_phase))
             print(json.dumps(report["workloads"][-1]), flush=True)
         print(json.dumps(report, indent=1))
+        write_result("rollout", {"targets": {"ratio_tokens_per_s": ">= 0.95"}, **report})
     finally:
         if server:
             server.stop()

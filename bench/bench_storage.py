@@ -32,6 +32,7 @@ from storage.layout import rollouts_url
 from storage.reader import ShardReader
 from storage.schema import SHARD_SCHEMA, groups_to_table
 from storage.writer import ShardWriter
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 VOCAB = 150_000
 GROUPS_PER_SHARD = 256
@@ -191,6 +192,12 @@ def run(args: argparse.Namespace, work: Path) -> None:
     print(f"  read   {read_bare / read_ours:.2f}")
     print(f"  bytes  {shard_bytes / jsonl_bytes:.3f}   (1/{jsonl_bytes / shard_bytes:.1f})")
     print(f"  cpus {os.cpu_count()}, pyarrow {pa.__version__}, dir {work}")
+    write_result("storage", {
+        "targets": {"write_ratio": ">= 0.8", "read_ratio": ">= 0.8", "bytes_ratio": "<= 0.333"},
+        "write_ratio": round(write_bare / write_ours, 3), "read_ratio": round(read_bare / read_ours, 3),
+        "bytes_ratio": round(shard_bytes / jsonl_bytes, 3), "write_vs_prebuilt_ratio": round(prebuilt_ratio, 3),
+        "shard_bytes": shard_bytes, "bare_parquet_bytes": bare_bytes, "atropos_jsonl_bytes": jsonl_bytes,
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from trainer.distributed import deepspeed_config, init_distributed
 from trainer.model import load_policy, micro_batch_loss
 from trainer.packing import StepBatch, build_step, padding_waste
 from trainer.train import optimizer_step
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / ".clotho" / "bench" / "tiny-tokenizer"
 MAX_TOKENS = 32  # EnvironmentConfig.max_tokens: most tokens sampled per assistant turn
@@ -108,8 +109,7 @@ def environment_steps(
         groups = [rng.choice(makers[kind])(tok, rng) for _ in range(config.groups_per_step)]
         result.append(
             build_step(
-                groups, policy_version=0, max_staleness=config.max_staleness,
-                token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
+                groups, policy_version=0, token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
             )  # fmt: skip
         )
     return result
@@ -159,11 +159,13 @@ def main() -> None:
         f"padding waste, default trainer config (groups_per_step {defaults.groups_per_step}, "
         f"micro_batch_tokens {defaults.micro_batch_tokens}), 64 steps:"
     )
+    padding = {}
     for kind in ("arithmetic", "guess_number", "mixed"):
         steps = environment_steps(tok, kind, 64, defaults, seed=1)
         tokens = sum(s.stats["tokens"] for s in steps) / len(steps)
         micro_batches = sum(len(s.micro_batches) for s in steps) / len(steps)
         waste = padding_waste([b for s in steps for b in s.micro_batches])
+        padding[kind] = round(waste, 4)
         print(f"  {kind:13s} {waste:6.2%}  ({tokens:.0f} tokens, {micro_batches:.1f} micro-batches a step)")
 
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as temporary:
@@ -212,6 +214,12 @@ def main() -> None:
     print(f"  ratio               {trainer_speed / plain_speed:8.3f}  (target >= 0.9)")
     print(f"  median step ratio   {statistics.median(step_ratios):8.3f}")
     print(f"  max weight difference after training: {difference:.2e}")
+    write_result("trainer", {
+        "targets": {"ratio": ">= 0.9", "padding_waste": "<= 0.05"}, "steps": args.steps,
+        "trainer_tokens_per_s": round(trainer_speed), "plain_tokens_per_s": round(plain_speed),
+        "ratio": round(trainer_speed / plain_speed, 3), "median_step_ratio": round(statistics.median(step_ratios), 3),
+        "padding_waste": padding, "max_weight_difference": difference,
+    })  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ from trainer.cli import train_command  # noqa: E402  (imports nothing heavy unti
 
 app.command("train")(train_command)
 
+from clotho.env_cli import env_app  # noqa: E402  (imports nothing heavy until it runs)
+
+app.add_typer(env_app, name="env")
+
 
 @model_app.command("tiny")
 def model_tiny(
@@ -53,9 +57,9 @@ def serve(
     log_file: Path = typer.Option(None, help="Server log (default .clotho/logs/vllm-PORT.log)."),
     dtype: str = typer.Option("float32", help="Weights dtype: float32 on CPU, bfloat16 on GPUs."),
     max_model_len: int = typer.Option(2048, help="Longest sequence the server accepts."),
-    startup_timeout: float = typer.Option(600.0, help="Seconds to wait for /health."),
-    watch: str = typer.Option(None, help="STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
-    poll_s: float = typer.Option(2.0, help="With --watch: seconds between looks at the run."),
+    startup_timeout_s: float = typer.Option(600.0, help="Seconds to wait for /health."),
+    run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
+    poll_s: float = typer.Option(2.0, help="With --run: seconds between looks at the run."),
     priority: str = typer.Option(
         None, help="CPU priority of vLLM's processes: normal, low (niceness 10) or idle (SCHED_IDLE: only cycles "
         "nothing else wants). Default: idle for vLLM on CPUs, below the rollout clients and Prefect sharing its "
@@ -70,10 +74,10 @@ def serve(
             model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
             log_path=log_file, dtype=dtype, max_model_len=max_model_len, priority=priority,
         )  # fmt: skip
-        if watch:
+        if run:
             from inference.cli import check_watch
 
-            check_watch(model, watch)
+            check_watch(model, run)
     except ValueError as error:
         raise typer.BadParameter(str(error)) from error
     typer.echo(f"starting vLLM ({server.python}) for {model}; log: {server.log_path}")
@@ -82,12 +86,12 @@ def serve(
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
     try:
-        server.start(timeout=startup_timeout)
+        server.start(timeout=startup_timeout_s)
         typer.echo(f"policy server ready at {server.base_url}/v1 (model name '{served_model_name}'); Ctrl-C stops it")
-        if watch:
+        if run:
             from inference.cli import serve_watching
 
-            serve_watching(server, watch, poll_s=poll_s)  # returns when vLLM exits
+            serve_watching(server, run, poll_s=poll_s)  # returns when vLLM exits
         while server.process is not None and server.process.poll() is None:
             time.sleep(1)
         typer.echo(f"vLLM exited on its own; see {server.log_path}", err=True)
@@ -101,70 +105,89 @@ def serve(
         server.stop()
 
 
-def _parse_env_config(pairs: list[str]) -> dict:
-    """`key=value` pairs (values parsed as JSON when they can be) -> an environment config dict."""
-    import json
+def _split_run(run_url: str) -> tuple[str, str]:
+    from storage.layout import split_run_url
 
-    config = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"--set {pair!r}: use key=value, e.g. --set group_size=8")
-        try:
-            config[key] = json.loads(value)
-        except json.JSONDecodeError:
-            config[key] = value
-    return config
+    try:
+        return split_run_url(run_url)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--run") from None
 
 
 @app.command()
 def rollout(
-    env: list[str] = typer.Option(..., help="Environment import path, e.g. environments.arithmetic:Arithmetic (repeatable)."),
-    storage: str = typer.Option(..., help="Storage root URL: a local dir, file://, s3://bucket/prefix, memory://."),
-    run: str = typer.Option(..., help="Run name (a directory under the storage root)."),
+    env: list[str] = typer.Option(..., help="Environment: an installed name (clotho env list) or an import path "
+                                  "module.path:ClassName (repeatable; mixed by equal weight)."),
+    run: str = typer.Option(..., help="Run URL STORAGE_URL/RUN: a local dir, file://, s3://bucket/prefix/RUN, memory://."),
     server: list[str] = typer.Option(["http://127.0.0.1:8000"], help="Policy server base URL (repeatable)."),
-    groups: int = typer.Option(64, help="Groups to collect; 0 runs until cancelled."),
+    api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the policy servers (clotho serve --api-key)."),
+    groups: int = typer.Option(64, min=1, help="Groups to collect (see --forever)."),
+    forever: bool = typer.Option(False, "--forever", help="Collect until Ctrl-C or a cancel, ignoring --groups."),
     tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the first server serves)."),
-    set_: list[str] = typer.Option([], "--set", help="Environment config field, key=value (applies to every --env)."),
-    max_concurrent_groups: int = typer.Option(8, help="Groups in flight at once."),
-    shard_max_groups: int = typer.Option(64, help="Flush a shard after this many groups."),
-    shard_max_age: float = typer.Option(30.0, help="Flush a shard when its oldest group is this old (s)."),
-    max_policy_lag: int = typer.Option(None, help="Wait while the trainer lags more versions than this."),
+    set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value with a YAML value, "
+                                   "e.g. --set group_size=8 (applies to every --env)."),
+    max_concurrent_groups: int = typer.Option(8, min=1, help="Groups in flight at once."),
+    shard_max_groups: int = typer.Option(64, min=1, help="Flush a shard after this many groups."),
+    shard_max_age_s: float = typer.Option(30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."),
+    max_policy_lag: int = typer.Option(None, min=0, help="Wait while the trainer lags more versions than this."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
-    server_concurrency: int = typer.Option(None, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
+    server_concurrency: int = typer.Option(None, min=1, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
     groups_per_task: int = typer.Option(
-        None, min=1, help="Items per Prefect task run (default: sized from the groups' sampling time, 1 for "
-        "groups of 10 s or more; more divide Prefect's per-task cost among short groups).",
+        1, min=1, help="Items of one environment per Prefect task run (1: a task run is a group in the UI; more "
+        "divide Prefect's per-task cost among very short groups).",
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
     import asyncio
+    import os
 
-    import httpx
+    from clotho.overrides import apply_overrides
+    from environments.loading import EnvironmentLoadError
+    from inference.client import PolicyServerAuthError
+    from tasks.rollout import API_KEY_VARIABLE, EnvSpec
 
-    from flows.rollout import rollout as rollout_flow
-    from tasks.rollout import EnvSpec
-
-    config = _parse_env_config(set_)
+    storage, run_name = _split_run(run)
+    try:
+        config = apply_overrides({}, set_)
+        specs = [EnvSpec(import_path=path, config=config) for path in env]
+    except (ValueError, EnvironmentLoadError) as error:  # pydantic's ValidationError is a ValueError
+        raise typer.BadParameter(str(error)) from None
     if tokenizer is None:
+        from inference.client import served_model
+
         try:
-            tokenizer = httpx.get(f"{server[0].rstrip('/')}/v1/models", timeout=10).json()["data"][0]["root"]
-        except (httpx.HTTPError, KeyError, IndexError) as error:
-            raise typer.BadParameter(f"--tokenizer not given and {server[0]}/v1/models did not say the model: {error}")
+            tokenizer = served_model(server[0], api_key)
+        except PolicyServerAuthError as error:
+            typer.echo(f"clotho rollout: {error}", err=True)
+            raise typer.Exit(2) from None
+        except Exception as error:
+            raise typer.BadParameter(
+                f"--tokenizer not given and {server[0]}/v1/models did not say the model ({error}); pass --tokenizer "
+                "or check --server and --api-key", param_hint="--tokenizer",
+            ) from None
+    if api_key:
+        # The flow reads the key from its process's environment, never from a parameter: flow
+        # parameters are stored with the flow run and shown in the UI.
+        os.environ[API_KEY_VARIABLE] = api_key
+    from flows.rollout import rollout as rollout_flow
+
     flow = rollout_flow
     if dask:
         from prefect_dask import DaskTaskRunner
 
         flow = rollout_flow.with_options(task_runner=DaskTaskRunner(address=dask))
-    summary = asyncio.run(
-        flow(
-            environments=[EnvSpec(import_path=path, config=config) for path in env],
-            servers=server, storage=storage, run=run, tokenizer=tokenizer, groups=groups or None,
-            max_concurrent_groups=max_concurrent_groups, shard_max_groups=shard_max_groups,
-            shard_max_age_s=shard_max_age, max_policy_lag=max_policy_lag, distributed=bool(dask),
-            server_concurrency=server_concurrency, groups_per_task=groups_per_task,
-        )  # fmt: skip
-    )
+    try:
+        summary = asyncio.run(
+            flow(
+                environments=specs, servers=server, storage=storage, run=run_name, tokenizer=tokenizer,
+                groups=None if forever else groups, max_concurrent_groups=max_concurrent_groups,
+                shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s, max_policy_lag=max_policy_lag,
+                distributed=bool(dask), server_concurrency=server_concurrency, groups_per_task=groups_per_task,
+            )  # fmt: skip
+        )
+    except PolicyServerAuthError as error:
+        typer.echo(f"clotho rollout: {error}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"done: {summary['totals']}")
 
 

@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
-from typing import Any, ClassVar, Coroutine, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, ClassVar, Coroutine
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inference.client import Completion, PolicyClient, PolicyServerUnreachable
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
-
-T = TypeVar("T")
+from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
+
+# Errors that say the run is broken, not the rollout: the caller stops or retries, never records
+# them as one bad group.
+RUN_ERRORS = (asyncio.CancelledError, PolicyServerUnreachable, PolicyServerAuthError)
 
 
 class EnvironmentConfig(BaseModel):
@@ -32,6 +33,11 @@ class EnvironmentConfig(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     seed: int = Field(default=0, description="Seed of the item stream.")
+    eval_seed: int = Field(
+        default=1_000_003,
+        description="Seed of the held-out stream `evaluate` draws from (environments with a test split "
+        "override get_eval_item instead).",
+    )
     cycle: bool = Field(default=True, description="Start over when items run out; else get_item returns None.")
 
 
@@ -53,11 +59,29 @@ class RolloutFailure(BaseModel):
     traceback: str = ""
 
 
-class Environment(ABC):
-    """Subclass this: set `name` and `config_class`, implement get_item, collect_trajectories, score.
+def prompt_messages(item: Item) -> Messages:
+    """The item's prompt as messages (a text prompt is one user message)."""
+    if isinstance(item.prompt, str):
+        return [{"role": "user", "content": item.prompt}]
+    return [dict(message) for message in item.prompt]
 
-    The base class owns the boring parts: the tokenizer and chat rendering, token bookkeeping,
-    group assembly and validation, and turning failures into recorded data.
+
+def final_answer(messages: Messages) -> str:
+    """The content of the last assistant message ('' when the model never answered)."""
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return str(message.get("content") or "")
+    return ""
+
+
+class Environment(ABC):
+    """Subclass this: set `name` and `config_class`; write get_item and reward, and
+    collect_trajectories when the default (one turn, group_size samples of the item's prompt) is
+    not what the environment does.
+
+    The base class owns the rest: the tokenizer and chat rendering, token bookkeeping, group
+    assembly and validation, the policy version every group is stamped with, and turning failures
+    into recorded data.
     """
 
     name: ClassVar[str]
@@ -88,32 +112,99 @@ class Environment(ABC):
         """The next item, or None when finite data ran out and config.cycle is False."""
 
     @abstractmethod
-    async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        """Inference and scoring together: any number of completions, one scored group."""
+    def reward(self, item: Item, messages: Messages) -> float:
+        """The reward of one finished conversation: the item's prompt, then every turn, the last
+        assistant message being the model's final answer (`final_answer(messages)`).
 
-    @abstractmethod
-    def score(self, item: Item, completion: str) -> float:
-        """The reward of a final answer; deterministic for a fixed completion."""
+        The one reward path: the default collect_trajectories and rollout_group score with it,
+        the conformance suite checks every stored score against it, and reprocessing re-runs it on
+        stored conversations. Deterministic for a fixed conversation.
+        """
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        """Inference and scoring together: any number of completions, one scored group.
+
+        Default: single turn, group_size samples of the item's prompt in one request, each scored
+        by `reward`. Multi-turn environments return `await self.rollout_group(item, self.play)`.
+        """
+        prompt_ids, completions = await self.sample_chat(prompt_messages(item))
+        return self.make_group(item, [self.scored_completion(item, prompt_ids, c) for c in completions])
 
     def gold_completion(self, item: Item) -> str | None:
-        """A completion that must score top (for the conformance suite); None if there is none."""
+        """A final answer that must score top (for the conformance suite); None if there is none."""
         return None
 
+    async def get_eval_item(self) -> Item | None:
+        """A held-out item for `evaluate`. Called on the evaluation twin (see `evaluate`), whose
+        item stream is seeded with config.eval_seed; override with a test split when there is one."""
+        return await self.get_item()
+
+    # ---- what the framework calls ----------------------------------------------------------
+    async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
+        """collect_trajectories, stamped with the served policy version, failures returned as data.
+
+        The version is read while sampling starts, in parallel: a read before it would hold every
+        group back by a round-trip that, on a busy server, waits for an engine step. The stamp is
+        exact for single-turn groups: a reload pauses the server and drains the requests in
+        flight, so only a request arriving during the pause runs on newer weights than stamped.
+        A group whose later turns run after a reload carries the version its first turn saw: the
+        oldest, the one staleness must count from.
+
+        An unreachable or key-refusing server is not a bad rollout but a broken run: it is raised,
+        so the caller (a Prefect task with retries) waits for the server or stops.
+        """
+        version = asyncio.ensure_future(self.client.weight_version())
+        try:
+            group = await self.collect_trajectories(item)
+            if not isinstance(group, ScoredGroup):
+                raise InvalidGroupError(
+                    f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
+                )
+            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size)
+        except RUN_ERRORS:
+            version.cancel()
+            raise
+        except Exception as error:  # a bad rollout is data, not a crash
+            version.cancel()
+            log.warning("env %s item %s failed: %s", self.name, item.id, error)
+            return RolloutFailure(
+                env=self.name,
+                item_id=item.id,
+                error=f"{type(error).__name__}: {error}",
+                traceback=traceback.format_exc(limit=8),
+            )
+        group.env = self.name
+        group.policy_version = await version  # errors keep their type (an unreachable server is retried)
+        return group
+
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:
-        """Mean score and success rate of greedy answers on num_items items."""
-        scores = []
+        """Greedy answers (temperature 0, one per item) on up to num_items held-out items.
+
+        Runs on a twin of this environment whose item stream is seeded with config.eval_seed, so
+        the training stream is left where it was. Reports what it saw: items answered, failures,
+        mean score and the share of items whose answer scored above 0.
+        """
+        twin_config = self.config.model_copy(
+            update={"temperature": 0.0, "group_size": 1, "seed": self.config.eval_seed, "cycle": False}
+        )
+        twin = type(self)(twin_config, client=self.client, tokenizer=self.tokenizer)
+        await twin.setup()
+        scores: list[float] = []
+        failures = 0
         for _ in range(num_items):
-            item = await self.get_item()
+            item = await twin.get_eval_item()
             if item is None:
                 break
-            group = await self.collect_trajectories(item)
-            scores.extend(group.scores)
-        if not scores:
-            return {"mean_score": 0.0, "items": 0.0}
+            result = await twin.collect_group(item)
+            if isinstance(result, RolloutFailure):
+                failures += 1
+            else:
+                scores.append(result.sequences[0].score)
         return {
-            "mean_score": sum(scores) / len(scores),
-            "success_rate": sum(s > 0 for s in scores) / len(scores),
-            "items": float(num_items),
+            "items": float(len(scores)),
+            "failures": float(failures),
+            "mean_score": sum(scores) / len(scores) if scores else 0.0,
+            "success_rate": sum(s > 0 for s in scores) / len(scores) if scores else 0.0,
         }
 
     # ---- helpers the base class owns -------------------------------------------------------
@@ -146,32 +237,39 @@ class Environment(ABC):
         completions = await self.client.complete(prompt_ids, n=n or self.config.group_size, **self.sampling())
         return prompt_ids, completions
 
-    async def with_policy_version(self, sampling: Awaitable[T]) -> tuple[int, T]:
-        """The served policy version and the result of `sampling`, e.g.
-        `version, (prompt_ids, completions) = await self.with_policy_version(self.sample_chat(msgs))`.
+    def scored_completion(self, item: Item, prompt_ids: list[int], completion: Completion) -> ScoredSequence:
+        """One single-turn sample as a sequence: its exact ids and logprobs, the conversation,
+        and `reward` of that conversation."""
+        messages = prompt_messages(item) + [{"role": "assistant", "content": self.renderer.decode(completion.token_ids)}]
+        return ScoredSequence.from_prompt(
+            prompt_ids,
+            completion.token_ids,
+            completion.logprobs,
+            score=self.reward(item, messages),
+            finish_reason=completion.finish_reason,
+            messages=messages,
+        )
 
-        The version is read while sampling starts, in parallel: a read before it would hold every
-        group back by a round-trip that, on a busy server, waits for an engine step (0.07-0.35 s
-        here against 2 s groups). The stamp is as exact either way: a reload pauses the server and
-        drains the requests in flight, so only one that arrives during the pause can run on newer
-        weights than it was stamped with, whichever order the two requests go in.
-        """
-        version = asyncio.ensure_future(self.client.weight_version())
-        try:
-            result = await sampling
-        except BaseException:
-            version.cancel()
-            raise
-        return await version, result  # errors keep their type (an unreachable server is retried)
+    async def rollout_group(self, item: Item, play: Callable[[Item], Awaitable[ChatSession]]) -> ScoredGroup:
+        """group_size conversations played concurrently by `play(item)`, each scored by `reward`
+        on its messages; a failing one is recorded in the group's extras, not raised."""
+
+        async def one() -> ScoredSequence:
+            session = await play(item)
+            return session.to_sequence(self.reward(item, session.messages), extras={"turns": session.trajectory.turns})
+
+        sequences, errors = await self.gather_sequences([one() for _ in range(self.config.group_size)])
+        return self.make_group(item, sequences, errors=errors)
 
     async def gather_sequences(self, rollouts: list[Coroutine[Any, Any, ScoredSequence]]) -> tuple[list[ScoredSequence], list[str]]:
-        """Runs rollouts concurrently; a failed one is recorded as an error string, not raised."""
+        """Runs rollouts concurrently; a failed one is recorded as an error string, not raised
+        (a broken run, RUN_ERRORS, is raised)."""
         results = await asyncio.gather(*rollouts, return_exceptions=True)
         sequences, errors = [], []
         for result in results:
+            if isinstance(result, RUN_ERRORS):
+                raise result
             if isinstance(result, BaseException):
-                if isinstance(result, asyncio.CancelledError):
-                    raise result
                 errors.append(f"{type(result).__name__}: {result}")
             else:
                 sequences.append(result)
@@ -182,11 +280,11 @@ class Environment(ABC):
         item: Item,
         sequences: list[ScoredSequence],
         *,
-        policy_version: int,
         extras: dict[str, Any] | None = None,
         errors: list[str] | None = None,
     ) -> ScoredGroup:
-        """Assembles and validates a group against the run's vocabulary and group size."""
+        """Assembles and validates a group against the run's vocabulary and group size. The policy
+        version is stamped by the framework (collect_group), never by the environment."""
         if not sequences:
             raise RuntimeError(
                 f"env {self.name} item {item.id}: every rollout failed; first error: "
@@ -199,46 +297,11 @@ class Environment(ABC):
             env=self.name,
             item_id=item.id,
             sequences=sequences,
-            policy_version=policy_version,
             chat_template=self.renderer.template_name if self.chat_template else None,
             extras=group_extras,
         )
         group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size)
         return group
-
-    async def safe_collect(self, item: Item) -> ScoredGroup | RolloutFailure:
-        """collect_trajectories, with any failure (invalid group included) returned as data.
-
-        An unreachable policy server is not a bad rollout but a broken run: it is raised, so the
-        caller (a Prefect task with retries) can wait for the server.
-        """
-        try:
-            return await self.collect_trajectories(item)
-        except (asyncio.CancelledError, PolicyServerUnreachable):
-            raise
-        except Exception as error:  # a bad rollout is data, not a crash
-            log.warning("env %s item %s failed: %s", self.name, item.id, error)
-            return RolloutFailure(
-                env=self.name,
-                item_id=item.id,
-                error=f"{type(error).__name__}: {error}",
-                traceback=traceback.format_exc(limit=8),
-            )
-
-
-def load_environment_class(import_path: str) -> type[Environment]:
-    """'package.module:ClassName' -> the class; found by import path, no registry."""
-    module_name, _, class_name = import_path.partition(":")
-    if not class_name:
-        raise ValueError(f"environment {import_path!r}: use 'module.path:ClassName'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"environment {import_path!r}: cannot import {module_name}: {error}") from error
-    cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ValueError(f"environment {import_path!r}: {class_name} is not an Environment subclass")
-    return cls
 
 
 __all__ = [
@@ -247,5 +310,6 @@ __all__ = [
     "InvalidGroupError",
     "Item",
     "RolloutFailure",
-    "load_environment_class",
+    "final_answer",
+    "prompt_messages",
 ]

@@ -7,8 +7,9 @@ import re
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item
-from environments.scored_group import ScoredGroup, ScoredSequence
+from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
+from environments.chat import ChatSession
+from environments.scored_group import ScoredGroup
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -18,10 +19,15 @@ class GuessNumberConfig(EnvironmentConfig):
     turns: int = Field(default=3, ge=1, description="Guesses allowed per rollout.")
 
 
+def guessed(item: Item, text: str) -> bool:
+    match = _NUMBER.search(text)
+    return bool(match) and int(match.group()) == item.answer
+
+
 class GuessNumber(Environment):
     """Each rollout is one conversation: the model guesses, the environment answers, up to `turns`.
 
-    Reward: 1.0 for a correct guess, discounted by 0.5 per extra turn; 0.0 if never found.
+    Reward: 1.0 for a correct guess, halved for every guess before it; 0.0 if never found.
     """
 
     name = "guess_number"
@@ -40,10 +46,12 @@ class GuessNumber(Environment):
             answer=self.rng.randint(1, high),
         )
 
-    def score(self, item: Item, completion: str) -> float:
-        """Score of a single guess: 1.0 when it names the hidden number."""
-        match = _NUMBER.search(completion)
-        return 1.0 if match and int(match.group()) == item.answer else 0.0
+    def reward(self, item: Item, messages: list[dict]) -> float:
+        guesses = [m["content"] for m in messages if m["role"] == "assistant"]
+        for turn, guess in enumerate(guesses):
+            if guessed(item, guess):
+                return 0.5**turn
+        return 0.0
 
     def gold_completion(self, item: Item) -> str:
         return str(item.answer)
@@ -55,21 +63,16 @@ class GuessNumber(Environment):
         direction = "Too low." if int(match.group()) < item.answer else "Too high."
         return f"{direction} {tries_left} tries left."
 
-    async def rollout(self, item: Item) -> ScoredSequence:
-        session = self.chat(item.prompt)
-        reward = 0.0
+    async def play(self, item: Item) -> ChatSession:
+        session = self.chat(prompt_messages(item))
         for turn in range(self.config.turns):
             await session.sample(self.client, **self.sampling())
             guess = session.messages[-1]["content"]
-            if self.score(item, guess) == 1.0:
-                reward = 0.5**turn
+            tries_left = self.config.turns - turn - 1
+            if guessed(item, guess) or tries_left == 0:
                 break
-            if turn + 1 < self.config.turns:
-                tries_left = self.config.turns - turn - 1
-                session.add_messages([{"role": "user", "content": self.reply(item, guess, tries_left)}])
-        return session.to_sequence(reward, extras={"turns": session.trajectory.turns})
+            session.add_messages([{"role": "user", "content": self.reply(item, guess, tries_left)}])
+        return session
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        rollouts = [self.rollout(item) for _ in range(self.config.group_size)]
-        version, (sequences, errors) = await self.with_policy_version(self.gather_sequences(rollouts))
-        return self.make_group(item, sequences, policy_version=version, errors=errors)
+        return await self.rollout_group(item, self.play)

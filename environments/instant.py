@@ -1,7 +1,8 @@
 """An environment that samples nothing: each item becomes the same valid group at once.
 
 For measuring and testing what runs around environments (the rollout flow, Prefect, storage)
-without a policy server: its groups cost no inference, so their timing is orchestration alone.
+without inference: its groups cost no sampling, so their timing is orchestration alone (plus the
+policy-version read every group gets).
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ class Instant(Environment):
 
     async def setup(self) -> None:
         self.count = 0
+        self.completion_text = self.tokenizer.decode([4, 5], skip_special_tokens=True)
 
     async def get_item(self) -> Item:
         self.count += 1
         return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
 
-    def score(self, item: Item, completion: str) -> float:
+    def reward(self, item: Item, messages: list[dict]) -> float:
         return 1.0
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=1.0)
-        return self.make_group(item, [sequence] * self.config.group_size, policy_version=0)
+        messages = [*item.prompt, {"role": "assistant", "content": self.completion_text}]
+        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=self.reward(item, messages), messages=messages)
+        return self.make_group(item, [sequence] * self.config.group_size)

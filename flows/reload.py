@@ -12,7 +12,8 @@ from prefect.artifacts import acreate_table_artifact
 
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
-from inference.watcher import ReloadOutcome, ReloadWatcher, split_run_url
+from inference.watcher import ReloadOutcome, ReloadWatcher
+from storage.layout import split_run_url
 
 
 @flow(name="reload-watcher")

@@ -74,10 +74,9 @@ class RolloutStats:
         }
 
 
-# Seconds between progress-artifact updates. Each update is an API call and an artifact event:
-# about 5 ms of the flow's CPU and 14 ms of the Prefect server's (100 updates on the 2-core CI host),
-# which at once a second cost a CPU host that also runs the model about 1% of its sampling. The
-# UI refreshes a flow run's page every few seconds anyway.
+# Seconds between progress-artifact updates. Each update is an API call and an artifact event, CPU
+# taken from a host that may also run the model; the UI refreshes a flow run's page every few
+# seconds anyway.
 PROGRESS_INTERVAL_S = 5.0
 
 

@@ -21,7 +21,8 @@ from trainer.metrics import read_metrics
 from trainer.train import default_work_dir, format_metrics
 from trainer.train import train as training_steps
 
-# Columns of the metrics table and curves of the markdown report, in this order.
+# The metrics table's first columns, in this order; whatever else the steps logged (a custom loss's
+# metrics, say) follows. The markdown report draws CURVES.
 TABLE_COLUMNS = (
     "step", "loss", "score_mean", "advantage_std", "clip_fraction", "importance_weight_mean",
     "importance_weight_max", "sampler_kl", "grad_norm", "stale_groups_skipped", "staleness_mean",
@@ -60,8 +61,9 @@ def train(
         update_progress_artifact(progress, 100.0 * metrics["step"] / steps)
 
     history = read_metrics(Path(work_dir) if work_dir else default_work_dir(storage, run))
+    columns = table_columns(history)
     create_table_artifact(
-        [{name: row.get(name) for name in TABLE_COLUMNS} for row in history],
+        [{name: row.get(name) for name in columns} for row in history],
         key=f"{key}-metrics",
         description=f"Per-step trainer metrics of run {run}",
     )
@@ -82,6 +84,14 @@ def train(
 def artifact_key(run: str) -> str:
     """Prefect artifact keys take lowercase letters, digits and dashes only."""
     return "train-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
+
+
+def table_columns(history: list[dict[str, float]]) -> list[str]:
+    """TABLE_COLUMNS that some step logged, then every other logged metric in first-seen order."""
+    logged = list(dict.fromkeys(name for row in history for name in row))
+    return [name for name in TABLE_COLUMNS if name in logged] + [
+        name for name in logged if name not in TABLE_COLUMNS
+    ]
 
 
 def report(run: str, history: list[dict[str, float]], checkpoint: str | None) -> str:

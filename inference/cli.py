@@ -1,4 +1,4 @@
-"""`clotho serve --watch` and `clotho watch`: keep policy servers at a run's newest verified checkpoint."""
+"""`clotho serve --run` and `clotho watch`: keep policy servers at a run's newest verified checkpoint."""
 
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ async def _echo(outcomes: list[ReloadOutcome]) -> None:
 
 
 def check_watch(model: str | Path, watch: str) -> None:
-    """Raises ValueError, naming the fix, unless `serve --model MODEL --watch URL` can hot-reload:
+    """Raises ValueError, naming the fix, unless `serve --model MODEL --run URL` can hot-reload:
     call it before the server starts, not a minute later."""
-    from inference.watcher import split_run_url
+    from storage.layout import split_run_url
 
     split_run_url(watch)
     if not (Path(model) / "config.json").exists():
         raise ValueError(
-            f"--watch needs --model to be a local model directory (the fallback for a rejected checkpoint); "
+            f"--run needs --model to be a local model directory (the fallback for a rejected checkpoint); "
             f"{model} is not one: download it first (huggingface-cli download) and serve that directory"
         )
 
@@ -76,13 +76,13 @@ async def watch_server(
 def serve_watching(
     server: PolicyServer, watch: str, *, poll_s: float = 2.0, cache_dir: str | Path = DEFAULT_CACHE
 ) -> None:
-    """`clotho serve --watch`: watch_server until vLLM exits; Ctrl-C raises KeyboardInterrupt as usual."""
+    """`clotho serve --run`: watch_server until vLLM exits; Ctrl-C raises KeyboardInterrupt as usual."""
     _log_to_stderr()
     asyncio.run(watch_server(server, watch, poll_s=poll_s, cache_dir=cache_dir))
 
 
 def watch_command(
-    run_url: str = typer.Argument(..., help="STORAGE_URL/RUN to follow, e.g. s3://bucket/runs/myrun."),
+    run_url: str = typer.Option(..., "--run", help="Run URL STORAGE_URL/RUN to follow, e.g. s3://bucket/runs/myrun."),
     server: list[str] = typer.Option(..., "--server", help="Base URL of a running vLLM server; repeat for several."),
     base_model: Path = typer.Option(..., help="Local directory of the weights the servers were started on."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the servers' dev routes."),
@@ -95,13 +95,14 @@ def watch_command(
     """Keep running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) at the run's newest checkpoint."""
     from inference.parity_guard import ParityGuard
     from inference.reload import ServedPolicy
-    from inference.watcher import ReloadWatcher, split_run_url
+    from inference.watcher import ReloadWatcher
+    from storage.layout import split_run_url
 
     _log_to_stderr()
     try:
         split_run_url(run_url)
     except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="RUN_URL") from error
+        raise typer.BadParameter(str(error), param_hint="--run") from error
     if not (base_model / "config.json").exists():
         raise typer.BadParameter(
             f"{base_model} has no config.json; pass the local model directory", param_hint="--base-model"

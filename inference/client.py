@@ -26,6 +26,11 @@ class PolicyServerError(RuntimeError):
     """The policy server answered with an error that a retry will not fix."""
 
 
+class PolicyServerAuthError(PolicyServerError):
+    """The policy server refused the API key (401/403): every request would fail the same way,
+    so the run stops instead of recording each group as a failure."""
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled continuation: exactly the ids the sampler produced, with their logprobs."""
@@ -42,6 +47,19 @@ def parse_weight_version(raw: str | int | None) -> int:
         return int(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0
+
+
+def served_model(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> str:
+    """The model path or id a vLLM server serves (its /v1/models 'root'): the tokenizer to use."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=timeout)
+    if response.status_code in (401, 403):
+        raise PolicyServerAuthError(
+            f"policy server {base_url} refused {'the API key given' if api_key else 'no API key'} "
+            f"({response.status_code}); pass --api-key KEY or set CLOTHO_API_KEY"
+        )
+    response.raise_for_status()
+    return response.json()["data"][0]["root"]
 
 
 class PolicyClient:
@@ -61,6 +79,7 @@ class PolicyClient:
         self.model = model
         self.max_retries = max_retries
         self.backoff = backoff
+        self.has_api_key = bool(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -80,6 +99,13 @@ class PolicyClient:
             else:
                 if response.status_code < 400:
                     return response
+                if response.status_code in (401, 403):
+                    given = "the API key given" if self.has_api_key else "no API key"
+                    raise PolicyServerAuthError(
+                        f"policy server {self.base_url} refused {given} ({response.status_code} on "
+                        f"{method} {path}); pass the key the server was started with: --api-key KEY "
+                        "or CLOTHO_API_KEY (a deployment: the Prefect Secret block named by api_key_secret)"
+                    )
                 if response.status_code not in RETRY_STATUS:
                     raise PolicyServerError(
                         f"{method} {self.base_url}{path} -> {response.status_code}: {response.text[:500]}"

@@ -43,9 +43,8 @@ def inference_python() -> str:
 # vLLM on CPUs shares the cores with what runs next to it: rollout clients, the Prefect server, the
 # trainer. Those are latency-bound and light; vLLM takes every cycle it is given. Under SCHED_IDLE
 # any other task that wakes up runs at once and vLLM gets every cycle the others leave; at a
-# niceness the kernel first lets the running task finish its slice. The share of a phase a rollout
-# client waited for a CPU (bench/bench_rollout.py, 2 cores): 26-45% at normal priority, 1-48% at
-# niceness 10, 0-28% (mostly under 16%) under SCHED_IDLE. See docs/policy-service.md.
+# niceness the kernel first lets the running task finish its slice (bench/bench_rollout.py reports
+# how long a client waited for a CPU). See docs/policy-service.md.
 PRIORITIES = ("normal", "low", "idle")
 LOW_NICENESS = 10
 

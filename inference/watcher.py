@@ -23,20 +23,9 @@ from inference.reload import (
 )
 from inference.weights import reload_dir_for
 from storage.checkpoints import CheckpointInfo, checkpoint_url, fetch_checkpoint, latest_checkpoint, read_checkpoint
-from storage.layout import check_run_name
+from storage.layout import split_run_url
 
 log = logging.getLogger(__name__)
-
-
-def split_run_url(url: str) -> tuple[str, str]:
-    """'s3://bucket/prefix/myrun' -> ('s3://bucket/prefix', 'myrun'): the storage root and the run."""
-    root, _, run = url.rstrip("/").rpartition("/")
-    if not root or root.endswith(":/") or root.endswith(":"):
-        raise ValueError(
-            f"{url!r} is not STORAGE_URL/RUN; give the run's URL, e.g. file:///data/runs/myrun or "
-            "s3://bucket/runs/myrun"
-        )
-    return root, check_run_name(run)
 
 
 @dataclass(frozen=True)

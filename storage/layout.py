@@ -53,6 +53,19 @@ def check_run_name(run: str) -> str:
     return run
 
 
+def split_run_url(url: str) -> tuple[str, str]:
+    """'s3://bucket/prefix/myrun' -> ('s3://bucket/prefix', 'myrun'): the storage root and the run.
+
+    A run is named by this one URL everywhere (`--run` of every command, `run_url` of every flow)."""
+    root, _, run = url.rstrip("/").rpartition("/")
+    if not root or root.endswith(":/") or root.endswith(":"):
+        raise ValueError(
+            f"{url!r} is not STORAGE_URL/RUN; give the run's URL, e.g. file:///data/runs/myrun, "
+            "s3://bucket/runs/myrun or .clotho/storage/myrun"
+        )
+    return root, check_run_name(run)
+
+
 def check_policy_version(policy_version: int) -> int:
     """Return policy_version if it is a non-negative int, else raise ValueError."""
     if (

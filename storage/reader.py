@@ -62,10 +62,10 @@ class RolloutBatch:
 class ShardReader:
     """Reads the shards of `{root}/{run}/rollouts/` that the ledger has not consumed, oldest first.
 
-    Filters: `envs` (names to read, None for all) and `min_policy_version` (older shards are skipped,
-    not consumed). A trainer enforcing a maximum staleness sets
-    `reader.min_policy_version = current_version - max_staleness` before each pass. A corrupt shard is
-    logged and moved to `{run}/_quarantine/`; the pass goes on.
+    Filter: `envs` (names to read, None for all). Staleness is not the reader's to judge: every shard
+    is handed out, and the trainer consumes and skips stale groups itself (trainer.data.is_stale), so
+    the ledger records them. A corrupt shard is logged and moved to `{run}/_quarantine/`; the pass
+    goes on.
 
     A shard or group counts as consumed once it is handed out: save `reader.ledger.to_dict()` with the
     checkpoint after training on what was handed out, and pass `Ledger.from_dict(...)` on resume.
@@ -78,14 +78,12 @@ class ShardReader:
         *,
         tokenizer: str | None = None,
         envs: Iterable[str] | None = None,
-        min_policy_version: int | None = None,
         ledger: Ledger | None = None,
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         self.url = rollouts_url(root, run)
         self.tokenizer = tokenizer
         self.envs = None if envs is None else set(envs)
-        self.min_policy_version = min_policy_version
         self.ledger = ledger if ledger is not None else Ledger()
         self.storage_options = storage_options
         self._fs, _ = resolve(self.url, storage_options)
@@ -100,12 +98,7 @@ class ShardReader:
 
     def new_shards(self) -> list[ShardInfo]:
         """Shards passing the filters that are not fully consumed yet, oldest id first."""
-        _, shards = find_shards(
-            self.url,
-            storage_options=self.storage_options,
-            envs=self.envs,
-            min_policy_version=self.min_policy_version,
-        )
+        _, shards = find_shards(self.url, storage_options=self.storage_options, envs=self.envs)
         return [
             s
             for s in shards

@@ -150,7 +150,6 @@ def find_shards(
     *,
     storage_options: dict[str, Any] | None = None,
     envs: set[str] | None = None,
-    min_policy_version: int | None = None,
 ) -> tuple[fsspec.AbstractFileSystem, list[ShardInfo]]:
     """The shards under `url` (a run, its rollouts/ or a partition), oldest id first.
 
@@ -165,7 +164,7 @@ def find_shards(
             url = url.rsplit("/", 3)[0]
         else:
             files = {}
-            for directory in _partition_dirs(fs, base, envs, min_policy_version):
+            for directory in _partition_dirs(fs, base, envs):
                 files.update(list_files(fs, directory))
     shards = []
     for path, size in files.items():
@@ -178,32 +177,20 @@ def find_shards(
             continue
         if envs is not None and location.env not in envs:
             continue
-        if min_policy_version is not None and location.policy_version < min_policy_version:
-            continue
         shards.append(ShardInfo(join(url, below), path, location, size))
     shards.sort(key=lambda shard: (shard.location.shard_id, shard.name))
     return fs, shards
 
 
-def _partition_dirs(
-    fs: fsspec.AbstractFileSystem, base: str, envs: set[str] | None, min_policy_version: int | None
-) -> list[str]:
-    """Directories to list: only the partitions that can pass the filters, so a long run's stale
-    versions cost no listing; `base` itself without filters (one recursive listing is cheapest)."""
-    if envs is None and min_policy_version is None:
+def _partition_dirs(fs: fsspec.AbstractFileSystem, base: str, envs: set[str] | None) -> list[str]:
+    """Directories to list: only the partitions of `envs`; `base` itself without a filter (one
+    recursive listing is cheapest)."""
+    if envs is None:
         return [base]
     env_dirs = _child_dirs(fs, base, "env=")
-    if env_dirs is None:  # not a rollouts directory: the filters apply file by file
+    if env_dirs is None:  # not a rollouts directory: the filter applies file by file
         return [base]
-    kept = [path for value, path in env_dirs if envs is None or value in envs]
-    if min_policy_version is None:
-        return kept
-    versions = []
-    for env_dir in kept:
-        for value, path in _child_dirs(fs, env_dir, "policy_version=") or []:
-            if not value.isdigit() or int(value) >= min_policy_version:
-                versions.append(path)
-    return versions
+    return [path for value, path in env_dirs if value in envs]
 
 
 def _child_dirs(

@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import functools
 import json
+import os
 import re
 import weakref
 from collections.abc import Callable, Iterator
@@ -15,20 +16,29 @@ from typing import Any
 from prefect import get_client, task
 from prefect.concurrency.asyncio import concurrency
 from prefect.cache_policies import NO_CACHE
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
-from environments.base import Environment, Item, RolloutFailure, load_environment_class
+from environments.base import Environment, Item, RolloutFailure
 from environments.chat import load_tokenizer
+from environments.loading import load_config, load_environment_class
 from environments.scored_group import ScoredGroup
-from inference.client import PolicyClient
+from inference.client import PolicyClient, PolicyServerAuthError
 
 
 class EnvSpec(BaseModel):
-    """Which environment to run, how, and its share of the groups in a mixed run."""
+    """Which environment to run, how, and its share of the groups in a mixed run. Checked when
+    made: the environment imports, its name is a valid partition and its config validates."""
 
-    import_path: str = Field(description="'module.path:ClassName' of an Environment subclass.")
+    import_path: str = Field(
+        description="'module.path:ClassName' of an Environment subclass, or the name an installed package gives it."
+    )
     config: dict[str, Any] = Field(default_factory=dict, description="The environment's config fields.")
     weight: float = Field(default=1.0, gt=0, description="Relative share of groups in a mixed run.")
+
+    @model_validator(mode="after")
+    def _loads(self) -> EnvSpec:
+        load_config(load_environment_class(self.import_path), self.config)  # raises naming the field
+        return self
 
     @property
     def key(self) -> str:
@@ -41,23 +51,24 @@ def cached_tokenizer(path: str):
     return load_tokenizer(path)
 
 
-def build_environment(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
+def build_environment(spec: EnvSpec, server_url: str, tokenizer: str, api_key: str | None = None) -> Environment:
     env_class = load_environment_class(spec.import_path)
-    return env_class(spec.config, client=PolicyClient(server_url), tokenizer=cached_tokenizer(tokenizer))
+    client = PolicyClient(server_url, api_key=api_key)
+    return env_class(load_config(env_class, spec.config), client=client, tokenizer=cached_tokenizer(tokenizer))
 
 
 # One environment per (spec, server, tokenizer) and event loop: its HTTP client belongs to the loop.
 # On the flow's loop (the default) every task run shares one instance and its connections; where a
 # task runner gives each run a fresh loop (Dask), entries go away with their loop.
-_environments: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str, str], Environment]]
+_environments: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple, Environment]]
 _environments = weakref.WeakKeyDictionary()
 
 
-async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str) -> Environment:
+async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str, api_key: str | None = None) -> Environment:
     per_loop = _environments.setdefault(asyncio.get_running_loop(), {})
-    key = (spec.key, server_url, tokenizer)
+    key = (spec.key, server_url, tokenizer, api_key)
     if key not in per_loop:
-        env = build_environment(spec, server_url, tokenizer)
+        env = build_environment(spec, server_url, tokenizer, api_key)
         await env.setup()
         per_loop[key] = env
     return per_loop[key]
@@ -72,43 +83,20 @@ _hand_over: contextvars.ContextVar[Callable[[list], None] | None] = contextvars.
 
 
 @contextlib.contextmanager
-def _set_within(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
-    token = var.set(value)
+def hand_over_to(receive: Callable[[list], None]) -> Iterator[None]:
+    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
+    soon as sampling and scoring finish, before Prefect finishes the task run."""
+    token = _hand_over.set(receive)
     try:
         yield
     finally:
-        var.reset(token)
-
-
-def hand_over_to(receive: Callable[[list], None]) -> contextlib.AbstractContextManager[None]:
-    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
-    soon as sampling and scoring finish, before Prefect finishes the task run."""
-    return _set_within(_hand_over, receive)
+        _hand_over.reset(token)
 
 
 def _receiver() -> Callable[[list], None] | None:
     # A function, not the ContextVar itself, in the task's code: Dask pickles the task function by
     # value and a ContextVar cannot be pickled; this function pickles by reference.
     return _hand_over.get()
-
-
-# Where a task run on the flow's own event loop takes a slot for each of its groups: a group samples
-# only while it holds one of the flow's max_concurrent_groups slots, and gives it back the moment its
-# sampling and scoring end. The flow starts task runs ahead of free slots, so a task run's start
-# (Prefect's bookkeeping) overlaps other groups' sampling and a slot never waits for it; a task run
-# of several items never holds idle slots for items still waiting or already done.
-_slot: contextvars.ContextVar[Callable[[], contextlib.AbstractAsyncContextManager] | None] = contextvars.ContextVar(
-    "clotho_slot", default=None
-)
-
-
-def slots_from(slot: Callable[[], contextlib.AbstractAsyncContextManager]) -> contextlib.AbstractContextManager[None]:
-    """Task runs awaited inside this block hold `slot()` around each group they sample."""
-    return _set_within(_slot, slot)
-
-
-def _slot_maker() -> Callable[[], contextlib.AbstractAsyncContextManager] | None:
-    return _slot.get()  # a function for Dask's pickling, as _receiver
 
 
 def _task_run_name(parameters: dict[str, Any]) -> str:
@@ -118,42 +106,44 @@ def _task_run_name(parameters: dict[str, Any]) -> str:
     return f"{parameters['spec'].import_path}:{items[0].id}{more}"
 
 
+def _retry_unless_refused(task, task_run, state) -> bool:
+    """Retry an unreachable server; never a refused key (the same key is refused again)."""
+    return not isinstance(state.data, PolicyServerAuthError)
+
+
 @task(
     name="collect-groups",
     task_run_name=_task_run_name,
     retries=2,
     retry_delay_seconds=[2, 10],
+    retry_condition_fn=_retry_unless_refused,
     cache_policy=NO_CACHE,
     persist_result=False,
 )
 async def collect_groups(
-    spec: EnvSpec, items: list[Item], server_url: str, tokenizer: str, server_limit: str | None = None
+    spec: EnvSpec,
+    items: list[Item],
+    server_url: str,
+    tokenizer: str,
+    server_limit: str | None = None,
+    api_key: str | None = None,
 ) -> list[ScoredGroup | RolloutFailure]:
-    """Inference and scoring of each item into one group; the items' groups are sampled concurrently.
+    """Inference and scoring of each item into one group; the items' groups are sampled concurrently
+    (how many items a task run takes is the flow's groups_per_task).
 
-    How many items a task run takes is the flow's choice (flows.rollout.TaskRunSizer): one each for
-    groups that sample for 10 s or more, so a task run is a group in the UI; several for shorter
-    groups, which divide Prefect's per-task cost (flows.rollout.AUTO_TASK_RUN_GROUP_SECONDS gives it)
-    among them.
-
-    An unreachable server is raised so Prefect retries the task with backoff; anything else an
-    environment raises becomes a recorded RolloutFailure, never a crashed flow. With `server_limit`
-    each group holds a slot of that Prefect global concurrency limit while it runs, so every flow
-    and deployment sampling from one server shares its capacity.
+    An unreachable server is raised so Prefect retries the task with backoff; a refused API key is
+    raised without retries; anything else an environment raises becomes a recorded
+    RolloutFailure, never a crashed flow. With `server_limit` each group holds a slot of that
+    Prefect global concurrency limit while it runs, so every flow and deployment sampling from one
+    server shares its capacity.
     """
-    env = await environment_for(spec, server_url, tokenizer)
-
-    slot = _slot_maker()
-
-    async def one(item: Item) -> ScoredGroup | RolloutFailure:
-        async with slot() if slot is not None else contextlib.nullcontext():
-            return await env.safe_collect(item)
+    env = await environment_for(spec, server_url, tokenizer, api_key)
 
     async def collect() -> list[ScoredGroup | RolloutFailure]:
-        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+        results = await asyncio.gather(*(env.collect_group(item) for item in items), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
-                raise result  # the server is unreachable: retry the task run
+                raise result  # the server is unreachable (retry the task run) or refused the key
         if (receive := _receiver()) is not None:
             receive(list(results))
         return list(results)
@@ -162,6 +152,40 @@ async def collect_groups(
         return await collect()
     async with concurrency(server_limit, occupy=len(items), strict=True):
         return await collect()
+
+
+API_KEY_VARIABLE = "CLOTHO_API_KEY"
+
+
+async def resolve_api_key(api_key_secret: str | None) -> str | None:
+    """The policy servers' API key: the Prefect Secret block named `api_key_secret` (deployments),
+    else $CLOTHO_API_KEY of this process (`clotho rollout --api-key` sets it). Never a flow
+    parameter: parameters are stored with the flow run and shown in the UI."""
+    if api_key_secret:
+        from prefect.blocks.system import Secret
+
+        try:
+            secret = await Secret.aload(api_key_secret)
+        except ValueError as error:
+            raise ValueError(
+                f"api_key_secret={api_key_secret!r}: no such Secret block ({error}); create it with "
+                f"`prefect block create secret` or Secret(value=KEY).save({api_key_secret!r})"
+            ) from None
+        return secret.get()
+    return os.environ.get(API_KEY_VARIABLE) or None
+
+
+async def check_servers(servers: list[str], api_key: str | None) -> None:
+    """Fails now, naming the server and the option, when a server refuses the key or is not a
+    policy server; an unreachable one is left to the task runs' retries (it may be starting)."""
+    for server in servers:
+        async with PolicyClient(server, api_key=api_key, max_retries=0) as client:
+            try:
+                await client.weight_version()
+            except PolicyServerAuthError:
+                raise
+            except Exception:  # unreachable for now: groups retry with backoff
+                pass
 
 
 def server_limit_name(server_url: str) -> str:

@@ -1,8 +1,8 @@
 """`clotho train`: the trainer loop from the command line, one process or under torchrun/deepspeed.
 
-    clotho train --storage URL --run NAME --model PATH --steps N [--config trainer.yaml] [--set k=v]
-    deepspeed --num_gpus 2 --module trainer.cli --storage URL --run NAME --model PATH --steps N
-    torchrun --nproc_per_node 2 -m trainer.cli -- --storage URL --run NAME --model PATH --steps N
+    clotho train --run RUN_URL --model PATH --steps N [--config trainer.yaml] [--set key.path=value]
+    deepspeed --num_gpus 2 --module trainer.cli --run RUN_URL --model PATH --steps N
+    torchrun --nproc_per_node 2 -m trainer.cli -- --run RUN_URL --model PATH --steps N
 
 torchrun needs the `--`: it abbreviates its own options and would take `--run` for `--run-path`.
 """
@@ -17,17 +17,16 @@ import typer
 
 
 def train_command(
-    storage: str = typer.Option(..., help="Storage root URL of the run (a path, file://, s3://)."),
-    run: str = typer.Option(..., help="Run name: reads {storage}/{run}/rollouts, publishes checkpoints."),
+    run: str = typer.Option(..., help="Run URL STORAGE_URL/RUN (a path, file://, s3://): reads its rollouts, publishes its checkpoints."),
     model: str = typer.Option(..., help="Initial policy: Hugging Face model directory or hub name."),
     steps: int = typer.Option(..., help="Total optimizer steps; a resumed run continues up to it."),
     config: Path = typer.Option(None, exists=True, dir_okay=False, help="Trainer YAML (TrainerConfig)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field: --set loss.name=dapo (repeatable)."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set loss.name=dapo (repeatable)."),
     work_dir: Path = typer.Option(
         None, help="Local directory for resume state and metrics "
-        "(default {storage}/{run}/trainer, or .clotho/trainer/{run} for remote storage).",
+        "(default RUN_URL/trainer, or .clotho/trainer/RUN for remote storage).",
     ),  # fmt: skip
-    data_timeout: float = typer.Option(600.0, help="Seconds to wait for new groups before giving up."),
+    data_timeout_s: float = typer.Option(600.0, help="Seconds to wait for new groups before giving up."),
     local_rank: int = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
 ) -> None:
     """Train the policy on the run's rollout shards with DeepSpeed and publish checkpoints."""
@@ -35,8 +34,13 @@ def train_command(
 
     from trainer.config import TrainerConfig
     from trainer.data import DataTimeoutError
+    from storage.layout import split_run_url
     from trainer.train import train
 
+    try:
+        storage, run_name = split_run_url(run)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--run") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         # --model and --steps win over the file and --set; JSON quoting keeps a path a string.
@@ -46,7 +50,7 @@ def train_command(
     except ValueError as error:  # pydantic's ValidationError is a ValueError
         raise typer.BadParameter(str(error)) from error
     try:
-        for _ in train(trainer_config, storage, run, work_dir=work_dir, data_timeout_s=data_timeout):
+        for _ in train(trainer_config, storage, run_name, work_dir=work_dir, data_timeout_s=data_timeout_s):
             pass
     except DataTimeoutError as error:
         typer.echo(str(error), err=True)

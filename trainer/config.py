@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-# Clip ranges each loss is usually run with, applied when the config does not set them.
-# DAPO raises the upper clip ("clip-higher") so low-probability tokens can still grow; GSPO clips a
-# length-normalized sequence ratio, which sits much closer to 1, so its range is tiny (GSPO paper).
-_DEFAULT_CLIPS = {
-    "grpo": (0.2, 0.2),
-    "dr_grpo": (0.2, 0.2),
-    "dapo": (0.2, 0.28),
-    "gspo": (3e-4, 4e-4),
+from clotho.overrides import apply_overrides
+
+# The built-in losses by short name; `loss.name` takes either these or any such import path.
+BUILTIN_LOSSES = {
+    "grpo": "trainer.losses:grpo",
+    "dr_grpo": "trainer.losses:dr_grpo",
+    "dapo": "trainer.losses:dapo",
+    "gspo": "trainer.losses:gspo",
 }
+
+
+@dataclass(frozen=True)
+class LossDefaults:
+    """What a loss runs with where the config leaves it unset. A loss function that needs other
+    values than these declares them next to itself: `my_loss.loss_defaults = LossDefaults(...)`."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    advantage_mode: Literal["grpo", "mean_only"] = "grpo"
 
 
 class LossConfig(BaseModel):
@@ -25,26 +37,26 @@ class LossConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: Literal["grpo", "dr_grpo", "dapo", "gspo"] = Field(
+    name: str = Field(
         default="grpo",
         description=(
-            "grpo: PPO-clip per token, mean over each sequence then over sequences. "
-            "dapo: same clip (asymmetric by default), mean over all trained tokens of the step. "
-            "dr_grpo: per-token sums divided by a constant (constant_normalizer per sequence), so "
-            "neither long nor short answers are re-weighted. gspo: one clipped ratio per sequence."
+            "The loss function: a built-in (grpo, dr_grpo, dapo, gspo; see trainer.losses) or the "
+            "import path 'package.module:function' of any function with the signature documented "
+            "in trainer.losses. The built-in names are short for 'trainer.losses:grpo' and so on."
         ),
     )
-    clip_low: float = Field(
-        default=0.2,
+    clip_low: float | None = Field(
+        default=None,
         ge=0.0,
         lt=1.0,
-        description="Ratios below 1 - clip_low stop pushing a token down. Default: 3e-4 for gspo.",
+        description="Ratios below 1 - clip_low stop pushing a token down. null: the loss's "
+        "default (0.2; 3e-4 for gspo).",
     )
-    clip_high: float = Field(
-        default=0.2,
+    clip_high: float | None = Field(
+        default=None,
         ge=0.0,
-        description="Ratios above 1 + clip_high stop pushing a token up. Default: 0.28 for dapo, "
-        "4e-4 for gspo, else 0.2.",
+        description="Ratios above 1 + clip_high stop pushing a token up. null: the loss's "
+        "default (0.2; 0.28 for dapo, 4e-4 for gspo).",
     )
     importance_cap: float | None = Field(
         default=2.0,
@@ -66,21 +78,82 @@ class LossConfig(BaseModel):
         description="dr_grpo only: each sequence's token sum is divided by this constant (the "
         "generation budget in the Dr. GRPO paper) instead of its length. It only scales the step.",
     )
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A custom loss's own settings (YAML values), read by it as config.options; "
+        "the built-in losses read none. --set loss.options.beta=0.1 sets one.",
+    )
+
+    _function: Callable[..., Any] = PrivateAttr()
+    _defaults: LossDefaults = PrivateAttr()
 
     @model_validator(mode="after")
-    def _per_loss_defaults(self) -> LossConfig:
-        low, high = _DEFAULT_CLIPS[self.name]
-        if "clip_low" not in self.model_fields_set:
-            self.clip_low = low
-        if "clip_high" not in self.model_fields_set:
-            self.clip_high = high
+    def _load_the_loss(self) -> LossConfig:
+        self._function = load_loss(self.name)
+        self._defaults = loss_defaults(self._function, self.name)
+        if self.clip_low is None:
+            self.clip_low = self._defaults.clip_low
+        if self.clip_high is None:
+            self.clip_high = self._defaults.clip_high
         if self.importance_cap is not None and self.importance_cap < 1.0 + self.clip_high:
             raise ValueError(
-                f"importance_cap: {self.importance_cap} < 1 + clip_high ({1.0 + self.clip_high}); "
-                "a cap inside the clip range would undo the clip; raise it (2.0 is usual) or "
-                "use null"
+                f"importance_cap: {self.importance_cap} < 1 + clip_high ({1.0 + self.clip_high} "
+                f"with loss {self.name}); a cap inside the clip range would undo the clip; raise "
+                "it (2.0 is usual) or use null"
             )
         return self
+
+    @property
+    def function(self) -> Callable[..., Any]:
+        """The loss function `name` names, imported when the config was validated."""
+        return self._function
+
+    @property
+    def defaults(self) -> LossDefaults:
+        """The loss function's declared defaults (LossDefaults() when it declares none)."""
+        return self._defaults
+
+
+def load_loss(name: str) -> Callable[..., Any]:
+    """The function a `loss.name` names: a built-in's short name or 'package.module:function'."""
+    path = BUILTIN_LOSSES.get(name, name)
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(
+            f"loss.name: {name!r} is neither a built-in loss ({', '.join(BUILTIN_LOSSES)}) nor an "
+            "import path; write one of those or 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(
+            f"loss.name: {name!r}: cannot import {module_name} ({error}); check the spelling and "
+            "that the module is installed or importable from the trainer's working directory"
+        ) from error
+    function = getattr(module, attribute, None)
+    if function is None:
+        raise ValueError(
+            f"loss.name: {name!r}: module {module_name} has no attribute {attribute!r}; name a "
+            "function defined there"
+        )
+    if not callable(function):
+        raise ValueError(
+            f"loss.name: {name!r}: {attribute} is not a function but of type "
+            f"{type(function).__name__}; "
+            "point at a function (inputs: LossInputs, config: LossConfig) -> (loss, metrics)"
+        )
+    return function
+
+
+def loss_defaults(function: Callable[..., Any], name: str) -> LossDefaults:
+    """The `loss_defaults` a loss function declares, LossDefaults() when it declares none."""
+    defaults = getattr(function, "loss_defaults", LossDefaults())
+    if not isinstance(defaults, LossDefaults):
+        raise ValueError(
+            f"loss.name: {name!r}: its loss_defaults is of type {type(defaults).__name__}; set "
+            "it to trainer.config.LossDefaults(...)"
+        )
+    return defaults
 
 
 class AdvantageConfig(BaseModel):
@@ -91,8 +164,8 @@ class AdvantageConfig(BaseModel):
     mode: Literal["grpo", "mean_only"] = Field(
         default="grpo",
         description="grpo: (score - group mean) / (group std + eps). mean_only: score - group mean "
-        "(Dr. GRPO; no up-weighting of groups whose scores barely differ). Defaults to mean_only "
-        "when loss.name is dr_grpo.",
+        "(Dr. GRPO; no up-weighting of groups whose scores barely differ). Unset: the loss's "
+        "default, mean_only for dr_grpo.",
     )
     eps: float = Field(default=1e-6, gt=0.0, description="Added to the std so equal scores give 0.")
 
@@ -141,10 +214,11 @@ class TrainerConfig(BaseModel):
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
 
     @model_validator(mode="after")
-    def _dr_grpo_advantages(self) -> TrainerConfig:
-        # Dr. GRPO drops both the length and the std normalization; follow it unless told not to.
-        if self.loss.name == "dr_grpo" and "mode" not in self.advantages.model_fields_set:
-            self.advantages.mode = "mean_only"
+    def _loss_advantage_default(self) -> TrainerConfig:
+        # Some losses come with their advantages (Dr. GRPO drops the std normalization along with
+        # the length one); follow the loss unless told otherwise.
+        if "mode" not in self.advantages.model_fields_set:
+            self.advantages.mode = self.loss.defaults.advantage_mode
         return self
 
     @classmethod
@@ -161,26 +235,3 @@ class TrainerConfig(BaseModel):
                 )
             data = loaded or {}
         return cls.model_validate(apply_overrides(data, overrides))
-
-
-def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of `data` with each `dotted.key=value` set; values are YAML (1e-6, true, null)."""
-    result = _deep_copy(data)
-    for override in overrides:
-        key, separator, raw = override.partition("=")
-        if not separator or not key.strip():
-            raise ValueError(f"override {override!r}: write it as key=value, e.g. loss.name=dapo")
-        parts = key.strip().split(".")
-        node = result
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ValueError(f"override {override!r}: {where} is a value, not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(raw)
-    return result
-
-
-def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}

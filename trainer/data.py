@@ -15,6 +15,12 @@ class DataTimeoutError(TimeoutError):
     """No new groups arrived in time for a step."""
 
 
+def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:
+    """The trainer's one staleness rule: a group sampled by a policy more than `max_staleness`
+    versions older than `policy_version`, the weights about to be updated, is not trained on."""
+    return policy_version - group_policy_version > max_staleness
+
+
 def next_step_groups(
     reader: ShardReader,
     count: int,
@@ -26,10 +32,10 @@ def next_step_groups(
 ) -> tuple[list[ScoredGroup], int]:
     """The next `count` fresh groups in shard order, and how many stale ones were skipped.
 
-    A group is stale when sampled more than `max_staleness` versions before `policy_version`;
-    it is consumed (the ledger records it) but not trained on. Waits, polling every `poll_s`, until
-    enough groups exist; raises DataTimeoutError after `timeout_s` seconds without a new group.
-    The ledger then already holds the groups taken, so do not save it: resume from the last state.
+    A stale group (`is_stale`) is consumed, so the ledger records it, but not returned. Waits,
+    polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
+    seconds without a new group. The ledger then already holds the groups taken, so do not save
+    it: resume from the last state.
     """
     fresh: list[ScoredGroup] = []
     stale = 0
@@ -39,7 +45,8 @@ def next_step_groups(
         for group in reader.groups():
             last_group = time.monotonic()
             wait_logged = False
-            if policy_version - group.policy_version > max_staleness:
+            version = group.policy_version
+            if is_stale(version, policy_version=policy_version, max_staleness=max_staleness):
                 stale += 1
                 continue
             fresh.append(group)

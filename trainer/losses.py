@@ -1,4 +1,22 @@
-"""Policy losses (grpo, dr_grpo, dapo, gspo) as pure functions over per-token tensors.
+"""Policy losses: one function signature, the built-ins grpo, dr_grpo, dapo and gspo, and the
+pieces they are made of, as pure functions over the trained tokens.
+
+Writing a loss. A loss is one function, chosen by `loss.name` in the trainer config: a built-in's
+short name or the import path of any function ("package.module:function") of this signature:
+
+    def my_loss(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]
+
+`inputs` holds one micro-batch's trained tokens as flat [tokens] vectors (never empty) and the
+optimizer step's counts. The loss returns this micro-batch's share of the step's loss, a 0-dim
+tensor (normalize by the step's counts, as below, so that micro-batch losses add up to the step's),
+and its metrics: floats or 0-dim tensors, merged over the step as means weighted by trained tokens,
+unless a float is wrapped as trainer.metrics.Total (adds up), Maximum or Minimum. `loss`,
+`num_tokens` and `num_sequences` are added for it. Settings come from `config`: the shared fields
+(clip_low, clip_high, importance_cap, kl_coef) and `config.options`, a custom loss's own. A loss
+that wants other defaults than clip 0.2 / 0.2 and grpo advantages declares them next to itself,
+`my_loss.loss_defaults = LossDefaults(clip_high=0.28)` (trainer.config). The public helpers below
+(clipped_token_loss, clipped_objective, kl_to_reference, ratio_metrics, sequence_mean, token_mean,
+constant_normalized, segment_mean) are there to reuse: dapo is three lines of them.
 
 Notation, per trained token t of sequence i:
     logp_t  the trainer's logprob of the token under the current weights (carries the gradient)
@@ -26,6 +44,9 @@ gspo replaces r_t by the sequence ratio s_i = exp(mean over the sequence's train
 (logp - mu)) in the GSPO-token form: s_i's value with the gradient of logp_t, which equals GSPO
 exactly when A is constant over the sequence and still honours per-token advantage overrides.
 
+The KL penalty adds kl_coef * (exp(ref - logp) - (ref - logp) - 1) per token (the k3 estimator,
+non-negative and unbiased), reduced like the policy term.
+
 Normalization, chosen so that gradients do not depend on how a step is cut into micro-batches:
     grpo, gspo   (sum over sequences of each one's mean token loss) / step_num_sequences
     dapo         (sum of token losses) / step_num_tokens
@@ -38,11 +59,12 @@ gradients are averaged, pass the global counts divided by the world size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
-from trainer.config import LossConfig
+from trainer.config import LossConfig, LossDefaults
+from trainer.metrics import Maximum, Minimum, Total
 
 
 def token_logprobs(
@@ -69,6 +91,39 @@ def token_logprobs(
     return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's trained tokens, in mask order, and the counts its loss divides by.
+
+    logprobs            [tokens] float  the trainer's logprobs, with gradient (float32 or wider)
+    sampler_logprobs    [tokens] float  the sampler's logprobs mu of the same tokens
+    advantages          [tokens] float
+    sequence            [tokens] long   each token's sequence, 0..num_sequences-1
+    num_sequences       int             sequences with a trained token in this micro-batch
+    ref_logprobs        [tokens] float  a frozen reference model's logprobs, or None without one
+    step_num_sequences  float           the optimizer step's sequences (over the world size)
+    step_num_tokens     float           the optimizer step's trained tokens (over the world size)
+    """
+
+    logprobs: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    sequence: torch.Tensor
+    num_sequences: int
+    ref_logprobs: torch.Tensor | None
+    step_num_sequences: float
+    step_num_tokens: float
+
+    @property
+    def num_tokens(self) -> int:
+        return self.logprobs.numel()
+
+    @property
+    def log_ratio(self) -> torch.Tensor:
+        """log r_t = logp_t - mu_t, [tokens], with the gradient of logp."""
+        return self.logprobs - self.sampler_logprobs
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -81,7 +136,7 @@ def policy_loss(
     step_num_sequences: float | None = None,
     step_num_tokens: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of one micro-batch and its metrics (plain floats).
+    """The configured loss (`config.function`) of one micro-batch, and its metrics (floats).
 
     logprobs      [batch, seq]  trainer logprobs, with gradient (see `token_logprobs`)
     old_logprobs  [batch, seq]  the sampler's logprobs
@@ -91,14 +146,9 @@ def policy_loss(
                                 in (packed rows); None: each row is one sequence (padded batches)
     ref_logprobs  [batch, seq]  a frozen reference model's logprobs; required when kl_coef > 0
 
-    The KL penalty adds kl_coef * (exp(ref - logp) - (ref - logp) - 1) per token (the k3 estimator,
-    non-negative and unbiased), reduced like the policy term. Counts: see the module docstring.
-
-    Metrics, over trained tokens: loss; clip_fraction (gradient zeroed by the clip); capped_fraction
-    (weight truncated by importance_cap); importance_weight_mean/max/min (the ratio the loss used:
-    per token, or the sequence's for gspo); sampler_kl (mean of r - 1 - log r, an estimate of
-    KL(sampler || policy): staleness plus numeric mismatch); kl (to the reference, when given);
-    num_tokens; num_sequences.
+    Picks out the trained tokens as LossInputs and calls the loss on them (a micro-batch without
+    any gives 0 with a zero gradient, and the loss is not called). The metrics are the loss's (see
+    `ratio_metrics` for the built-ins') plus loss, num_tokens and num_sequences.
     """
     _check_shapes(
         logprobs,
@@ -116,46 +166,88 @@ def policy_loss(
     trained = mask.bool()
     dtype = torch.promote_types(logprobs.dtype, torch.float32)  # bf16 is too coarse for ratios
     logp = logprobs[trained].to(dtype)
-    token_log_ratio = logp - old_logprobs[trained].to(dtype)
-    advantage = advantages[trained].to(dtype)
     sequence, num_sequences = _dense_sequence_index(trained, sequence_ids)
     num_tokens = logp.numel()
     if num_tokens == 0:
         # Keep the graph connected so every rank runs the same backward, with a zero gradient.
-        return logprobs.sum() * 0.0, {"loss": 0.0, "num_tokens": 0, "num_sequences": 0}
+        return logprobs.sum() * 0.0, {
+            "loss": Total(0.0), "num_tokens": Total(0), "num_sequences": Total(0)
+        }  # fmt: skip
+    inputs = LossInputs(
+        logprobs=logp,
+        sampler_logprobs=old_logprobs[trained].to(dtype),
+        advantages=advantages[trained].to(dtype),
+        sequence=sequence,
+        num_sequences=num_sequences,
+        ref_logprobs=None if ref_logprobs is None else ref_logprobs[trained].to(dtype),
+        step_num_sequences=step_num_sequences or num_sequences,
+        step_num_tokens=step_num_tokens or num_tokens,
+    )
+    loss, metrics = config.function(inputs, config)
+    return loss, _metric_floats(loss, metrics, inputs, config.name)
 
-    if config.name == "gspo":
-        sequence_log_ratio = _segment_mean(token_log_ratio.detach(), sequence, num_sequences)
-        log_ratio = sequence_log_ratio[sequence] + logp - logp.detach()
-    else:
-        log_ratio = token_log_ratio
-    token_loss = -_clipped_objective(log_ratio, advantage, config)
-    kl = None
-    if ref_logprobs is not None:
-        ref_minus_logp = ref_logprobs[trained].to(dtype) - logp
-        kl = torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
+
+# --- the built-in losses -------------------------------------------------------------------------
+
+
+def grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip per token, mean over each sequence, summed over sequences / step_num_sequences."""
+    token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
+    return sequence_mean(token_loss, inputs), metrics
+
+
+def dr_grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip per token, summed / (step_num_sequences * constant_normalizer): neither long nor
+    short answers are re-weighted; with mean_only advantages by default (Dr. GRPO)."""
+    token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
+    return constant_normalized(token_loss, inputs, config.constant_normalizer), metrics
+
+
+def dapo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip per token with a raised upper clip, mean over all the step's trained tokens."""
+    token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
+    return token_mean(token_loss, inputs), metrics
+
+
+def gspo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip on each sequence's length-normalized ratio s_i (GSPO-token), normalized as grpo."""
+    sequence_log_ratio = segment_mean(
+        inputs.log_ratio.detach(), inputs.sequence, inputs.num_sequences
+    )
+    log_ratio = sequence_log_ratio[inputs.sequence] + inputs.logprobs - inputs.logprobs.detach()
+    token_loss, metrics = clipped_token_loss(inputs, log_ratio, config)
+    return sequence_mean(token_loss, inputs), metrics
+
+
+# "Clip-higher" lets low-probability tokens still grow (DAPO); a length-normalized sequence ratio
+# sits much closer to 1 than a token's, so GSPO's range is tiny (GSPO paper).
+dr_grpo.loss_defaults = LossDefaults(advantage_mode="mean_only")
+dapo.loss_defaults = LossDefaults(clip_high=0.28)
+gspo.loss_defaults = LossDefaults(clip_low=3e-4, clip_high=4e-4)
+
+
+# --- pieces to build losses from -----------------------------------------------------------------
+
+
+def clipped_token_loss(
+    inputs: LossInputs, log_ratio: torch.Tensor, config: LossConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """-J_t, plus the KL penalty when there are reference logprobs: [tokens]; and ratio_metrics.
+
+    log_ratio [tokens] is the log of the ratio to clip: inputs.log_ratio per token, or another
+    (gspo's sequence ratio) carrying the gradient of inputs.logprobs.
+    """
+    token_loss = -clipped_objective(log_ratio, inputs.advantages, config)
+    kl = kl_to_reference(inputs)
+    if kl is not None:
         token_loss = token_loss + config.kl_coef * kl
-
-    if config.name in ("grpo", "gspo"):
-        total = _segment_mean(token_loss, sequence, num_sequences).sum()
-        loss = total / (step_num_sequences or num_sequences)
-    elif config.name == "dapo":
-        loss = token_loss.sum() / (step_num_tokens or num_tokens)
-    else:
-        loss = token_loss.sum() / (
-            (step_num_sequences or num_sequences) * config.constant_normalizer
-        )
-
-    metrics = _metrics(loss, log_ratio.detach(), token_log_ratio.detach(), advantage, kl, config)
-    metrics["num_tokens"] = num_tokens
-    metrics["num_sequences"] = num_sequences
-    return loss, metrics
+    return token_loss, ratio_metrics(log_ratio.detach(), inputs, config, kl=kl)
 
 
-def _clipped_objective(
+def clipped_objective(
     log_ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig
 ) -> torch.Tensor:
-    """min(w A, clip(r) A) per token, [tokens] -> [tokens]; w is r truncated at the cap."""
+    """J_t = min(w A, clip(r) A) per token, [tokens] -> [tokens]; w is r truncated at the cap."""
     if config.importance_cap is None:
         weight = torch.exp(log_ratio)
     else:
@@ -168,16 +260,59 @@ def _clipped_objective(
     return torch.minimum(weight * advantage, clipped_ratio * advantage)
 
 
+def kl_to_reference(inputs: LossInputs) -> torch.Tensor | None:
+    """k3 = exp(ref - logp) - (ref - logp) - 1 per token, [tokens]; None without ref_logprobs."""
+    if inputs.ref_logprobs is None:
+        return None
+    ref_minus_logp = inputs.ref_logprobs - inputs.logprobs
+    return torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
+
+
+def sequence_mean(token_loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """(sum over sequences of each one's mean token loss) / step_num_sequences: [tokens] -> []."""
+    total = segment_mean(token_loss, inputs.sequence, inputs.num_sequences).sum()
+    return total / inputs.step_num_sequences
+
+
+def token_mean(token_loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
+    """(sum of token losses) / step_num_tokens: [tokens] -> []."""
+    return token_loss.sum() / inputs.step_num_tokens
+
+
+def constant_normalized(
+    token_loss: torch.Tensor, inputs: LossInputs, constant: float
+) -> torch.Tensor:
+    """(sum of token losses) / (step_num_sequences * constant): [tokens] -> []."""
+    return token_loss.sum() / (inputs.step_num_sequences * constant)
+
+
+def segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Mean of `values` [tokens] within each segment that `segment` [tokens] names -> [segments]."""
+    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device).index_add(
+        0, segment, values
+    )
+    counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
+    return sums / counts
+
+
 @torch.no_grad()
-def _metrics(
-    loss: torch.Tensor,
+def ratio_metrics(
     log_ratio: torch.Tensor,
-    token_log_ratio: torch.Tensor,
-    advantage: torch.Tensor,
-    kl: torch.Tensor | None,
+    inputs: LossInputs,
     config: LossConfig,
+    *,
+    kl: torch.Tensor | None = None,
 ) -> dict[str, float]:
+    """Metrics of a clipped loss over the trained tokens, log_ratio [tokens] the one it clipped.
+
+    clip_fraction (gradient zeroed by the clip); capped_fraction (weight truncated by
+    importance_cap); importance_weight_mean/max/min (the ratio the loss used: per token, or the
+    sequence's for gspo); sampler_kl (mean of r - 1 - log r, an estimate of KL(sampler || policy):
+    staleness plus numeric mismatch); kl (the mean of `kl`, to the reference, when given).
+    """
     ratio = torch.exp(log_ratio)
+    token_log_ratio = inputs.log_ratio
+    advantage = inputs.advantages
     clip_active = ((advantage > 0) & (ratio > 1.0 + config.clip_high)) | (
         (advantage < 0) & (ratio < 1.0 - config.clip_low)
     )
@@ -185,7 +320,6 @@ def _metrics(
     if config.importance_cap is not None:
         capped = ~clip_active & (ratio > config.importance_cap)
     values = {
-        "loss": loss,
         "clip_fraction": clip_active.float().mean(),
         "capped_fraction": capped.float().mean(),
         "importance_weight_mean": ratio.mean(),
@@ -196,11 +330,48 @@ def _metrics(
     if kl is not None:
         values["kl"] = kl.mean()
     # One stacked transfer instead of a device sync per metric.
-    return dict(
-        zip(
-            values, torch.stack([v.detach().float() for v in values.values()]).tolist(), strict=True
+    floats = dict(zip(values, torch.stack([v.float() for v in values.values()]).tolist()))
+    floats["importance_weight_max"] = Maximum(floats["importance_weight_max"])
+    floats["importance_weight_min"] = Minimum(floats["importance_weight_min"])
+    return floats
+
+
+# --- the micro-batch plumbing --------------------------------------------------------------------
+
+
+def _metric_floats(
+    loss: torch.Tensor, metrics: dict[str, float], inputs: LossInputs, name: str
+) -> dict[str, float]:
+    """The loss's metrics as floats, with loss, num_tokens and num_sequences added."""
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise ValueError(
+            f"loss.name {name!r}: returned a loss of {shape}; return a 0-dim tensor, the token "
+            "losses reduced (e.g. trainer.losses.sequence_mean) along with a metrics dict"
         )
-    )
+    if not isinstance(metrics, dict):
+        raise ValueError(
+            f"loss.name {name!r}: returned {type(metrics).__name__} as metrics; return "
+            "(loss, {name: float or 0-dim tensor}), {} when there is nothing to report"
+        )
+    tensors = [key for key, value in metrics.items() if isinstance(value, torch.Tensor)]
+    for key in tensors:
+        if metrics[key].numel() != 1:
+            raise ValueError(
+                f"loss.name {name!r}: metric {key!r} has shape {tuple(metrics[key].shape)}; "
+                "reduce it to one value (.mean(), .max())"
+            )
+    # One transfer for the loss and every tensor metric.
+    read = [metrics[key].detach().float().reshape(()) for key in tensors]
+    stacked = torch.stack([loss.detach().float(), *read])
+    loss_value, *values = stacked.tolist()
+    return {
+        "loss": Total(loss_value),
+        **{key: value for key, value in metrics.items() if key not in tensors},
+        **dict(zip(tensors, values, strict=True)),
+        "num_tokens": Total(inputs.num_tokens),
+        "num_sequences": Total(inputs.num_sequences),
+    }
 
 
 def _check_shapes(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -212,31 +383,6 @@ def _check_shapes(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> Non
                 f"{name}: shape {tuple(tensor.shape)} != logprobs {tuple(logprobs.shape)}; "
                 "give every per-token tensor the same [batch, seq] shape"
             )
-
-
-def merge_metrics(micro_batch_metrics: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Combine the metrics of a step's micro-batches into the step's.
-
-    loss and num_* add up (each micro-batch loss is already a share of the step's), *_max and *_min
-    take the extreme, everything else is a mean weighted by trained tokens.
-    """
-    merged: dict[str, float] = {}
-    weights: dict[str, float] = {}
-    for metrics in micro_batch_metrics:
-        tokens = metrics.get("num_tokens", 0)
-        for key, value in metrics.items():
-            if key == "loss" or key.startswith("num_"):
-                merged[key] = merged.get(key, 0) + value
-            elif key.endswith("_max"):
-                merged[key] = max(merged.get(key, value), value)
-            elif key.endswith("_min"):
-                merged[key] = min(merged.get(key, value), value)
-            else:
-                merged[key] = merged.get(key, 0.0) + value * tokens
-                weights[key] = weights.get(key, 0) + tokens
-    for key, weight in weights.items():
-        merged[key] = merged[key] / weight if weight else 0.0
-    return merged
 
 
 def _dense_sequence_index(
@@ -255,12 +401,3 @@ def _dense_sequence_index(
         key = row * (int(ids.max()) + 1 if ids.numel() else 1) + ids
     unique, index = torch.unique(key[trained], return_inverse=True)
     return index, unique.numel()
-
-
-def _segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Mean of `values` [tokens] within each segment that `segment` [tokens] names -> [segments]."""
-    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device).index_add(
-        0, segment, values
-    )
-    counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
-    return sums / counts

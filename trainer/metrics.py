@@ -1,12 +1,51 @@
-"""Per-step training metrics: one JSON line per step and TensorBoard scalars, both under work_dir."""
+"""Per-step training metrics: micro-batch metrics merged into the step's, then one JSON line per
+step and TensorBoard scalars, both under work_dir."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
+
+
+# A micro-batch metric says by its type how a step combines it; a plain float is a mean weighted by
+# trained tokens, which is right for anything measured per token (fractions, means, KL estimates).
+class Total(float):
+    """A metric the step adds up over its micro-batches: the loss (each one's is its share of the
+    step's), counts."""
+
+
+class Maximum(float):
+    """A metric whose step value is the largest of its micro-batches'."""
+
+
+class Minimum(float):
+    """A metric whose step value is the smallest of its micro-batches'."""
+
+
+def merge_metrics(micro_batch_metrics: Iterable[dict[str, float]]) -> dict[str, float]:
+    """The step's metrics (plain floats) from its micro-batches': Total values add up, Maximum and
+    Minimum take the extreme, plain floats are means weighted by each micro-batch's num_tokens."""
+    merged: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for metrics in micro_batch_metrics:
+        tokens = metrics.get("num_tokens", 0)
+        for key, value in metrics.items():
+            if isinstance(value, Total):
+                merged[key] = merged.get(key, 0.0) + value
+            elif isinstance(value, Maximum):
+                merged[key] = max(merged.get(key, value), value)
+            elif isinstance(value, Minimum):
+                merged[key] = min(merged.get(key, value), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + value * tokens
+                weights[key] = weights.get(key, 0) + tokens
+    for key, weight in weights.items():
+        merged[key] = merged[key] / weight if weight else 0.0
+    return {key: float(value) for key, value in merged.items()}
 
 
 class MetricsLog:

@@ -211,17 +211,6 @@ def padding_waste(batches: Sequence[PackedBatch]) -> float:
     return sum(b.num_padding for b in batches) / slots if slots else 0.0
 
 
-def split_stale(
-    groups: Sequence[ScoredGroup], policy_version: int, max_staleness: int
-) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
-    """(fresh, stale): a group is stale when sampled more than max_staleness versions before
-    `policy_version`, the version of the weights about to be updated."""
-    fresh, stale = [], []
-    for group in groups:
-        (stale if policy_version - group.policy_version > max_staleness else fresh).append(group)
-    return fresh, stale
-
-
 @dataclass
 class StepBatch:
     """One optimizer step's data: its micro-batches, the counts the loss divides by, and stats."""
@@ -236,28 +225,27 @@ def build_step(
     groups: Sequence[ScoredGroup],
     *,
     policy_version: int,
-    max_staleness: int,
     token_budget: int,
     advantage_config: AdvantageConfig,
     pad_multiple: int = 64,
 ) -> StepBatch:
-    """Skip stale groups, compute advantages, pack the rest; stats are plain floats for logging.
+    """Compute advantages and pack every group given; stats are plain floats for logging.
 
-    Pass `num_sequences` and `num_trained_tokens` to `policy_loss` as step_num_sequences and
+    Which groups to train on is decided before (trainer.data.is_stale); `policy_version`, the
+    version of the weights about to be updated, only measures how stale the given ones are. Pass
+    `num_sequences` and `num_trained_tokens` to `policy_loss` as step_num_sequences and
     step_num_tokens for every micro-batch.
     """
-    fresh, stale = split_stale(groups, policy_version, max_staleness)
     batches = pack_micro_batches(
-        training_sequences(fresh, advantage_config), token_budget, pad_multiple
+        training_sequences(groups, advantage_config), token_budget, pad_multiple
     )
     trained_advantages = (
         torch.cat([b.advantages[b.mask] for b in batches]) if batches else torch.zeros(0)
     )
-    staleness = [policy_version - g.policy_version for g in fresh]
-    scores = [score for g in fresh for score in g.scores]
+    staleness = [policy_version - g.policy_version for g in groups]
+    scores = [score for g in groups for score in g.scores]
     stats = {
-        "groups": float(len(fresh)),
-        "stale_groups_skipped": float(len(stale)),
+        "groups": float(len(groups)),
         "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
         "staleness_max": float(max(staleness, default=0)),
         "score_mean": statistics.fmean(scores) if scores else 0.0,

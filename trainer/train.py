@@ -28,8 +28,7 @@ from trainer.checkpointing import load_resume_state, publish_step, rng_state, sa
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
-from trainer.losses import merge_metrics
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, merge_metrics
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.packing import StepBatch, build_step
 
@@ -101,8 +100,8 @@ def train(
             # Update: every micro-batch's loss is its share of the step's, gradients add up.
             started = time.monotonic()
             batch = build_step(
-                groups, policy_version=policy_version, max_staleness=config.max_staleness,
-                token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
+                groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
+                advantage_config=config.advantages,
             )  # fmt: skip
             micro_metrics, grad_norm = optimizer_step(
                 engine, batch, config, rank=rank, world_size=world_size, reference=reference

@@ -7,10 +7,11 @@ import time
 import pytest
 
 from environments.arithmetic import Arithmetic
+from environments.conformance import trained_segments
 from environments.guess_number import GuessNumber
-from environments.scored_group import ScoredSequence
+from environments.instant import Instant
+from environments.testing import EnvironmentConformance
 from inference.client import Completion, PolicyClient, PolicyServerUnreachable
-from tests.environments.conformance import EnvironmentConformance
 
 pytestmark = pytest.mark.integration
 
@@ -25,6 +26,11 @@ class TestGuessNumberConformance(EnvironmentConformance):
     config = {"group_size": 3, "max_tokens": 6, "turns": 3}
 
 
+class TestInstantConformance(EnvironmentConformance):
+    environment_class = Instant
+    config = {"group_size": 2}
+
+
 class RecordingClient(PolicyClient):
     """The real client, also keeping every prompt it sent and every completion it got back."""
 
@@ -36,17 +42,6 @@ class RecordingClient(PolicyClient):
         completions = await super().complete(prompt_ids, **kwargs)
         self.calls.append((list(prompt_ids), completions))
         return completions
-
-
-def trained_segments(sequence: ScoredSequence) -> list[tuple[int, int]]:
-    segments, start = [], None
-    for i, trained in enumerate(sequence.mask + [False]):
-        if trained and start is None:
-            start = i
-        elif not trained and start is not None:
-            segments.append((start, i))
-            start = None
-    return segments
 
 
 async def test_multi_turn_tokens_and_logprobs_are_exactly_what_vllm_returned(policy_server, tiny_model_dir):
@@ -92,7 +87,7 @@ async def test_environment_advantages_survive_into_the_group(policy_server, tiny
             group = await super().collect_trajectories(item)
             for sequence in group.sequences:
                 sequence.advantages = [0.5 if m else 0.0 for m in sequence.mask]
-            return self.make_group(item, group.sequences, policy_version=group.policy_version)
+            return self.make_group(item, group.sequences)
 
     async with PolicyClient(policy_server.base_url) as client:
         env = TokenRewarded({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
@@ -115,11 +110,11 @@ async def test_a_failing_rollout_is_recorded_not_raised(policy_server, tiny_mode
     class Flaky(GuessNumber):
         calls = 0
 
-        async def rollout(self, item):
+        async def play(self, item):
             Flaky.calls += 1
             if Flaky.calls == 2:
                 raise TimeoutError("tool timed out")
-            return await super().rollout(item)
+            return await super().play(item)
 
     async with PolicyClient(policy_server.base_url) as client:
         env = Flaky({"group_size": 3, "max_tokens": 3, "turns": 1}, client=client, tokenizer=str(tiny_model_dir))
@@ -127,8 +122,8 @@ async def test_a_failing_rollout_is_recorded_not_raised(policy_server, tiny_mode
         group = await env.collect_trajectories(await env.get_item())
         assert len(group.sequences) == 2
         assert group.extras["rollout_errors"] == ["TimeoutError: tool timed out"]
-        env.rollout = None  # every rollout now fails -> a recorded failure, not an exception
-        failure = await env.safe_collect(await env.get_item())
+        env.play = None  # every rollout now fails -> a recorded failure, not an exception
+        failure = await env.collect_group(await env.get_item())
     assert failure.env == "guess_number" and "TypeError" in failure.error
 
 
@@ -159,7 +154,7 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
     async with TimedClient(policy_server.base_url) as client:
         env = Arithmetic({"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
-        group = await env.collect_trajectories(await env.get_item())
+        group = await env.collect_group(await env.get_item())
         (version_sent, version_back), (completion_sent, completion_back) = client.spans["/weight_info"], client.spans["/v1/completions"]
         assert group.policy_version == await client.weight_version()
     # Both requests were out at once: the group did not wait a round-trip before sampling.
@@ -167,10 +162,51 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
 
 
 async def test_an_unreachable_server_keeps_its_error_type_through_the_version_read(tiny_model_dir):
-    # safe_collect passes PolicyServerUnreachable on (Prefect retries the task run); wrapped in an
+    # collect_group passes PolicyServerUnreachable on (Prefect retries the task run); wrapped in an
     # ExceptionGroup it would become a recorded failure instead.
     async with PolicyClient("http://127.0.0.1:9", max_retries=0) as client:
         env = Arithmetic({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
         with pytest.raises(PolicyServerUnreachable):
-            await env.safe_collect(await env.get_item())
+            await env.collect_group(await env.get_item())
+
+
+async def test_the_framework_stamps_the_served_version_whatever_the_environment_says(policy_server, tiny_model_dir):
+    class SelfStamping(Arithmetic):
+        async def collect_trajectories(self, item):
+            group = await super().collect_trajectories(item)
+            group.policy_version = 99  # what an environment must not be able to get wrong
+            return group
+
+    async with PolicyClient(policy_server.base_url) as client:
+        env = SelfStamping({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        group = await env.collect_group(await env.get_item())
+        assert group.policy_version == await client.weight_version() != 99
+
+
+async def test_evaluate_is_greedy_on_held_out_items_and_reports_what_it_saw(policy_server, tiny_model_dir):
+    class Finite(Arithmetic):
+        """Two evaluation items, then none; records what it was asked to sample with."""
+
+        seen: list = []
+
+        async def get_eval_item(self):
+            if self.count >= 2:
+                return None
+            item = await self.get_item()
+            Finite.seen.append((item.id, self.config.temperature, self.config.group_size))
+            return item
+
+    async with PolicyClient(policy_server.base_url) as client:
+        env = Finite({"group_size": 4, "max_tokens": 4, "seed": 7}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        training_item = await env.get_item()
+        report = await env.evaluate(num_items=5)
+        again = await env.evaluate(num_items=5)
+        assert (await env.get_item()).id == "7-2", "evaluation left the training stream where it was"
+    assert report["items"] == 2 and report["failures"] == 0
+    assert report == again  # greedy: the same answers twice
+    eval_seed = env.config.eval_seed
+    assert Finite.seen[:2] == [(f"{eval_seed}-1", 0.0, 1), (f"{eval_seed}-2", 0.0, 1)]
+    assert training_item.id == "7-1"

@@ -59,46 +59,49 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
     assert json.loads(table["data"])[0]["groups"] == 6
 
 
-def completed_task_runs(server, flow_run_id: str) -> int:
+def completed_items(server, flow_run_id: str) -> set[str]:
+    """Item ids of the flow run's Completed task runs (a task run of one item is named 'ENV:ITEM')."""
     body = {"flow_runs": {"id": {"any_": [flow_run_id]}}, "task_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
-    return api(server, "POST", "/task_runs/count", json=body).json()
+    names = [t["name"] for t in api(server, "POST", "/task_runs/filter", json=body).json()]
+    return {name.rsplit(":", 1)[1] for name in names}
 
 
 def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_server, tiny_model_dir, tmp_path):
     storage = f"file://{tmp_path}/store"
     command = [
-        str(Path(sys.executable).with_name("clotho")), "rollout", "--env", "environments.guess_number:GuessNumber",
-        "--storage", storage, "--run", "cancelled", "--server", policy_server.base_url, "--groups", "0",
+        str(Path(sys.executable).with_name("clotho")), "rollout", "--env", "guess_number",
+        "--run", f"{storage}/cancelled", "--server", policy_server.base_url, "--forever",
         "--tokenizer", str(tiny_model_dir), "--set", "group_size=2", "--set", "max_tokens=4",
-        "--max-concurrent-groups", "2", "--shard-max-groups", "1000", "--shard-max-age", "3600",
+        "--max-concurrent-groups", "2", "--shard-max-groups", "1000", "--shard-max-age-s", "3600",
     ]  # fmt: skip
     process = subprocess.Popen(command, env=prefect_server.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
-        flow_run_id, done = None, 0
-        while time.monotonic() < deadline and done < 4:
+        flow_run_id, done = None, set()
+        while time.monotonic() < deadline and len(done) < 4:
             time.sleep(1)
             assert process.poll() is None, process.stdout.read()
             runs = api(prefect_server, "POST", "/flow_runs/filter", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}).json()
             flow_run_id = next((r["id"] for r in runs if r["parameters"].get("run") == "cancelled"), flow_run_id)
-            done = completed_task_runs(prefect_server, flow_run_id) if flow_run_id else 0
-        assert done >= 4, "the flow never got going"
+            done = completed_items(prefect_server, flow_run_id) if flow_run_id else set()
+        assert len(done) >= 4, "the flow never got going"
         process.send_signal(signal.SIGINT)  # Ctrl-C
         output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:
             process.kill()
-    # Every finished group is stored (the shard thresholds were never reached: only the exit flush
-    # wrote), none twice; groups still in flight were abandoned, not half-written.
+    # Every group the UI showed finished before Ctrl-C is stored (the shard thresholds were never
+    # reached: only the exit flush wrote), none twice; groups still in flight were abandoned, not
+    # half-written.
     groups = list(ShardReader(storage, "cancelled").groups())
-    assert len(groups) >= done, output[-3000:]
-    assert len({g.group_id for g in groups}) == len(groups)
+    assert done <= {g.item_id for g in groups}, (sorted(done), output[-3000:])
+    assert len({g.item_id for g in groups}) == len(groups)
     assert all(not check.problems for check in verify(f"{storage}/cancelled"))
 
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
-    prefect_server, tiny_model_dir, tmp_path, monkeypatch, distributed
+    prefect_server, policy_server, tiny_model_dir, tmp_path, monkeypatch, distributed
 ):
     """The window the Ctrl-C test above hits only by chance: Prefect has recorded a task run
     Completed (the UI shows it), its results are not back in the flow yet, and the cancel lands."""
@@ -129,7 +132,7 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
         flow_task = asyncio.current_task()
         await rollout(
             environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
-            servers=["http://127.0.0.1:9"], storage=storage, run="window", tokenizer=str(tiny_model_dir),
+            servers=[policy_server.base_url], storage=storage, run="window", tokenizer=str(tiny_model_dir),
             groups=None, max_concurrent_groups=4, distributed=distributed, groups_per_task=1,
         )  # fmt: skip
 
@@ -250,10 +253,10 @@ def mean_sampling(changes: list[tuple[float, int]], start: float, end: float) ->
     return total / (end - start)
 
 
-@pytest.mark.parametrize("per_task", [1, 3])
-def test_groups_in_flight_stay_at_the_limit_with_several_per_task_run(prefect_server, tiny_model_dir, tmp_path, per_task):
-    """A task run of several groups frees each group's slot as it ends, and the flow starts task
-    runs ahead of free slots: max_concurrent_groups groups sample at once, never more."""
+@pytest.mark.parametrize("per_task", [1, 2])
+def test_groups_in_flight_stay_at_the_limit(prefect_server, policy_server, tiny_model_dir, tmp_path, per_task):
+    """max_concurrent_groups groups sample at once, never more, and a task run's slots are taken
+    again as soon as it ends (a task run holds its groups' slots until its last group is stored)."""
     import asyncio
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -267,7 +270,7 @@ def test_groups_in_flight_stay_at_the_limit_with_several_per_task_run(prefect_se
         summary = asyncio.run(
             rollout(
                 environments=[EnvSpec(import_path="tests.flows.test_rollout_flow:Timed", config={"group_size": 2})],
-                servers=["http://127.0.0.1:9"], storage=storage, run=f"slots-{per_task}", tokenizer=str(tiny_model_dir),
+                servers=[policy_server.base_url], storage=storage, run=f"slots-{per_task}", tokenizer=str(tiny_model_dir),
                 groups=36, max_concurrent_groups=4, groups_per_task=per_task,
             )  # fmt: skip
         )
@@ -277,4 +280,8 @@ def test_groups_in_flight_stay_at_the_limit_with_several_per_task_run(prefect_se
     first, last = Timed.changes[0][0], Timed.changes[-1][0]
     span = last - first
     mean = mean_sampling(Timed.changes, first + 0.2 * span, last - 0.2 * span)
-    assert mean >= 3.8, mean
+    print(f"groups sampling at once, mean over the middle of the run: {mean:.2f} of 4")
+    # One group per task run: a freed slot is taken again within Prefect's per-task-run latency.
+    # Two: a task run holds both slots until its slower group is stored, but two task runs sample
+    # side by side (one at a time could not average more than 2).
+    assert mean >= {1: 3.2, 2: 2.5}[per_task], mean

@@ -6,7 +6,7 @@ import random
 import pytest
 
 import flows.rollout_report as report
-from flows.rollout import TaskRunSizer, check_batching
+from flows.rollout import check_limits, item_batches
 
 
 async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
@@ -40,46 +40,55 @@ async def test_throttled_updates_are_flushed_on_close(monkeypatch):
 
 
 def test_groups_per_task_is_checked_against_the_concurrency_it_must_fit():
-    check_batching(4, 8, None)
-    check_batching(4, 8, 4)
+    check_limits(4, 8, None)
+    check_limits(4, 8, 4)
     with pytest.raises(ValueError, match="groups_per_task=0"):
-        check_batching(0, 8, None)
+        check_limits(0, 8, None)
     with pytest.raises(ValueError, match="use 1..max_concurrent_groups"):
-        check_batching(9, 8, None)
+        check_limits(9, 8, None)
     with pytest.raises(ValueError, match="exceeds server_concurrency=2"):
-        check_batching(4, 8, 2)
-    check_batching(None, 8, 2)  # auto: sized within the limits
+        check_limits(4, 8, 2)
     with pytest.raises(ValueError, match="server_concurrency=0"):
-        check_batching(None, 8, 0)
+        check_limits(1, 8, 0)
+    with pytest.raises(ValueError, match="max_concurrent_groups=0"):
+        check_limits(1, 0, None)
 
 
-def test_auto_task_runs_cover_about_ten_seconds_of_sampling():
-    # Task runs that hold their slots (or a Dask worker) whole start with one group each.
-    held = TaskRunSizer(None, max_concurrent_groups=8)
-    assert held.size() == 1
-    sizer = TaskRunSizer(None, max_concurrent_groups=8, per_group_slots=True)
-    assert sizer.size() == 8  # nothing timed yet: the first wave in one task run
-    for _ in range(20):
-        sizer.observe(1.6)  # 128-token groups on a 2-core CPU host
-    assert sizer.size() == 7  # ceil(10 / 1.6)
-    for _ in range(20):
-        sizer.observe(2.2)
-    assert sizer.size() == 5
-    for _ in range(20):
-        sizer.observe(16.0)  # long samples: Prefect's cost is already small against them
-    assert sizer.size() == 1
-    for _ in range(20):
-        sizer.observe(0.05)
-    assert sizer.size() == 8  # capped at the groups in flight: each group frees its own slot
-    for _ in range(20):
-        held.observe(0.05)
-    assert held.size() == 4  # at most half: task runs that hold their slots keep overlapping
-    assert TaskRunSizer(None, max_concurrent_groups=8, server_concurrency=2).cap == 2
-    assert TaskRunSizer(None, max_concurrent_groups=8, server_concurrency=2, per_group_slots=True).cap == 2
-    assert TaskRunSizer(None, max_concurrent_groups=1).cap == 1
+class Finite:
+    """An item source with `left` items, then None."""
+
+    def __init__(self, name: str, left: int):
+        self.name, self.left, self.count = name, left, 0
+
+    async def get_item(self):
+        if self.count == self.left:
+            return None
+        self.count += 1
+        return type("Item", (), {"id": f"{self.name}-{self.count}"})()
 
 
-def test_a_fixed_size_ignores_timings():
-    sizer = TaskRunSizer(3, max_concurrent_groups=8)
-    sizer.observe(0.01)
-    assert sizer.size() == 3
+class Spec:
+    def __init__(self, key: str, weight: float):
+        self.key, self.weight = key, weight
+
+
+async def batches(specs, sources, groups, per_task, seed=0):
+    return [(spec.key, [item.id for item in items]) async for spec, items in item_batches(specs, sources, groups, per_task, seed)]
+
+
+async def test_item_batches_hand_out_exactly_the_groups_asked_for_mixed_by_weight():
+    specs = [Spec("a", 3.0), Spec("b", 1.0)]
+    sources = {"a": Finite("a", 10**6), "b": Finite("b", 10**6)}
+    handed = await batches(specs, sources, groups=400, per_task=3)
+    assert sum(len(ids) for _, ids in handed) == 400
+    assert all(len(ids) == 3 for _, ids in handed[:-1]) and len(handed[-1][1]) == 400 - 3 * (len(handed) - 1)
+    share_a = sum(len(ids) for key, ids in handed if key == "a") / 400
+    assert 0.65 < share_a < 0.85, share_a  # weight 3:1
+    all_ids = [i for _, ids in handed for i in ids]
+    assert len(all_ids) == len(set(all_ids))
+
+
+async def test_item_batches_stop_when_every_environment_ran_out():
+    specs = [Spec("a", 1.0), Spec("b", 1.0)]
+    handed = await batches(specs, {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, per_task=2)
+    assert sorted(i for _, ids in handed for i in ids) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]

@@ -1,4 +1,4 @@
-"""The watcher's entry points on a live server: `clotho watch`, `clotho serve --watch`, the Prefect flow."""
+"""The watcher's entry points on a live server: `clotho watch`, `clotho serve --run`, the Prefect flow."""
 
 import asyncio
 import json
@@ -32,7 +32,7 @@ def test_watch_command_once_brings_external_servers_up_to_date(untied_policy, tm
     info, checkpoint = publish_next(policy, root, tmp_path, seed=31)
     app = typer.Typer()
     app.command()(watch_command)
-    args = [f"{root}/run", "--server", policy.base_url, "--base-model", str(policy.weights_dir),
+    args = ["--run", f"{root}/run", "--server", policy.base_url, "--base-model", str(policy.weights_dir),
             "--once", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
@@ -45,7 +45,7 @@ def test_watch_command_once_brings_external_servers_up_to_date(untied_policy, tm
 def test_watch_command_names_a_bad_run_url(tmp_path):
     app = typer.Typer()
     app.command()(watch_command)
-    args = ["s3://bucket-only", "--server", "http://127.0.0.1:1", "--base-model", str(tmp_path)]
+    args = ["--run", "s3://bucket-only", "--server", "http://127.0.0.1:1", "--base-model", str(tmp_path)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "STORAGE_URL/RUN" in result.output
 

@@ -92,7 +92,7 @@ def test_reader_skips_a_merge_of_consumed_shards(root: str) -> None:
 
 def test_reader_refuses_a_merge_of_partly_consumed_shards(root: str) -> None:
     write_small_shards(root)
-    trainer = ShardReader(root, "run", envs=["a"], min_policy_version=1)
+    trainer = ShardReader(root, "run", envs=["a"])
     stream = trainer.groups()
     next(stream)
     stream.close()

@@ -1,4 +1,5 @@
-"""Trainer config: per-loss defaults, validation messages, YAML with key=value overrides."""
+"""Trainer config: losses by name or import path, per-loss defaults, validation messages, YAML with
+key=value overrides."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from trainer.config import LossConfig, TrainerConfig, apply_overrides
+from tests.trainer import custom_loss
+from trainer import losses
+from clotho.overrides import apply_overrides
+from trainer.config import BUILTIN_LOSSES, LossConfig, TrainerConfig
+
+CUSTOM = "tests.trainer.custom_loss"
 
 
 def test_clip_defaults_follow_the_loss():
@@ -16,6 +22,39 @@ def test_clip_defaults_follow_the_loss():
     assert LossConfig(name="dapo").clip_high == 0.28
     assert (LossConfig(name="gspo").clip_low, LossConfig(name="gspo").clip_high) == (3e-4, 4e-4)
     assert LossConfig(name="dapo", clip_high=0.3).clip_high == 0.3
+
+
+def test_a_built_in_name_is_short_for_its_import_path():
+    for name, path in BUILTIN_LOSSES.items():
+        assert LossConfig(name=name).function is LossConfig(name=path).function
+        assert LossConfig(name=path).function is getattr(losses, name)
+    assert LossConfig(name="trainer.losses:dapo").clip_high == 0.28
+
+
+def test_a_custom_loss_is_imported_with_its_own_defaults():
+    config = TrainerConfig(model="m", loss={"name": f"{CUSTOM}:wide_clip_grpo"})
+    assert config.loss.function is custom_loss.wide_clip_grpo
+    assert (config.loss.clip_low, config.loss.clip_high) == (0.2, 0.5)
+    assert config.advantages.mode == "mean_only"
+    plain = LossConfig(name=f"{CUSTOM}:reinforce", options={"scale": 2.0})
+    assert (plain.clip_low, plain.clip_high, plain.options) == (0.2, 0.2, {"scale": 2.0})
+    with pytest.raises(ValidationError, match="importance_cap: 1.2 < 1 \\+ clip_high \\(1.5"):
+        LossConfig(name=f"{CUSTOM}:wide_clip_grpo", importance_cap=1.2)
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ppo", "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo\\)"),
+        ("no_such_module:loss", "loss.name: 'no_such_module:loss': cannot import no_such_module"),
+        ("trainer.losses:nope", "module trainer.losses has no attribute 'nope'"),
+        (f"{CUSTOM}:NOT_A_LOSS", "NOT_A_LOSS is not a function but of type int"),
+        (f"{CUSTOM}:badly_declared", "its loss_defaults is of type dict; set it to .*LossDefaults"),
+    ],
+)
+def test_a_bad_loss_name_fails_when_the_config_loads(name, message):
+    with pytest.raises(ValidationError, match=message):
+        TrainerConfig.from_yaml(None, ["model=m", f"loss.name={name}"])
 
 
 def test_cap_inside_the_clip_range_is_refused():
@@ -26,6 +65,8 @@ def test_cap_inside_the_clip_range_is_refused():
 
 def test_dr_grpo_defaults_to_mean_only_advantages():
     assert TrainerConfig(model="m", loss={"name": "dr_grpo"}).advantages.mode == "mean_only"
+    by_path = TrainerConfig(model="m", loss={"name": "trainer.losses:dr_grpo"})
+    assert by_path.advantages.mode == "mean_only"
     assert TrainerConfig(model="m").advantages.mode == "grpo"
     explicit = TrainerConfig(model="m", loss={"name": "dr_grpo"}, advantages={"mode": "grpo"})
     assert explicit.advantages.mode == "grpo"
@@ -35,10 +76,12 @@ def test_from_yaml_with_overrides(tmp_path):
     path = tmp_path / "train.yaml"
     path.write_text("model: tiny\nlr: 3.0e-6\nloss:\n  name: grpo\n")
     config = TrainerConfig.from_yaml(
-        path, ["loss.name=dapo", "lr=1e-5", "grad_clip=null", "advantages.eps=1e-4"]
+        path,
+        ["loss.name=dapo", "lr=1e-5", "grad_clip=null", "advantages.eps=1e-4", "loss.options.k=3"],
     )
     assert config.model == "tiny" and config.lr == 1e-5 and config.grad_clip is None
     assert config.loss.name == "dapo" and config.loss.clip_high == 0.28
+    assert config.loss.options == {"k": 3}
     assert config.advantages.eps == 1e-4
     assert TrainerConfig.from_yaml(None, ["model=other"]).model == "other"
 
@@ -51,7 +94,7 @@ def test_unknown_fields_and_bad_values_are_named():
 
 
 def test_malformed_overrides():
-    with pytest.raises(ValueError, match="write it as key=value"):
+    with pytest.raises(ValueError, match="write it as key.path=value"):
         apply_overrides({}, ["lr"])
     with pytest.raises(ValueError, match="lr is a value, not a section"):
         apply_overrides({"lr": 1.0}, ["lr.x=2"])

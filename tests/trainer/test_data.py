@@ -11,13 +11,20 @@ from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from tests.trainer.rollouts import write_shards
-from trainer.data import DataTimeoutError, next_step_groups
+from trainer.data import DataTimeoutError, is_stale, next_step_groups
 from trainer.metrics import MetricsLog, read_metrics
 
 
 def group(item: int, version: int) -> ScoredGroup:
     sequences = [ScoredSequence.from_prompt([1, 2], [3, 4], [-0.5, -0.5], float(i)) for i in range(2)]
     return ScoredGroup(env="toy", item_id=str(item), sequences=sequences, policy_version=version)
+
+
+def test_stale_means_more_than_max_staleness_versions_behind():
+    assert not is_stale(4, policy_version=5, max_staleness=1)
+    assert is_stale(3, policy_version=5, max_staleness=1)
+    assert not is_stale(5, policy_version=5, max_staleness=0)
+    assert is_stale(4, policy_version=5, max_staleness=0)
 
 
 def test_stale_groups_are_consumed_counted_and_skipped(tmp_path):

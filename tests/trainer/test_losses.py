@@ -9,7 +9,8 @@ import torch
 
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import LossConfig
-from trainer.losses import merge_metrics, policy_loss, token_logprobs
+from trainer.losses import policy_loss, token_logprobs
+from trainer.metrics import Maximum, Minimum, Total, merge_metrics
 
 # The worked example used by the hand-computed tests. Two sequences of three tokens; the sampler
 # gave every token logprob -1, and the trainer's ratios pi/mu are chosen round:
@@ -136,6 +137,40 @@ def test_gspo_clips_whole_sequences():
     assert metrics["clip_fraction"] == 1.0
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_a_built_in_by_name_and_by_import_path_is_the_same_loss(name):
+    by_name = loss_and_grad(LossConfig(name=name))
+    by_path = loss_and_grad(LossConfig(name=f"trainer.losses:{name}"))
+    assert by_path[0] == by_name[0] and by_path[2] == by_name[2]
+    assert torch.equal(by_path[1], by_name[1])
+
+
+def test_a_custom_loss_by_hand():
+    # tests.trainer.custom_loss:reinforce: -scale * w_t * A_t * logp_t over the 5 trained tokens,
+    # w_t = min(r_t, 2) held constant: w = 1.5 0.5 | 1.1 1.0 2.0; d loss / d logp_t = -3 w_t A_t / 5.
+    config = LossConfig(name="tests.trainer.custom_loss:reinforce", options={"scale": 3.0})
+    loss, grad, metrics = loss_and_grad(config)
+    logp = [math.log(r) - 1.0 for r in (1.5, 0.5, 1.1, 1.0, 3.0)]
+    weighted = [1.5, 0.5, -1.1, -1.0, -2.0]  # w_t A_t
+    assert loss == pytest.approx(-3 * sum(w * lp for w, lp in zip(weighted, logp)) / 5)
+    expected = [[0.0, -3 * 1.5 / 5, -3 * 0.5 / 5], [3 * 1.1 / 5, 3 * 1.0 / 5, 3 * 2.0 / 5]]
+    torch.testing.assert_close(grad, torch.tensor(expected, dtype=torch.float64))
+    assert metrics["reinforce_weight_mean"] == pytest.approx(6.1 / 5)
+    assert metrics["reinforce_weight_max"] == 2.0
+    assert isinstance(metrics["reinforce_weight_max"], Maximum)  # merges as a maximum
+    assert metrics["reinforce_scale"] == 3.0 and "clip_fraction" not in metrics
+    assert (metrics["loss"], metrics["num_tokens"], metrics["num_sequences"]) == (
+        pytest.approx(loss), 5, 2
+    )
+
+
+def test_a_loss_that_does_not_reduce_is_named():
+    logprobs, old, advantages, mask = worked_example()
+    config = LossConfig(name="tests.trainer.custom_loss:unreduced")
+    with pytest.raises(ValueError, match="unreduced': returned a loss of \\(5,\\); return a 0-dim"):
+        policy_loss(logprobs, old, advantages, mask, config)
+
+
 def test_kl_penalty_by_hand():
     # One trained token, ratio 1, advantage 0; ref - logp = log 2.
     # k3 = exp(log 2) - log 2 - 1 = 0.306853; loss = 0.1 * k3.
@@ -222,31 +257,37 @@ def test_token_logprobs_shift_by_one():
 
 
 def test_merge_metrics():
+    # The values' types say how they merge; a plain float (a custom loss's own metric too) is a
+    # mean weighted by trained tokens.
     first = {
-        "loss": 0.5,
+        "loss": Total(0.5),
         "clip_fraction": 0.5,
-        "importance_weight_max": 2.0,
-        "importance_weight_min": 0.5,
-        "num_tokens": 2,
-        "num_sequences": 1,
+        "my_metric": 4.0,
+        "importance_weight_max": Maximum(2.0),
+        "importance_weight_min": Minimum(0.5),
+        "num_tokens": Total(2),
+        "num_sequences": Total(1),
     }
     second = {
-        "loss": 0.25,
+        "loss": Total(0.25),
         "clip_fraction": 0.0,
-        "importance_weight_max": 3.0,
-        "importance_weight_min": 0.9,
-        "num_tokens": 6,
-        "num_sequences": 2,
+        "my_metric": 0.0,
+        "importance_weight_max": Maximum(3.0),
+        "importance_weight_min": Minimum(0.9),
+        "num_tokens": Total(6),
+        "num_sequences": Total(2),
     }
     merged = merge_metrics([first, second])
     assert merged == {
         "loss": 0.75,
         "clip_fraction": pytest.approx(1 / 8),
+        "my_metric": pytest.approx(1.0),
         "importance_weight_max": 3.0,
         "importance_weight_min": 0.5,
         "num_tokens": 8,
         "num_sequences": 3,
     }
+    assert all(type(value) is float for value in merged.values())
 
 
 # --- micro-batch 2 x accumulation 2 == micro-batch 4 ----------------------------------------

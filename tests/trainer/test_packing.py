@@ -1,4 +1,4 @@
-"""Packing: bin plans, packed tensors and masks, staleness, packed == unpacked through a model."""
+"""Packing: bin plans, packed tensors and masks, step stats, packed == unpacked through a model."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from trainer.packing import (
     padding_waste,
     plan_micro_batches,
     sliding_window,
-    split_stale,
     training_sequences,
 )
 
@@ -59,7 +58,7 @@ def test_overlong_sequence_is_named_with_the_fix():
         ValueError, match=r"sequences\[1\]: 12 tokens > micro_batch_tokens 10; raise"
     ):
         build_step(
-            groups, policy_version=0, max_staleness=0, token_budget=10, advantage_config=ADVANTAGES
+            groups, policy_version=0, token_budget=10, advantage_config=ADVANTAGES
         )
 
 
@@ -144,33 +143,22 @@ def test_malformed_window_is_named():
         )
 
 
-def test_stale_groups_are_skipped_and_counted():
+def test_every_group_given_is_packed_and_its_staleness_measured():
+    # Skipping stale groups is trainer.data's rule; build_step packs and measures what it gets.
     groups = [make_group([4, 4], version=v, scores=[1.0, 0.0]) for v in (5, 4, 3)]
-    fresh, stale = split_stale(groups, policy_version=5, max_staleness=1)
-    assert [g.policy_version for g in fresh] == [5, 4] and [g.policy_version for g in stale] == [3]
-    step = build_step(
-        groups, policy_version=5, max_staleness=1, token_budget=64, advantage_config=ADVANTAGES
-    )
-    assert step.stats["groups"] == 2 and step.stats["stale_groups_skipped"] == 1
-    assert step.stats["staleness_mean"] == 0.5 and step.stats["staleness_max"] == 1
+    step = build_step(groups, policy_version=5, token_budget=64, advantage_config=ADVANTAGES)
+    assert step.stats["groups"] == 3 and "stale_groups_skipped" not in step.stats
+    assert step.stats["staleness_mean"] == 1.0 and step.stats["staleness_max"] == 2
     assert step.stats["score_mean"] == 0.5
     assert step.stats["advantage_mean"] == 0.0 and step.stats["advantage_max"] == 0.5
-    assert (step.num_sequences, step.num_trained_tokens) == (4, 8)
+    assert (step.num_sequences, step.num_trained_tokens) == (6, 12)
 
 
-def test_all_stale_gives_an_empty_step():
-    step = build_step(
-        [make_group([4], version=0)],
-        policy_version=9,
-        max_staleness=2,
-        token_budget=64,
-        advantage_config=ADVANTAGES,
-    )
-    assert (
-        step.micro_batches == []
-        and step.stats["stale_groups_skipped"] == 1
-        and step.stats["padding_waste"] == 0.0
-    )
+def test_no_groups_give_an_empty_step():
+    step = build_step([], policy_version=9, token_budget=64, advantage_config=ADVANTAGES)
+    assert step.micro_batches == [] and step.stats["groups"] == 0
+    assert step.stats["padding_waste"] == 0.0 and step.stats["staleness_max"] == 0
+    assert (step.num_sequences, step.num_trained_tokens) == (0, 0)
 
 
 def test_padding_waste_is_small_on_realistic_groups():
@@ -182,7 +170,7 @@ def test_padding_waste_is_small_on_realistic_groups():
         prompt = rng.randint(50, 400)
         groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
     step = build_step(
-        groups, policy_version=0, max_staleness=0, token_budget=4096, advantage_config=ADVANTAGES
+        groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES
     )
     assert step.stats["padding_waste"] <= 0.05
     assert all(b.num_slots <= 4096 for b in step.micro_batches)
@@ -288,7 +276,6 @@ def test_packed_equals_unpacked(config, budget):
     step = build_step(
         groups,
         policy_version=0,
-        max_staleness=0,
         token_budget=budget,
         advantage_config=ADVANTAGES,
         pad_multiple=8,
@@ -308,7 +295,6 @@ def test_the_window_hook_matters_in_the_model():
     step = build_step(
         model_groups(),
         policy_version=0,
-        max_staleness=0,
         token_budget=64,
         advantage_config=ADVANTAGES,
     )
@@ -322,7 +308,7 @@ def test_the_window_hook_matters_in_the_model():
 def test_advantage_override_changes_exactly_its_sequence(config):
     def logprob_gradient(groups):
         step = build_step(
-            groups, policy_version=0, max_staleness=0, token_budget=64, advantage_config=ADVANTAGES
+            groups, policy_version=0, token_budget=64, advantage_config=ADVANTAGES
         )
         (batch,) = step.micro_batches
         generator = torch.Generator().manual_seed(4)

@@ -25,8 +25,8 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 
 def trainer_args(root: str, run: str, model: Path, steps: int, *settings: str) -> list[str]:
-    args = ["--storage", root, "--run", run, "--model", str(model), "--steps", str(steps)]
-    args += ["--data-timeout", "120", "--set", "lr=1e-3", "--set", "groups_per_step=2"]
+    args = ["--run", f"{root}/{run}", "--model", str(model), "--steps", str(steps)]
+    args += ["--data-timeout-s", "120", "--set", "lr=1e-3", "--set", "groups_per_step=2"]
     return args + [part for setting in settings for part in ("--set", setting)]
 
 
@@ -84,6 +84,22 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     assert max((trained[k] - base[k]).abs().max().item() for k in base) > 1e-4
     model = AutoModelForCausalLM.from_pretrained(latest.url, dtype=torch.float32)
     torch.testing.assert_close(model.lm_head.weight.detach(), trained["lm_head.weight"])
+
+
+def test_trains_with_a_custom_loss_chosen_by_import_path(tmp_path, tiny_model_dir):
+    # The loss lives in a test module, not in trainer/: its own metrics reach the log.
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 2, seed=4), groups_per_shard=2)
+    loss = ("loss.name=tests.trainer.custom_loss:reinforce", "loss.options.scale=2.0")
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 1, *loss))
+
+    [step] = read_metrics(tmp_path / "run" / "trainer")
+    assert step["reinforce_scale"] == 2.0 and abs(step["reinforce_weight_mean"] - 1) < 1e-5
+    assert "clip_fraction" not in step  # the built-in losses' metrics: grpo did not run
+    assert step["num_tokens"] > 0 and step["grad_norm"] > 0
+    trained = weights(latest_checkpoint(root, "run").url)
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert max((trained[k] - base[k]).abs().max().item() for k in base) > 1e-4
 
 
 @pytest.mark.slow

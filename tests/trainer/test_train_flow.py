@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from flows.train import sparkline
+from flows.train import sparkline, table_columns
 from tests.trainer.rollouts import sampled_groups, write_shards
 
 # The flow runs DeepSpeed in this process; these are restored afterwards so later subprocesses
@@ -34,6 +34,12 @@ def test_sparkline_spans_the_range():
     assert sparkline([0.0, 0.5, 1.0]) == "▁▅█"
     assert sparkline([2.0, 2.0]) == "▁▁"
     assert len(sparkline([float(i) for i in range(1000)], width=60)) == 60
+
+
+def test_table_columns_put_the_known_ones_first_then_whatever_was_logged():
+    history = [{"step": 1, "my_metric": 0.5, "loss": 1.0}, {"step": 2, "loss": 0.5, "other": 2.0}]
+    assert table_columns(history) == ["step", "loss", "my_metric", "other"]
+    assert table_columns([]) == []
 
 
 @pytest.mark.slow

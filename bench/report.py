@@ -1,0 +1,83 @@
+"""The benchmark table of the README, rendered from bench/results/*.json (what `make bench` wrote).
+
+    python bench/report.py            print the table
+    python bench/report.py --readme   rewrite the README's table between its bench markers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parents[1] / "README.md"
+START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
+
+
+def _load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _measured(record: dict) -> str:
+    return f"{record['measured_at'][:10]}, {record['commit']}, {record['machine']['cpus']} cpus"
+
+
+def rows() -> list[list[str]]:
+    table = []
+    if storage := _load("storage"):
+        r = storage["result"]
+        table.append(["`bench_storage.py`", "ShardWriter / ShardReader vs bare `pq.write_table` / `pyarrow.dataset`; bytes vs Atropos JSON lines",
+                      ">= 0.8, >= 0.8, <= 1/3", f"{r['write_ratio']}, {r['read_ratio']}, {r['bytes_ratio']}", _measured(storage)])  # fmt: skip
+    if rollout := _load("rollout"):
+        parts = []
+        for w in rollout["result"]["workloads"]:
+            interval = w.get("ratio_interval_vs_both_bare") or {}
+            control = w.get("ratio_bare_again")
+            spread = f" [{interval['low']}-{interval['high']}]" if interval else ""
+            parts.append(f"{w['max_tokens']}-token samples {w['ratio_tokens_per_s']}{spread} (control {control})")
+        table.append(["`bench_rollout.py`", "the Prefect rollout flow vs a bare asyncio client sending the same requests (control: the bare client again)",
+                      ">= 0.95", "; ".join(parts), _measured(rollout)])  # fmt: skip
+    if trainer := _load("trainer"):
+        r = trainer["result"]
+        waste = ", ".join(f"{v:.1%}" for v in r["padding_waste"].values())
+        table.append(["`bench_trainer.py`", "the DeepSpeed trainer vs a plain PyTorch AdamW loop on the same packed batches; padding waste",
+                      ">= 0.9, <= 5%", f"{r['ratio']}, {waste}", _measured(trainer)])  # fmt: skip
+    if reload := _load("reload"):
+        r = reload["result"]
+        table.append(["`bench_reload.py`", "publish + hot reload vs restarting vLLM on the new weights", ">= 100x",
+                      f"{r['speedup_publish_plus_swap']:.0f}x ({r['speedup_publish_to_announce_with_parity']:.0f}x with the parity check)",
+                      _measured(reload)])  # fmt: skip
+    return table
+
+
+def markdown() -> str:
+    lines = ["| script | compares | target | measured | when, commit, machine |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows()]
+    return "\n".join(lines)
+
+
+def readme_block() -> str:
+    return f"{START}\n{markdown()}\n{END}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--readme", action="store_true", help="rewrite the README's table")
+    args = parser.parse_args()
+    if not args.readme:
+        print(markdown())
+        return
+    text = README.read_text()
+    if START not in text or END not in text:
+        sys.exit(f"{README} has no bench markers ({START} ... {END})")
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    README.write_text(before + readme_block() + after)
+    print(f"README table rewritten from {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

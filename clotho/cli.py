@@ -189,9 +189,9 @@ def rollout(
     max_policy_lag: int = typer.Option(None, min=0, help="Wait while the trainer lags more versions than this."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
     server_concurrency: int = typer.Option(None, min=1, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
-    groups_per_task: int = typer.Option(
-        1, min=1, help="Items of one environment per Prefect task run (1: a task run is a group in the UI; more "
-        "divide Prefect's per-task cost among very short groups).",
+    task_run_s: float = typer.Option(
+        10.0, min=0.0, help="A lane's Prefect task run samples groups one after another for about this many seconds "
+        "(0: a task run per group); Prefect's per-task-run cost is paid once per task run.",
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
@@ -200,9 +200,10 @@ def rollout(
     from clotho.overrides import apply_overrides
     from environments.loading import EnvironmentLoadError
     from inference.client import PolicyServerAuthError
-    from tasks.rollout import API_KEY_VARIABLE, EnvSpec
+    from tasks.api_key import API_KEY_VARIABLE
+    from tasks.rollout import EnvSpec
 
-    storage, run_name = _split_run(run)
+    _split_run(run)  # a bad URL is named before anything starts
     try:
         config = apply_overrides({}, set_)
         specs = [EnvSpec(import_path=path, config=config) for path in env]
@@ -235,10 +236,10 @@ def rollout(
     try:
         summary = run_flow(
             flow(
-                environments=specs, servers=server, storage=storage, run=run_name, tokenizer=tokenizer,
+                environments=specs, servers=server, run_url=run, tokenizer=tokenizer,
                 groups=None if forever else groups, max_concurrent_groups=max_concurrent_groups,
                 shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s, max_policy_lag=max_policy_lag,
-                distributed=bool(dask), server_concurrency=server_concurrency, groups_per_task=groups_per_task,
+                distributed=bool(dask), server_concurrency=server_concurrency, task_run_s=task_run_s,
             )  # fmt: skip
         )
     except PolicyServerAuthError as error:

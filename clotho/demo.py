@@ -31,7 +31,7 @@ def rollout_batch(server_url: str, storage: str, tokenizer: str, groups: int) ->
     return asyncio.run(
         rollout(
             environments=[EnvSpec(**spec) for spec in DEMO_ENVIRONMENTS], servers=[server_url],
-            storage=storage, run=RUN, tokenizer=tokenizer, groups=groups, max_concurrent_groups=8,
+            run_url=f"{storage}/{RUN}", tokenizer=tokenizer, groups=groups, max_concurrent_groups=8,
             shard_max_groups=groups,
         )  # fmt: skip
     )

@@ -14,6 +14,7 @@ from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
 from inference.watcher import ReloadOutcome, ReloadWatcher
 from storage.layout import split_run_url
+from tasks.api_key import resolve_api_key
 
 
 @flow(name="reload-watcher")
@@ -21,7 +22,7 @@ async def reload_watcher(
     run_url: str,
     servers: list[str],
     base_model: str,
-    api_key: str | None = None,
+    api_key_secret: str | None = None,
     served_model_name: str = "policy",
     dtype: str = "float32",
     poll_s: float = 5.0,
@@ -32,9 +33,11 @@ async def reload_watcher(
 
     No tasks: the flow is one long loop, so its memory stays flat however long it runs (Prefect keeps
     per-task state for a flow's life). Each poll that reloads, rejects or fails something updates a
-    table artifact `reload-<run>`; max_polls=None runs until cancelled.
+    table artifact `reload-<run>`; max_polls=None runs until cancelled. Servers started with
+    --api-key: api_key_secret names a Prefect Secret block holding the key (else $CLOTHO_API_KEY).
     """
     log = get_run_logger()
+    api_key = await resolve_api_key(api_key_secret)
     _, run = split_run_url(run_url)
     artifact_key = "reload-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)

@@ -1,12 +1,13 @@
-"""The rollout flow: items -> collect_groups task runs, at most N groups in flight -> shards."""
+"""The rollout flow: items -> task runs in N lanes (N groups in flight) -> shards."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -15,12 +16,14 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from environments.base import Environment, Item, RolloutFailure
 from environments.scored_group import ScoredGroup
 from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
-from inference.client import PolicyServerAuthError
+from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.checkpoints import latest_checkpoint
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tasks.rollout import EnvSpec, check_servers, collect_groups, ensure_server_limits, environment_for, hand_over_to, resolve_api_key
+from storage.layout import split_run_url
+from tasks.api_key import resolve_api_key
+from tasks.rollout import EnvSpec, check_servers, collect_groups, collect_lane, ensure_server_limits, environment_for, hand_over_to
 
 Results = list[ScoredGroup | RolloutFailure]
 
@@ -29,8 +32,7 @@ Results = list[ScoredGroup | RolloutFailure]
 async def rollout(
     environments: list[EnvSpec],
     servers: list[str],
-    storage: str,
-    run: str,
+    run_url: str,
     tokenizer: str,
     groups: int | None = 64,
     max_concurrent_groups: int = 8,
@@ -38,30 +40,35 @@ async def rollout(
     shard_max_age_s: float = 30.0,
     max_policy_lag: int | None = None,
     seed: int = 0,
+    task_run_s: float = 10.0,
     distributed: bool = False,
     server_concurrency: int | None = None,
-    groups_per_task: int = 1,
     api_key_secret: str | None = None,
 ) -> dict[str, Any]:
-    """Maps collect_trajectories as Prefect task runs over the environments' items, at most
-    `max_concurrent_groups` groups in flight, and stores every finished group in shards.
+    """Maps collect_trajectories over the environments' items as Prefect task runs in
+    `max_concurrent_groups` lanes, a group sampling in each at all times, and stores every finished
+    group in shards.
 
-    environments: mixed by weight; each task run goes to the least busy of `servers`.
+    environments: mixed by weight. servers: the lanes are spread over them.
+    run_url: STORAGE_URL/RUN, where the shards go (and the trainer's checkpoints are read from).
     groups: how many to collect; None runs until cancelled (Ctrl-C, the UI's Cancel), which keeps
     every finished group, once.
-    groups_per_task: items of one environment per task run (1: a task run is a group in the UI).
-    distributed: submit task runs to the flow's task runner (set a DaskTaskRunner with
-    `rollout.with_options(task_runner=...)` to spread them over a cluster) instead of awaiting
-    them on the flow's event loop, where they share one connection pool.
+    task_run_s: a lane's task run samples groups one after another for about this long, so
+    Prefect's per-task-run cost is paid once per this many seconds of sampling, not per group;
+    groups longer than that get a task run each (0: always a task run per group).
+    distributed: each group is a task run submitted to the flow's task runner (set a
+    DaskTaskRunner with `rollout.with_options(task_runner=...)` to spread them over a cluster)
+    instead of lanes on the flow's event loop, which share one connection pool.
     server_concurrency: groups in flight per server across every flow that uses it (a Prefect
     global concurrency limit per server, visible and adjustable in the UI's Concurrency page).
-    max_policy_lag: wait while the trainer lags more policy versions than this behind the oldest
-    shard it has not consumed.
+    max_policy_lag: hand out no item while the trainer lags more policy versions than this behind
+    the oldest shard it has not consumed.
     api_key_secret: name of a Prefect Secret block holding the servers' API key; without it the
     key is $CLOTHO_API_KEY of the flow's process. A refused key stops the flow at once.
     """
     log = get_run_logger()
-    check_limits(groups_per_task, max_concurrent_groups, server_concurrency)
+    storage, run = split_run_url(run_url)
+    check_limits(max_concurrent_groups, server_concurrency, task_run_s)
     if not environments or not servers:
         raise ValueError("rollout needs at least one environment and one server URL")
     specs = [spec if isinstance(spec, EnvSpec) else EnvSpec.model_validate(spec) for spec in environments]
@@ -72,121 +79,131 @@ async def rollout(
     sources = {spec.key: await environment_for(spec, servers[0], tokenizer, api_key) for spec in specs}
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
+    lag = (lambda: wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)) if max_policy_lag is not None else None
+    items = ItemStream(specs, sources, groups, seed, wait_for_trainer=lag)
     progress = await progress_artifact(groups)
     started_at = time.monotonic()
 
     async with ShardWriter(storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s) as writer:
 
         async def store(spec: EnvSpec, results: Results) -> None:
-            for result in results:
-                stats[spec.key].add(result)
-            scored = [result for result in results if isinstance(result, ScoredGroup)]
-            if scored:
-                for url in await asyncio.to_thread(writer.add_many, scored):
-                    emit_shard_event(url, run, scored[0].env)
-            await progress.update(sum(s.groups + s.failures for s in stats.values()))
+            """Counts and buffers finished groups; a cancel cannot cut it short."""
 
-        async def collect_and_store(spec: EnvSpec, items: list[Item], server: str) -> None:
-            """One task run; its finished groups are stored even when a cancel lands meanwhile."""
-            task = dict(spec=spec, items=items, server_url=server, tokenizer=tokenizer, server_limit=limits.get(server), api_key=api_key)
+            async def counted() -> None:
+                for result in results:
+                    stats[spec.key].add(result)
+                scored = [result for result in results if isinstance(result, ScoredGroup)]
+                if scored:
+                    for url in await asyncio.to_thread(writer.add_many, scored):
+                        emit_shard_event(url, run, scored[0].env)
+                await progress.update(sum(s.groups + s.failures for s in stats.values()))
+
+            await to_the_end(counted())
+
+        async def lane(index: int, server: str) -> int:
+            """Task runs one after another until the items run out; returns the task runs."""
+            task_runs = 0
+            while not items.exhausted:
+                task = dict(server_url=server, tokenizer=tokenizer, server_limit=limits.get(server), api_key=api_key)
+                try:
+                    if distributed:
+                        taken = await items.next()
+                        if taken is None:
+                            break
+                        await submit_and_store(*taken, task)
+                    else:
+                        await collect_lane(lane=index, items=items, store=store, seconds=task_run_s, **task)
+                except PolicyServerAuthError:
+                    raise  # every group would be refused: stop the flow
+                except PolicyServerUnreachable as error:  # retries exhausted; the group is a recorded failure
+                    log.error("lane %d: %s unreachable after retries (%s); going on", index, server, error)
+                task_runs += 1
+            return task_runs
+
+        async def submit_and_store(spec: EnvSpec, item: Item, task: dict[str, Any]) -> None:
+            """One group as a task run on the flow's task runner; a cancel still stores it when it
+            finished (a worker may have told Prefect Completed before the flow heard)."""
             handed_over: Results = []
             try:
                 with hand_over_to(handed_over.extend):
-                    results = await (submitted(task, handed_over) if distributed else collect_groups(**task))
+                    results = await submitted(dict(spec=spec, items=[item], **task), handed_over)
             except asyncio.CancelledError:
-                if handed_over:  # sampled and scored, maybe already Completed in the UI
-                    await to_the_end(store(spec, handed_over))
+                if handed_over:
+                    await store(spec, handed_over)
                 raise
-            except PolicyServerAuthError:
-                raise  # every group would be refused: stop the flow
-            except Exception as error:  # retries exhausted (server unreachable): recorded failures
-                results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}") for item in items]
-            await to_the_end(store(spec, results))
+            except PolicyServerUnreachable as error:
+                results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}")]
+            await store(spec, results)
 
-        async with InFlight(max_concurrent_groups, servers, writer, run) as in_flight:
-            async for spec, items in item_batches(specs, sources, groups, groups_per_task, seed):
-                if max_policy_lag is not None:
-                    await wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)
-                server = await in_flight.room_for(len(items))
-                in_flight.start(collect_and_store(spec, items, server), server, len(items))
-            log.info("all %s groups started; waiting for the last ones", in_flight.groups_started)
+        lanes = [lane(index, servers[index % len(servers)]) for index in range(max_concurrent_groups)]
+        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run)))
     seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
     await progress.close()
-    summary = await publish_report(stats, writer.written, seconds, run, storage, in_flight.task_runs)
+    summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs)
     log.info("rollout finished: %s", summary["totals"])
     return summary
 
 
-async def item_batches(
-    specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, per_task: int, seed: int
-) -> AsyncIterator[tuple[EnvSpec, list[Item]]]:
-    """(environment, items of one task run) until `groups` items were handed out (None: forever)
-    or every environment ran out; environments are picked by weight."""
-    rng = random.Random(seed)
-    live, handed_out = list(specs), 0
-    while live and (groups is None or handed_out < groups):
-        spec = rng.choices(live, weights=[s.weight for s in live])[0]
-        items: list[Item] = []
-        wanted = per_task if groups is None else min(per_task, groups - handed_out)
-        while len(items) < wanted:
-            item = await sources[spec.key].get_item()
-            if item is None:
-                live.remove(spec)
-                break
-            items.append(item)
-        if items:
-            handed_out += len(items)
-            yield spec, items
+class ItemStream:
+    """The run's items, environments picked by weight, until `groups` were handed out (None:
+    forever) or every environment ran out. Lanes share it; with `wait_for_trainer` it holds every
+    lane back while the trainer lags too far (checked at most every LAG_CHECK_S)."""
+
+    LAG_CHECK_S = 5.0
+
+    def __init__(self, specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, seed: int,
+                 wait_for_trainer: Callable[[], Awaitable[None]] | None = None):  # fmt: skip
+        self.specs, self.sources, self.groups = specs, sources, groups
+        self.rng = random.Random(seed)
+        self.live = list(specs)
+        self.handed_out = 0
+        self.wait_for_trainer = wait_for_trainer
+        self.lag_checked_at = -math.inf
+        self.lock = asyncio.Lock()
+
+    @property
+    def exhausted(self) -> bool:
+        return not self.live or (self.groups is not None and self.handed_out >= self.groups)
+
+    async def next(self) -> tuple[EnvSpec, Item] | None:
+        async with self.lock:
+            if self.exhausted:
+                return None
+            if self.wait_for_trainer is not None and time.monotonic() - self.lag_checked_at >= self.LAG_CHECK_S:
+                await self.wait_for_trainer()
+                self.lag_checked_at = time.monotonic()
+            while not self.exhausted:
+                spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
+                item = await self.sources[spec.key].get_item()
+                if item is None:
+                    self.live.remove(spec)
+                    continue
+                self.handed_out += 1
+                return spec, item
+            return None
 
 
-class InFlight:
-    """The task runs in flight: at most `limit` groups among them, each task run sent to the least
-    busy server. Leaving the block waits for them all; a cancel or failure cancels the rest, and
-    every finished group is still stored before the exception goes on."""
+async def all_or_none(lanes: list[Awaitable[int]], background: Awaitable[None]) -> list[int]:
+    """Runs the lanes to their end beside a background task. A failure or a cancel cancels every
+    lane: groups still sampling are abandoned, never half-written; finished ones are stored first
+    (store() runs to its end), then the writer's exit flushes them."""
+    tasks = [asyncio.ensure_future(lane) for lane in lanes]
+    helper = asyncio.ensure_future(background)
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in [*tasks, helper]:
+            task.cancel()
+        await to_the_end(asyncio.gather(*tasks, helper, return_exceptions=True))
 
-    def __init__(self, limit: int, servers: list[str], writer: ShardWriter, run: str):
-        self.limit, self.writer, self.run = limit, writer, run
-        self.busy = {server: 0 for server in servers}
-        self.tasks: dict[asyncio.Task, tuple[str, int]] = {}
-        self.task_runs = self.groups_started = 0
 
-    async def room_for(self, groups: int) -> str:
-        """Waits until `groups` more fit, flushing aged shards meanwhile; returns the server. A task
-        run that failed (storage down, a refused key) stops the flow here, never silently."""
-        while sum(self.busy.values()) + groups > self.limit:
-            done, _ = await asyncio.wait(self.tasks, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                self._finished(task).result()
-            for url in await asyncio.to_thread(self.writer.flush_if_due):
-                emit_shard_event(url, self.run, None)
-        return min(self.busy, key=self.busy.__getitem__)
-
-    def start(self, work: Awaitable[None], server: str, groups: int) -> None:
-        self.busy[server] += groups
-        self.tasks[asyncio.ensure_future(work)] = (server, groups)
-        self.task_runs += 1
-        self.groups_started += groups
-
-    def _finished(self, task: asyncio.Task) -> asyncio.Task:
-        server, groups = self.tasks.pop(task)
-        self.busy[server] -= groups
-        return task
-
-    async def __aenter__(self) -> InFlight:
-        return self
-
-    async def __aexit__(self, exc_type, exc, tb) -> None:
-        try:
-            if exc_type is None:
-                for task in asyncio.as_completed(list(self.tasks)):
-                    await task
-        finally:
-            # Cancelled (UI, Ctrl-C) or failed: groups still sampling are abandoned, never
-            # half-written; finished ones are stored first (a second cancel cannot cut that short),
-            # then the writer's exit flushes them.
-            for task in self.tasks:
-                task.cancel()
-            await to_the_end(asyncio.gather(*self.tasks, return_exceptions=True))
+async def flush_aged_shards(writer: ShardWriter, run: str) -> None:
+    """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
+    while True:
+        await asyncio.sleep(1.0)
+        if writer.due():
+            for url in await asyncio.to_thread(writer.flush_if_due):
+                emit_shard_event(url, run, None)
 
 
 async def submitted(task: dict[str, Any], handed_over: Results) -> Results:
@@ -237,18 +254,13 @@ async def to_the_end(awaitable):
         return result
 
 
-def check_limits(groups_per_task: int, max_concurrent_groups: int, server_concurrency: int | None) -> None:
+def check_limits(max_concurrent_groups: int, server_concurrency: int | None, task_run_s: float) -> None:
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")
     if server_concurrency is not None and server_concurrency < 1:
         raise ValueError(f"server_concurrency={server_concurrency}: use 1 or more, or None for no server limit")
-    if not 1 <= groups_per_task <= max_concurrent_groups:
-        raise ValueError(f"groups_per_task={groups_per_task}: use 1..max_concurrent_groups ({max_concurrent_groups})")
-    if server_concurrency is not None and groups_per_task > server_concurrency:
-        raise ValueError(
-            f"groups_per_task={groups_per_task} exceeds server_concurrency={server_concurrency}: a task run "
-            "holds a slot per group, so it could never start; lower groups_per_task or raise server_concurrency"
-        )
+    if not task_run_s >= 0:
+        raise ValueError(f"task_run_s={task_run_s}: use seconds >= 0 (0: a task run per group)")
 
 
 async def wait_for_trainer(storage: str, run: str, max_policy_lag: int, poll_s: float, log) -> None:

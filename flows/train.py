@@ -16,6 +16,7 @@ from prefect.artifacts import (
 )
 
 from storage.checkpoints import latest_checkpoint
+from storage.layout import split_run_url
 from trainer.config import TrainerConfig
 from trainer.metrics import read_metrics
 from trainer.train import default_work_dir, format_metrics
@@ -34,8 +35,7 @@ _BARS = "▁▂▃▄▅▆▇█"
 
 @flow(name="train")
 def train(
-    storage: str,
-    run: str,
+    run_url: str,
     model: str,
     steps: int,
     config_path: str | None = None,
@@ -45,9 +45,11 @@ def train(
 ) -> dict[str, Any]:
     """Train `steps` optimizer steps in total (resuming if the run has state) in this process.
 
+    run_url: STORAGE_URL/RUN, whose rollouts it reads and where it publishes checkpoints.
     Several ranks: launch `clotho train` under torchrun or deepspeed instead.
     """
     logger = get_run_logger()
+    storage, run = split_run_url(run_url)
     config = TrainerConfig.from_yaml(
         config_path, [*(overrides or []), f"model={json.dumps(model)}", f"steps={steps}"]
     )

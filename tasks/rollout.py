@@ -1,4 +1,4 @@
-"""Prefect tasks of the rollout flow: collect_trajectories calls as task runs (one or more items each)."""
+"""Prefect tasks of the rollout flow: collect_trajectories calls as task runs (lanes of groups, or a group each)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import contextlib
 import contextvars
 import functools
 import json
-import os
 import re
+import time
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, Protocol
 
 from prefect import get_client, task
 from prefect.concurrency.asyncio import concurrency
@@ -22,7 +22,7 @@ from environments.base import Environment, Item, RolloutFailure
 from environments.chat import load_tokenizer
 from environments.loading import load_config, load_environment_class
 from environments.scored_group import ScoredGroup
-from inference.client import PolicyClient, PolicyServerAuthError
+from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 
 class EnvSpec(BaseModel):
@@ -111,6 +111,68 @@ def _retry_unless_refused(task, task_run, state) -> bool:
     return not isinstance(state.data, PolicyServerAuthError)
 
 
+class ItemSource(Protocol):
+    """What a lane takes its items from (flows.rollout.ItemStream)."""
+
+    async def next(self) -> tuple[EnvSpec, Item] | None: ...
+
+
+Store = Callable[[EnvSpec, list[ScoredGroup | RolloutFailure]], Awaitable[None]]
+
+
+def _lane_run_name(parameters: dict[str, Any]) -> str:
+    host = parameters["server_url"].split("://", 1)[-1].strip("/")
+    return f"lane {parameters['lane']} @ {host}"
+
+
+@task(
+    name="collect-lane",
+    task_run_name=_lane_run_name,
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=_retry_unless_refused,
+    cache_policy=NO_CACHE,
+    persist_result=False,
+)
+async def collect_lane(
+    lane: int,
+    items: ItemSource,
+    store: Store,
+    server_url: str,
+    tokenizer: str,
+    seconds: float = 10.0,
+    server_limit: str | None = None,
+    api_key: str | None = None,
+) -> list[str]:
+    """One lane's groups, one after another: items from `items` until about `seconds` of sampling
+    passed (at least one group) or the items ran out; each group is stored by `store` the moment
+    it is scored, so nothing a task run finished waits for the task run to end. Returns the ids of
+    the items it stored, in order.
+
+    Prefect's bookkeeping costs a task run the same whatever it holds: a lane's task run spans
+    many short groups, or one group of `seconds` or more. Runs on the flow's event loop (its
+    arguments are the flow's own objects). A group whose server is unreachable is recorded as a
+    failure and the task run raised, so Prefect retries it after a pause; a refused API key is
+    raised without retries; anything else is a recorded RolloutFailure.
+    """
+    started, stored = time.monotonic(), []
+    while not stored or time.monotonic() - started < seconds:
+        taken = await items.next()
+        if taken is None:
+            break
+        spec, item = taken
+        env = await environment_for(spec, server_url, tokenizer, api_key)
+        try:
+            async with concurrency(server_limit, occupy=1, strict=True) if server_limit else contextlib.nullcontext():
+                result = await env.collect_group(item)
+        except PolicyServerUnreachable as error:
+            await store(spec, [RolloutFailure(env=env.name, item_id=item.id, error=f"{type(error).__name__}: {error}")])
+            raise
+        await store(spec, [result])
+        stored.append(item.id)
+    return stored
+
+
 @task(
     name="collect-groups",
     task_run_name=_task_run_name,
@@ -128,8 +190,8 @@ async def collect_groups(
     server_limit: str | None = None,
     api_key: str | None = None,
 ) -> list[ScoredGroup | RolloutFailure]:
-    """Inference and scoring of each item into one group; the items' groups are sampled concurrently
-    (how many items a task run takes is the flow's groups_per_task).
+    """Inference and scoring of each item into one group, the items' groups sampled concurrently:
+    the task run a flow submits to its task runner (Dask workers, threads), a group each.
 
     An unreachable server is raised so Prefect retries the task with backoff; a refused API key is
     raised without retries; anything else an environment raises becomes a recorded
@@ -152,27 +214,6 @@ async def collect_groups(
         return await collect()
     async with concurrency(server_limit, occupy=len(items), strict=True):
         return await collect()
-
-
-API_KEY_VARIABLE = "CLOTHO_API_KEY"
-
-
-async def resolve_api_key(api_key_secret: str | None) -> str | None:
-    """The policy servers' API key: the Prefect Secret block named `api_key_secret` (deployments),
-    else $CLOTHO_API_KEY of this process (`clotho rollout --api-key` sets it). Never a flow
-    parameter: parameters are stored with the flow run and shown in the UI."""
-    if api_key_secret:
-        from prefect.blocks.system import Secret
-
-        try:
-            secret = await Secret.aload(api_key_secret)
-        except ValueError as error:
-            raise ValueError(
-                f"api_key_secret={api_key_secret!r}: no such Secret block ({error}); create it with "
-                f"`prefect block create secret` or Secret(value=KEY).save({api_key_secret!r})"
-            ) from None
-        return secret.get()
-    return os.environ.get(API_KEY_VARIABLE) or None
 
 
 async def check_servers(servers: list[str], api_key: str | None) -> None:

@@ -82,13 +82,13 @@ def test_a_deployment_reads_the_key_from_a_secret_block(prefect_server, keyed_se
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         Secret(value=KEY).save("policy-server-key", overwrite=True)
         summary = asyncio.run(
-            rollout(environments=[spec], servers=[keyed_server.base_url], storage=storage, run="secret",
+            rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/secret",
                     tokenizer=str(tiny_model_dir), groups=3, api_key_secret="policy-server-key")  # fmt: skip
         )
         assert summary["totals"]["groups"] == 3 and summary["totals"]["failures"] == 0
         with pytest.raises(PolicyServerAuthError, match="refused no API key"):
-            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], storage=storage, run="no-key",
+            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/no-key",
                                 tokenizer=str(tiny_model_dir), groups=3))  # fmt: skip
         with pytest.raises(ValueError, match="no such Secret block"):
-            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], storage=storage, run="no-block",
+            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/no-block",
                                 tokenizer=str(tiny_model_dir), groups=3, api_key_secret="missing-block"))  # fmt: skip

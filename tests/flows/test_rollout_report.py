@@ -6,7 +6,7 @@ import random
 import pytest
 
 import flows.rollout_report as report
-from flows.rollout import check_limits, item_batches
+from flows.rollout import ItemStream, check_limits
 
 
 async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
@@ -39,19 +39,15 @@ async def test_throttled_updates_are_flushed_on_close(monkeypatch):
     assert len(sent) == 2 and progress._sent == 49
 
 
-def test_groups_per_task_is_checked_against_the_concurrency_it_must_fit():
-    check_limits(4, 8, None)
-    check_limits(4, 8, 4)
-    with pytest.raises(ValueError, match="groups_per_task=0"):
-        check_limits(0, 8, None)
-    with pytest.raises(ValueError, match="use 1..max_concurrent_groups"):
-        check_limits(9, 8, None)
-    with pytest.raises(ValueError, match="exceeds server_concurrency=2"):
-        check_limits(4, 8, 2)
+def test_limits_are_checked_naming_the_parameter():
+    check_limits(8, None, 10.0)
+    check_limits(8, 4, 0.0)
     with pytest.raises(ValueError, match="server_concurrency=0"):
-        check_limits(1, 8, 0)
+        check_limits(8, 0, 10.0)
     with pytest.raises(ValueError, match="max_concurrent_groups=0"):
-        check_limits(1, 0, None)
+        check_limits(0, None, 10.0)
+    with pytest.raises(ValueError, match="task_run_s=-1"):
+        check_limits(8, None, -1)
 
 
 class Finite:
@@ -64,6 +60,7 @@ class Finite:
         if self.count == self.left:
             return None
         self.count += 1
+        await asyncio.sleep(0)  # a real get_item may await: lanes must not get the same item twice
         return type("Item", (), {"id": f"{self.name}-{self.count}"})()
 
 
@@ -72,23 +69,39 @@ class Spec:
         self.key, self.weight = key, weight
 
 
-async def batches(specs, sources, groups, per_task, seed=0):
-    return [(spec.key, [item.id for item in items]) async for spec, items in item_batches(specs, sources, groups, per_task, seed)]
+async def drain(stream: ItemStream, lanes: int = 4) -> list[tuple[str, str]]:
+    taken = []
+
+    async def lane():
+        while (next_ := await stream.next()) is not None:
+            taken.append((next_[0].key, next_[1].id))
+
+    await asyncio.gather(*(lane() for _ in range(lanes)))
+    return taken
 
 
-async def test_item_batches_hand_out_exactly_the_groups_asked_for_mixed_by_weight():
+async def test_the_item_stream_hands_out_exactly_the_groups_asked_for_mixed_by_weight():
     specs = [Spec("a", 3.0), Spec("b", 1.0)]
-    sources = {"a": Finite("a", 10**6), "b": Finite("b", 10**6)}
-    handed = await batches(specs, sources, groups=400, per_task=3)
-    assert sum(len(ids) for _, ids in handed) == 400
-    assert all(len(ids) == 3 for _, ids in handed[:-1]) and len(handed[-1][1]) == 400 - 3 * (len(handed) - 1)
-    share_a = sum(len(ids) for key, ids in handed if key == "a") / 400
+    stream = ItemStream(specs, {"a": Finite("a", 10**6), "b": Finite("b", 10**6)}, groups=400, seed=0)
+    taken = await drain(stream)
+    assert len(taken) == 400 and len(set(taken)) == 400 and stream.exhausted
+    share_a = sum(key == "a" for key, _ in taken) / 400
     assert 0.65 < share_a < 0.85, share_a  # weight 3:1
-    all_ids = [i for _, ids in handed for i in ids]
-    assert len(all_ids) == len(set(all_ids))
 
 
-async def test_item_batches_stop_when_every_environment_ran_out():
-    specs = [Spec("a", 1.0), Spec("b", 1.0)]
-    handed = await batches(specs, {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, per_task=2)
-    assert sorted(i for _, ids in handed for i in ids) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]
+async def test_the_item_stream_ends_when_every_environment_ran_out():
+    stream = ItemStream([Spec("a", 1.0), Spec("b", 1.0)], {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, seed=0)
+    assert sorted(i for _, i in await drain(stream)) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]
+
+
+async def test_the_item_stream_holds_every_lane_while_the_trainer_lags():
+    checks = []
+
+    async def wait_for_trainer():
+        checks.append(len(checks))
+        await asyncio.sleep(0.05)
+
+    stream = ItemStream([Spec("a", 1.0)], {"a": Finite("a", 10)}, groups=None, seed=0, wait_for_trainer=wait_for_trainer)
+    stream.LAG_CHECK_S = 0.0  # check before every item
+    assert len(await drain(stream, lanes=3)) == 10
+    assert len(checks) == 11  # before each of the 10 items and before finding none left

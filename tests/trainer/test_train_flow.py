@@ -54,7 +54,7 @@ def test_flow_trains_and_reports(tmp_path, tiny_model_dir, in_process_trainer):
     write_shards(root, "flow-run", sampled_groups(tiny_model_dir, 4, seed=40), groups_per_shard=4)
     with prefect_test_harness(server_startup_timeout=120):
         result = train(
-            storage=root, run="flow-run", model=str(tiny_model_dir), steps=2,
+            run_url=f"{root}/flow-run", model=str(tiny_model_dir), steps=2,
             overrides=["groups_per_step=2", "save_every=2", "lr=1e-3"], data_timeout_s=60,
         )  # fmt: skip
         with get_client(sync_client=True) as client:

@@ -36,8 +36,8 @@ def rows() -> list[list[str]]:
         for w in rollout["result"]["workloads"]:
             interval = w.get("ratio_interval_vs_both_bare") or {}
             control = w.get("ratio_bare_again")
-            spread = f" [{interval['low']}-{interval['high']}]" if interval else ""
-            parts.append(f"{w['max_tokens']}-token samples {w['ratio_tokens_per_s']}{spread} (control {control})")
+            rounds = f", geometric mean of rounds {interval['mean']} [{interval['low']}-{interval['high']}]" if interval else ""
+            parts.append(f"{w['max_tokens']}-token samples: total {w['ratio_tokens_per_s']}{rounds} (control {control})")
         table.append(["`bench_rollout.py`", "the Prefect rollout flow vs a bare asyncio client sending the same requests (control: the bare client again)",
                       ">= 0.95", "; ".join(parts), _measured(rollout)])  # fmt: skip
     if trainer := _load("trainer"):

@@ -125,15 +125,15 @@ def _lane_run_name(parameters: dict[str, Any]) -> str:
     return f"lane {parameters['lane']} @ {host}"
 
 
-@task(
-    name="collect-lane",
-    task_run_name=_lane_run_name,
-    retries=2,
-    retry_delay_seconds=[2, 10],
-    retry_condition_fn=_retry_unless_refused,
-    cache_policy=NO_CACHE,
+# Both sampling tasks: an unreachable server is retried after a pause, results stay in memory
+# (they are the flow's to store), nothing is cached.
+SAMPLING_TASK = dict(
+    retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_unless_refused, cache_policy=NO_CACHE,
     persist_result=False,
 )
+
+
+@task(name="collect-lane", task_run_name=_lane_run_name, **SAMPLING_TASK)
 async def collect_lane(
     lane: int,
     items: ItemSource,
@@ -173,15 +173,7 @@ async def collect_lane(
     return stored
 
 
-@task(
-    name="collect-groups",
-    task_run_name=_task_run_name,
-    retries=2,
-    retry_delay_seconds=[2, 10],
-    retry_condition_fn=_retry_unless_refused,
-    cache_policy=NO_CACHE,
-    persist_result=False,
-)
+@task(name="collect-groups", task_run_name=_task_run_name, **SAMPLING_TASK)
 async def collect_groups(
     spec: EnvSpec,
     items: list[Item],

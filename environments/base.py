@@ -58,6 +58,10 @@ class RolloutFailure(BaseModel):
     error: str
     traceback: str = ""
 
+    @classmethod
+    def of(cls, env: str, item_id: str, error: BaseException, traceback: str = "") -> RolloutFailure:
+        return cls(env=env, item_id=item_id, error=f"{type(error).__name__}: {error}", traceback=traceback)
+
 
 def prompt_messages(item: Item) -> Messages:
     """The item's prompt as messages (a text prompt is one user message)."""
@@ -167,12 +171,7 @@ class Environment(ABC):
         except Exception as error:  # a bad rollout is data, not a crash
             version.cancel()
             log.warning("env %s item %s failed: %s", self.name, item.id, error)
-            return RolloutFailure(
-                env=self.name,
-                item_id=item.id,
-                error=f"{type(error).__name__}: {error}",
-                traceback=traceback.format_exc(limit=8),
-            )
+            return RolloutFailure.of(self.name, item.id, error, traceback=traceback.format_exc(limit=8))
         group.env = self.name
         group.policy_version = await version  # errors keep their type (an unreachable server is retried)
         return group
@@ -283,8 +282,9 @@ class Environment(ABC):
         extras: dict[str, Any] | None = None,
         errors: list[str] | None = None,
     ) -> ScoredGroup:
-        """Assembles and validates a group against the run's vocabulary and group size. The policy
-        version is stamped by the framework (collect_group), never by the environment."""
+        """Assembles a group (ScoredGroup validates it on creation). The checks against the run's
+        vocabulary and group size, and the policy version, are the framework's (collect_group), for
+        every group however it was made."""
         if not sequences:
             raise RuntimeError(
                 f"env {self.name} item {item.id}: every rollout failed; first error: "
@@ -293,15 +293,13 @@ class Environment(ABC):
         group_extras = dict(extras or {})
         if errors:
             group_extras["rollout_errors"] = errors
-        group = ScoredGroup(
+        return ScoredGroup(
             env=self.name,
             item_id=item.id,
             sequences=sequences,
             chat_template=self.renderer.template_name if self.chat_template else None,
             extras=group_extras,
         )
-        group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size)
-        return group
 
 
 __all__ = [

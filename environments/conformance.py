@@ -108,11 +108,13 @@ class Conformance:
 
     async def tokens_match_messages(self) -> str:
         _, group = await self.sampled()
+        checked = 0
         for index, sequence in enumerate(group.sequences):
             where = f"sequences[{index}]"
             require(sequence.messages is not None, f"{where}: no messages; keep the conversation so rewards can be re-run on it")
             turns = [m for m in sequence.messages if m.get("role") == "assistant"]
             segments = trained_segments(sequence)
+            checked += len(segments)
             require(len(segments) == len(turns), f"{where}: {len(segments)} trained segments but {len(turns)} assistant messages")
             for turn, (start, end) in enumerate(segments):
                 decoded = self.env.tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True)
@@ -121,7 +123,7 @@ class Conformance:
                     f"{where}: assistant turn {turn} reads {turns[turn].get('content')!r} but its tokens decode to "
                     f"{decoded!r}; store the decoded sampled tokens, never re-tokenized text",
                 )
-        return f"{sum(len(trained_segments(s)) for s in group.sequences)} turns"
+        return f"{checked} turns"
 
     async def scores_are_the_reward(self) -> str:
         item, group = await self.sampled()

@@ -76,7 +76,7 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
     if getattr(cls, "__abstractmethods__", None):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise EnvironmentLoadError(f"environment {import_path!r}: {class_name} does not implement {missing}")
-    name = cls.__dict__.get("name") or getattr(cls, "name", None)
+    name = getattr(cls, "name", None)
     if not isinstance(name, str):
         raise EnvironmentLoadError(
             f"environment {import_path!r}: {class_name}.name is not set; give the class a name, e.g. name = \"my_env\""

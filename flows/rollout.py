@@ -23,7 +23,7 @@ from storage.reader import ShardReader
 from storage.writer import ShardWriter
 from storage.layout import split_run_url
 from tasks.api_key import resolve_api_key
-from tasks.rollout import EnvSpec, check_servers, collect_groups, collect_lane, ensure_server_limits, environment_for, hand_over_to
+from tasks.rollout import EnvSpec, check_servers, collect_lane, collect_one, ensure_server_limits, environment_for, hand_over_to
 
 Results = list[ScoredGroup | RolloutFailure]
 
@@ -103,8 +103,8 @@ async def rollout(
         async def lane(index: int, server: str) -> int:
             """Task runs one after another until the items run out; returns the task runs."""
             task_runs = 0
+            task = dict(server_url=server, tokenizer=tokenizer, server_limit=limits.get(server), api_key=api_key)
             while not items.exhausted:
-                task = dict(server_url=server, tokenizer=tokenizer, server_limit=limits.get(server), api_key=api_key)
                 try:
                     if distributed:
                         taken = await items.next()
@@ -125,14 +125,14 @@ async def rollout(
             finished (a worker may have told Prefect Completed before the flow heard)."""
             handed_over: Results = []
             try:
-                with hand_over_to(handed_over.extend):
-                    results = await submitted(dict(spec=spec, items=[item], **task), handed_over)
+                with hand_over_to(handed_over.append):
+                    results = [await submitted(dict(spec=spec, item=item, **task), handed_over)]
             except asyncio.CancelledError:
                 if handed_over:
                     await store(spec, handed_over)
                 raise
             except PolicyServerUnreachable as error:
-                results = [RolloutFailure(env=stats[spec.key].env, item_id=item.id, error=f"{type(error).__name__}: {error}")]
+                results = [RolloutFailure.of(stats[spec.key].env, item.id, error)]
             await store(spec, results)
 
         lanes = [lane(index, servers[index % len(servers)]) for index in range(max_concurrent_groups)]
@@ -153,7 +153,7 @@ class ItemStream:
 
     def __init__(self, specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, seed: int,
                  wait_for_trainer: Callable[[], Awaitable[None]] | None = None):  # fmt: skip
-        self.specs, self.sources, self.groups = specs, sources, groups
+        self.sources, self.groups = sources, groups
         self.rng = random.Random(seed)
         self.live = list(specs)
         self.handed_out = 0
@@ -206,10 +206,10 @@ async def flush_aged_shards(writer: ShardWriter, run: str) -> None:
                 emit_shard_event(url, run, None)
 
 
-async def submitted(task: dict[str, Any], handed_over: Results) -> Results:
+async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
     """A task run submitted to the flow's task runner (e.g. Dask workers). Cancelled, it hands over
-    the groups of a run that already finished elsewhere; one still queued never starts."""
-    future = collect_groups.submit(**task)
+    the group of a run that already finished elsewhere; one still queued never starts."""
+    future = collect_one.submit(**task)
     try:
         await settled(future)
     except asyncio.CancelledError:
@@ -217,7 +217,7 @@ async def submitted(task: dict[str, Any], handed_over: Results) -> Results:
             future.wrapped_future.cancel()
         elif not handed_over:
             with contextlib.suppress(Exception):
-                handed_over.extend(future.result(timeout=0))
+                handed_over.append(future.result(timeout=0))
         raise
     return future.result()
 

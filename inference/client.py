@@ -49,17 +49,14 @@ def parse_weight_version(raw: str | int | None) -> int:
         return 0
 
 
-def served_model(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> str:
-    """The model path or id a vLLM server serves (its /v1/models 'root'): the tokenizer to use."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=timeout)
-    if response.status_code in (401, 403):
-        raise PolicyServerAuthError(
-            f"policy server {base_url} refused {'the API key given' if api_key else 'no API key'} "
-            f"({response.status_code}); pass --api-key KEY or set CLOTHO_API_KEY"
-        )
-    response.raise_for_status()
-    return response.json()["data"][0]["root"]
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """PolicyClient.served_model from synchronous code (a CLI before its flow starts, a fixture)."""
+
+    async def ask() -> str:
+        async with PolicyClient(base_url, api_key=api_key, timeout=10.0, max_retries=1) as client:
+            return await client.served_model()
+
+    return asyncio.run(ask())
 
 
 class PolicyClient:
@@ -187,6 +184,11 @@ class PolicyClient:
             finish_reason="length" if finish == "length" else ("abort" if finish == "abort" else "stop"),
             text=choice.get("text", ""),
         )
+
+    async def served_model(self) -> str:
+        """The model path or id the server serves (its /v1/models 'root'): the tokenizer to use."""
+        response = await self.request("GET", "/v1/models")
+        return response.json()["data"][0]["root"]
 
     async def weight_version(self) -> int:
         """The policy version of the served weights (0 until a reload announced one)."""

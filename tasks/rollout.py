@@ -77,15 +77,15 @@ async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str, api_ke
 # Where a task run on the flow's own event loop hands its results the moment it has them. Prefect
 # records the task run Completed before the call returns to the flow; a cancel landing in between
 # (Ctrl-C, the UI's Cancel) would otherwise lose groups the UI already shows as finished.
-_hand_over: contextvars.ContextVar[Callable[[list], None] | None] = contextvars.ContextVar(
+_hand_over: contextvars.ContextVar[Callable[[ScoredGroup | RolloutFailure], None] | None] = contextvars.ContextVar(
     "clotho_hand_over", default=None
 )
 
 
 @contextlib.contextmanager
-def hand_over_to(receive: Callable[[list], None]) -> Iterator[None]:
-    """Task runs awaited inside this block (same event loop) pass their results to `receive` as
-    soon as sampling and scoring finish, before Prefect finishes the task run."""
+def hand_over_to(receive: Callable[[ScoredGroup | RolloutFailure], None]) -> Iterator[None]:
+    """Task runs started inside this block, where the task runner keeps the context (threads),
+    pass their group to `receive` as soon as it is scored, before Prefect finishes the task run."""
     token = _hand_over.set(receive)
     try:
         yield
@@ -93,17 +93,10 @@ def hand_over_to(receive: Callable[[list], None]) -> Iterator[None]:
         _hand_over.reset(token)
 
 
-def _receiver() -> Callable[[list], None] | None:
+def _receiver() -> Callable[[ScoredGroup | RolloutFailure], None] | None:
     # A function, not the ContextVar itself, in the task's code: Dask pickles the task function by
     # value and a ContextVar cannot be pickled; this function pickles by reference.
     return _hand_over.get()
-
-
-def _task_run_name(parameters: dict[str, Any]) -> str:
-    """'environments.arithmetic:Arithmetic:0-17', or '...:0-17 +3' for a task run of 4 groups."""
-    items = parameters["items"]
-    more = f" +{len(items) - 1}" if len(items) > 1 else ""
-    return f"{parameters['spec'].import_path}:{items[0].id}{more}"
 
 
 def _retry_unless_refused(task, task_run, state) -> bool:
@@ -166,51 +159,42 @@ async def collect_lane(
             async with concurrency(server_limit, occupy=1, strict=True) if server_limit else contextlib.nullcontext():
                 result = await env.collect_group(item)
         except PolicyServerUnreachable as error:
-            await store(spec, [RolloutFailure(env=env.name, item_id=item.id, error=f"{type(error).__name__}: {error}")])
+            await store(spec, [RolloutFailure.of(env.name, item.id, error)])
             raise
         await store(spec, [result])
         stored.append(item.id)
     return stored
 
 
-@task(name="collect-groups", task_run_name=_task_run_name, **SAMPLING_TASK)
-async def collect_groups(
+@task(name="collect-group", task_run_name="{spec.import_path}:{item.id}", **SAMPLING_TASK)
+async def collect_one(
     spec: EnvSpec,
-    items: list[Item],
+    item: Item,
     server_url: str,
     tokenizer: str,
     server_limit: str | None = None,
     api_key: str | None = None,
-) -> list[ScoredGroup | RolloutFailure]:
-    """Inference and scoring of each item into one group, the items' groups sampled concurrently:
-    the task run a flow submits to its task runner (Dask workers, threads), a group each.
+) -> ScoredGroup | RolloutFailure:
+    """One item's group, as the task run a flow submits to its task runner (Dask workers, threads).
 
     An unreachable server is raised so Prefect retries the task with backoff; a refused API key is
     raised without retries; anything else an environment raises becomes a recorded
-    RolloutFailure, never a crashed flow. With `server_limit` each group holds a slot of that
+    RolloutFailure, never a crashed flow. With `server_limit` the group holds a slot of that
     Prefect global concurrency limit while it runs, so every flow and deployment sampling from one
-    server shares its capacity.
+    server shares its capacity. Where the task runner keeps the flow's context (threads), the group
+    is also handed to the flow's `hand_over_to` receiver before Prefect finishes the task run.
     """
     env = await environment_for(spec, server_url, tokenizer, api_key)
-
-    async def collect() -> list[ScoredGroup | RolloutFailure]:
-        results = await asyncio.gather(*(env.collect_group(item) for item in items), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result  # the server is unreachable (retry the task run) or refused the key
-        if (receive := _receiver()) is not None:
-            receive(list(results))
-        return list(results)
-
-    if server_limit is None:
-        return await collect()
-    async with concurrency(server_limit, occupy=len(items), strict=True):
-        return await collect()
+    async with concurrency(server_limit, occupy=1, strict=True) if server_limit else contextlib.nullcontext():
+        result = await env.collect_group(item)
+    if (receive := _receiver()) is not None:
+        receive(result)
+    return result
 
 
 async def check_servers(servers: list[str], api_key: str | None) -> None:
-    """Fails now, naming the server and the option, when a server refuses the key or is not a
-    policy server; an unreachable one is left to the task runs' retries (it may be starting)."""
+    """Fails now, naming the server and the option, when a server refuses the key; any other
+    failure (unreachable: it may be starting) is left to the task runs' retries."""
     for server in servers:
         async with PolicyClient(server, api_key=api_key, max_retries=0) as client:
             try:

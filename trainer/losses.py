@@ -67,30 +67,6 @@ from trainer.config import LossConfig, LossDefaults
 from trainer.metrics import Maximum, Minimum, Total
 
 
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Logprob of each input token under the logits that predict it.
-
-    logits [batch, seq, vocab], input_ids [batch, seq] -> [batch, seq], float32 or wider.
-
-    Next-token prediction: token t is predicted by the logits at position t - 1, so
-    result[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]], result[:, 0] = 0.
-    The first token of a sequence has no prediction and is never trained; in packed rows the first
-    token of each later sequence gets a meaningless value (its "prediction" comes from the previous
-    sequence) and packing masks it out. `temperature` must match the sampler's logprobs.
-    """
-    if logits.shape[:2] != input_ids.shape:
-        raise ValueError(
-            f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}: the first two "
-            "dimensions must match; pass the model's logits for exactly these input_ids"
-        )
-    scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    predicted = picked - torch.logsumexp(scaled, dim=-1)
-    return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
-
-
 @dataclass(frozen=True)
 class LossInputs:
     """One micro-batch's trained tokens, in mask order, and the counts its loss divides by.
@@ -138,7 +114,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The configured loss (`config.function`) of one micro-batch, and its metrics (floats).
 
-    logprobs      [batch, seq]  trainer logprobs, with gradient (see `token_logprobs`)
+    logprobs      [batch, seq]  trainer logprobs, with gradient (see `trainer.model.token_logprobs`)
     old_logprobs  [batch, seq]  the sampler's logprobs
     advantages    [batch, seq]
     mask          [batch, seq]  bool, True where the token is trained; nothing else is read there

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from trainer.config import LossConfig
-from trainer.losses import policy_loss, token_logprobs
+from trainer.losses import policy_loss
 from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -23,6 +23,30 @@ def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(
         model, dtype=DTYPES[dtype], attn_implementation="sdpa"
     )
+
+
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Logprob of each input token under the logits that predict it.
+
+    logits [batch, seq, vocab], input_ids [batch, seq] -> [batch, seq], float32 or wider.
+
+    Next-token prediction: token t is predicted by the logits at position t - 1, so
+    result[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]], result[:, 0] = 0.
+    The first token of a sequence has no prediction and is never trained; in packed rows the first
+    token of each later sequence gets a meaningless value (its "prediction" comes from the previous
+    sequence) and packing masks it out. `temperature` must match the sampler's logprobs.
+    """
+    if logits.shape[:2] != input_ids.shape:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}: the first two "
+            "dimensions must match; pass the model's logits for exactly these input_ids"
+        )
+    scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    predicted = picked - torch.logsumexp(scaled, dim=-1)
+    return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
 
 
 def packed_logprobs(

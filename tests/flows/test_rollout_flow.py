@@ -125,9 +125,9 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
 
     async def set_state(self, state, force=False):
         new_state = await original(self, state, force)
-        if new_state.is_completed() and self.task.name in ("collect-groups", "collect-lane"):
-            if self.task.name == "collect-groups":  # submitted: a group of one item
-                completed.extend(item.id for item in self.parameters["items"])
+        if new_state.is_completed() and self.task.name in ("collect-group", "collect-lane"):
+            if self.task.name == "collect-group":  # submitted: one item's group
+                completed.append(self.parameters["item"].id)
             else:  # a lane's task run returns the ids of the items it stored
                 ids = new_state.result()
                 completed.extend(await ids if inspect.isawaitable(ids) else ids)

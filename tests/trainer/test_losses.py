@@ -9,7 +9,8 @@ import torch
 
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import LossConfig
-from trainer.losses import policy_loss, token_logprobs
+from trainer.losses import policy_loss
+from trainer.model import token_logprobs
 from trainer.metrics import Maximum, Minimum, Total, merge_metrics
 
 # The worked example used by the hand-computed tests. Two sequences of three tokens; the sampler

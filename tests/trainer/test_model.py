@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 from tests.conftest import cached_tiny_model
 from trainer.checkpointing import save_hf_checkpoint
 from trainer.config import LossConfig
-from trainer.losses import token_logprobs
+from trainer.model import token_logprobs
 from trainer.model import (
     gradient_norm,
     idle_micro_batch,

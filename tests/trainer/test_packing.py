@@ -10,7 +10,8 @@ import torch
 from environments.scored_group import ScoredGroup, ScoredSequence
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import AdvantageConfig, LossConfig
-from trainer.losses import policy_loss, token_logprobs
+from trainer.losses import policy_loss
+from trainer.model import token_logprobs
 from trainer.packing import (
     additive_mask,
     build_step,

@@ -134,10 +134,7 @@ def plain_step(
 ) -> None:
     """The same step without DeepSpeed: the loss, backward, clipping and torch's AdamW."""
     for micro_batch in batch.micro_batches:
-        loss, _ = micro_batch_loss(
-            model, micro_batch, config.loss,
-            step_num_sequences=batch.num_sequences, step_num_tokens=batch.num_trained_tokens,
-        )  # fmt: skip
+        loss, _ = micro_batch_loss(model, micro_batch, config.loss, objectives=batch.objectives)
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()

@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Coroutine
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
+from environments.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
@@ -281,10 +281,12 @@ class Environment(ABC):
         *,
         extras: dict[str, Any] | None = None,
         errors: list[str] | None = None,
+        objective: Objective | None = None,
     ) -> ScoredGroup:
-        """Assembles a group (ScoredGroup validates it on creation). The checks against the run's
-        vocabulary and group size, and the policy version, are the framework's (collect_group), for
-        every group however it was made."""
+        """Assembles a group (ScoredGroup validates it on creation); `objective` says how the
+        trainer learns from it when not by its shape (ScoredGroup.objective). The checks against
+        the run's vocabulary and group size, and the policy version, are the framework's
+        (collect_group), for every group however it was made."""
         if not sequences:
             raise RuntimeError(
                 f"env {self.name} item {item.id}: every rollout failed; first error: "
@@ -299,6 +301,7 @@ class Environment(ABC):
             sequences=sequences,
             chat_template=self.renderer.template_name if self.chat_template else None,
             extras=group_extras,
+            objective=objective,
         )
 
 

@@ -5,14 +5,22 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# Bump when a field is added, removed or changes meaning; storage writes it into every shard.
-SCHEMA_VERSION = 1
+# Bump when a field is added, removed or changes meaning; storage writes it into every shard and
+# reads older versions by filling what they lack (storage.schema.upgrade_table).
+#   1: the first wave's fields
+#   2: ScoredGroup.objective
+SCHEMA_VERSION = 2
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# What the trainer does with a group: "rl" (policy gradient on advantages, the GRPO family) or
+# "sft" (negative log-likelihood of the trained tokens: a demonstration).
+Objective = Literal["rl", "sft"]
+OBJECTIVES: tuple[str, ...] = Objective.__args__
 
 
 class InvalidGroupError(Exception):
@@ -108,6 +116,12 @@ class ScoredGroup(BaseModel):
     policy_version: int = Field(default=0, description="Weight version that sampled the group.")
     chat_template: str | None = Field(
         default=None, description="Name of the chat template used, when not the tokenizer's."
+    )
+    objective: Objective | None = Field(
+        default=None,
+        description=f"How the trainer learns from the group, one of {OBJECTIVES}; None leaves it "
+        "to the trainer's `objective` setting (by default: sft for a group of one sequence without "
+        "advantages, rl otherwise).",
     )
     extras: dict[str, Any] = Field(
         default_factory=dict, description="Open group data for trainer extensions."

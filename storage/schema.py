@@ -11,7 +11,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from environments.scored_group import FINISH_REASONS, SCHEMA_VERSION, ScoredGroup, ScoredSequence
+from environments.scored_group import (
+    FINISH_REASONS,
+    OBJECTIVES,
+    SCHEMA_VERSION,
+    ScoredGroup,
+    ScoredSequence,
+)
 
 # Group fields are repeated on every row of the group so any row, file or query stands alone.
 SHARD_SCHEMA = pa.schema(
@@ -33,6 +39,7 @@ SHARD_SCHEMA = pa.schema(
         pa.field("group_extras", pa.string(), nullable=False),  # JSON object of the group
         pa.field("chat_template", pa.string(), nullable=True),
         pa.field("created_at", pa.timestamp("ns", tz="UTC"), nullable=False),
+        pa.field("objective", pa.string(), nullable=True),  # since version 2
     ]
 )
 GROUP_COLUMNS = (
@@ -43,7 +50,10 @@ GROUP_COLUMNS = (
     "group_extras",
     "chat_template",
     "created_at",
+    "objective",
 )
+# The columns each older schema version lacks; all are nullable and null means "not set".
+ADDED_IN_VERSION = {2: ("objective",)}
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
 METADATA_TOKENIZER = b"clotho.tokenizer"
@@ -133,6 +143,7 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
         "created_at": per_group([_unix_ns(g.created_at) for g in groups], pa.int64()).cast(
             SHARD_SCHEMA.field("created_at").type
         ),
+        "objective": per_group([g.objective for g in groups], pa.string()),
     }
     metadata = {
         METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
@@ -171,6 +182,11 @@ def check_table(table: pa.Table) -> None:
         problems.append("score: NaN or inf")
     if not pc.all(pc.is_in(column["finish_reason"], pa.array(FINISH_REASONS))).as_py():
         problems.append(f"finish_reason: a value outside {FINISH_REASONS}")
+    objective = column["objective"]
+    if objective.null_count < len(objective) and not pc.all(
+        pc.or_kleene(pc.is_in(objective, pa.array(OBJECTIVES)), pc.is_null(objective))
+    ).as_py():
+        problems.append(f"objective: a value outside {OBJECTIVES} (or null)")
     problems += _group_problems(column, num_groups)
     if problems:
         raise ShardFormatError("; ".join(problems))
@@ -190,6 +206,27 @@ def _every_row_has_a_true(mask: pa.ListArray, lengths: np.ndarray) -> bool:
     bits = bits[flat.offset : flat.offset + len(flat)]
     starts = np.concatenate([[0], np.cumsum(lengths[:-1])])
     return bool(np.maximum.reduceat(bits, starts).all())
+
+
+def upgrade_table(table: pa.Table) -> pa.Table:
+    """A shard table of an older schema version as the current one: each column added since is
+    appended as nulls (its "not set") and the metadata says the current version. Tables of the
+    current version, or of versions this clotho cannot read, are returned unchanged."""
+    metadata = table.schema.metadata or {}
+    try:
+        version = int(metadata[METADATA_SCHEMA_VERSION])
+    except (KeyError, ValueError):
+        return table  # check_metadata reports it
+    if not 1 <= version < SCHEMA_VERSION:
+        return table
+    for added_in, names in sorted(ADDED_IN_VERSION.items()):
+        if version < added_in:
+            for name in names:
+                field = SHARD_SCHEMA.field(name)
+                table = table.append_column(field, pa.nulls(table.num_rows, field.type))
+    return table.replace_schema_metadata(
+        {**metadata, METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()}
+    )
 
 
 def check_metadata(schema: pa.Schema) -> tuple[str, int]:
@@ -297,6 +334,7 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 chat_template=rows["chat_template"][start],
                 extras=json.loads(rows["group_extras"][start]),
                 created_at=created_ns[start] / 1_000_000_000,
+                objective=rows["objective"][start],
                 schema_version=SCHEMA_VERSION,
             )
         )

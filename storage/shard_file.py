@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from storage.filesystem import list_files, publish, read_bytes, relative, resolve, storage_errors
 from storage.layout import SHARD_SUFFIX, ShardLocation, is_hidden, join, parse_shard_name
-from storage.schema import SchemaVersionError, ShardFormatError, check_table
+from storage.schema import SchemaVersionError, ShardFormatError, check_table, upgrade_table
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def encode(table: pa.Table) -> pa.Buffer:
 def decode(data: bytes | pa.Buffer, url: str) -> pa.Table:
     """Parse and check shard bytes; ShardFormatError (with the URL) if they are not a valid shard."""
     try:
-        table = pq.read_table(pa.BufferReader(data))
+        table = upgrade_table(pq.read_table(pa.BufferReader(data)))
     except (pa.ArrowException, OSError, ValueError) as error:
         raise ShardFormatError(f"{url}: not a readable Parquet file ({error})") from error
     try:

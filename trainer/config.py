@@ -198,7 +198,16 @@ class TrainerConfig(BaseModel):
         default=1,
         ge=0,
         description="Skip (and count) groups sampled more than this many policy versions ago; "
-        "0 trains strictly on-policy.",
+        "0 trains strictly on-policy. Demonstrations (sft groups) are never stale.",
+    )
+    objective: Literal["auto", "rl", "sft"] = Field(
+        default="auto",
+        description=(
+            "How to learn from a group that does not name its objective (ScoredGroup.objective): "
+            "rl (the policy loss on advantages), sft (negative log-likelihood of its trained "
+            "tokens), or auto: sft for a group of one sequence without per-token advantages, "
+            "whose group advantage would be 0 anyway, rl otherwise."
+        ),
     )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         default=0, description="DeepSpeed ZeRO stage: 0 replicates everything, 3 shards parameters."

@@ -1,4 +1,5 @@
-"""The trainer's input: the next whole groups of the shard stream, stale ones skipped and counted."""
+"""The trainer's input: the next whole groups of the shard stream, stale ones skipped and counted,
+and the objective each group is trained with."""
 
 from __future__ import annotations
 
@@ -15,9 +16,23 @@ class DataTimeoutError(TimeoutError):
     """No new groups arrived in time for a step."""
 
 
+def group_objective(group: ScoredGroup, default: str = "auto") -> str:
+    """"rl" or "sft": the group's own `objective`, else `default` (TrainerConfig.objective), where
+    "auto" means sft for one sequence without per-token advantages (a demonstration: its group
+    advantage is 0, so the policy loss would learn nothing from it) and rl for anything else."""
+    if group.objective is not None:
+        return group.objective
+    if default != "auto":
+        return default
+    if len(group.sequences) == 1 and group.sequences[0].advantages is None:
+        return "sft"
+    return "rl"
+
+
 def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:
     """The trainer's one staleness rule: a group sampled by a policy more than `max_staleness`
-    versions older than `policy_version`, the weights about to be updated, is not trained on."""
+    versions older than `policy_version`, the weights about to be updated, is not trained on.
+    It applies to on-policy objectives only (rl): a demonstration is never stale."""
     return policy_version - group_policy_version > max_staleness
 
 
@@ -28,11 +43,12 @@ def next_step_groups(
     policy_version: int,
     max_staleness: int,
     timeout_s: float,
+    objective: str = "auto",
     poll_s: float = 1.0,
 ) -> tuple[list[ScoredGroup], int]:
     """The next `count` fresh groups in shard order, and how many stale ones were skipped.
 
-    A stale group (`is_stale`) is consumed, so the ledger records it, but not returned. Waits,
+    A stale rl group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
     it: resume from the last state.
@@ -46,7 +62,9 @@ def next_step_groups(
             last_group = time.monotonic()
             wait_logged = False
             version = group.policy_version
-            if is_stale(version, policy_version=policy_version, max_staleness=max_staleness):
+            if group_objective(group, objective) == "rl" and is_stale(
+                version, policy_version=policy_version, max_staleness=max_staleness
+            ):
                 stale += 1
                 continue
             fresh.append(group)

@@ -1,5 +1,11 @@
-"""Policy losses: one function signature, the built-ins grpo, dr_grpo, dapo and gspo, and the
-pieces they are made of, as pure functions over the trained tokens.
+"""Losses: one function signature; the policy losses grpo, dr_grpo, dapo and gspo, the sft loss of
+demonstrations, and the pieces they are made of, as pure functions over the trained tokens.
+
+Objectives. Every group is trained with one objective (trainer.data.group_objective): "rl" groups
+with the configured policy loss below, "sft" groups with `sft`, the negative log-likelihood of
+their trained tokens. Each objective's loss divides by its own share of the step's counts and is
+weighted by its share of the step's groups (trainer.packing.ObjectiveShare), so a step of one
+objective is exactly that objective's loss.
 
 Writing a loss. A loss is one function, chosen by `loss.name` in the trainer config: a built-in's
 short name or the import path of any function ("package.module:function") of this signature:
@@ -59,7 +65,9 @@ gradients are averaged, pass the global counts divided by the world size.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,8 +119,10 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     step_num_sequences: float | None = None,
     step_num_tokens: float | None = None,
+    function: Callable[..., Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The configured loss (`config.function`) of one micro-batch, and its metrics (floats).
+    """The configured loss (`config.function`, or `function`: another objective's, such as `sft`)
+    of one micro-batch, and its metrics (floats).
 
     logprobs      [batch, seq]  trainer logprobs, with gradient (see `trainer.model.token_logprobs`)
     old_logprobs  [batch, seq]  the sampler's logprobs
@@ -159,8 +169,10 @@ def policy_loss(
         step_num_sequences=step_num_sequences or num_sequences,
         step_num_tokens=step_num_tokens or num_tokens,
     )
-    loss, metrics = config.function(inputs, config)
-    return loss, _metric_floats(loss, metrics, inputs, config.name)
+    function = function or config.function
+    loss, metrics = function(inputs, config)
+    name = config.name if function is config.function else function.__name__
+    return loss, _metric_floats(loss, metrics, inputs, name)
 
 
 # --- the built-in losses -------------------------------------------------------------------------
@@ -193,6 +205,13 @@ def gspo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str
     log_ratio = sequence_log_ratio[inputs.sequence] + inputs.logprobs - inputs.logprobs.detach()
     token_loss, metrics = clipped_token_loss(inputs, log_ratio, config)
     return sequence_mean(token_loss, inputs), metrics
+
+
+def sft(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning on a demonstration: NLL_t = -logp_t, summed / step_num_tokens (the
+    token mean over the step's sft tokens). Reads neither sampler logprobs nor advantages."""
+    nll = -inputs.logprobs
+    return token_mean(nll, inputs), {"nll": nll.detach().mean()}
 
 
 # "Clip-higher" lets low-probability tokens still grow (DAPO); a length-normalized sequence ratio

@@ -48,6 +48,38 @@ def merge_metrics(micro_batch_metrics: Iterable[dict[str, float]]) -> dict[str, 
     return {key: float(value) for key, value in merged.items()}
 
 
+def merge_objective_metrics(
+    micro_batch_metrics: Iterable[dict[str, dict[str, float]]], weights: dict[str, float]
+) -> dict[str, float]:
+    """The step's loss metrics from its micro-batches' {objective: metrics} (trainer.model).
+
+    Each objective's metrics merge on their own (merge_metrics, weighted by that objective's
+    tokens). The rl objective's keep their names (clip_fraction, ...); another's are prefixed with
+    it ("sft/nll"). loss, num_tokens and num_sequences are the step's: the objectives' losses
+    weighted by `weights` (their shares of the step's groups), the counts added up; with more than
+    one objective each also keeps its own under its prefix ("rl/loss", "sft/loss").
+    """
+    by_objective: dict[str, list[dict[str, float]]] = {}
+    for metrics in micro_batch_metrics:
+        for objective, values in metrics.items():
+            by_objective.setdefault(objective, []).append(values)
+    merged = {objective: merge_metrics(values) for objective, values in by_objective.items()}
+    flat: dict[str, float] = {}
+    for objective, values in merged.items():
+        for key, value in values.items():
+            if objective != "rl" or (len(merged) > 1 and key in _STEP_TOTALS):
+                flat[f"{objective}/{key}"] = value
+            if objective == "rl":
+                flat[key] = value
+    flat["loss"] = sum(weights[o] * values.get("loss", 0.0) for o, values in merged.items())
+    for key in _STEP_TOTALS[1:]:
+        flat[key] = float(sum(values.get(key, 0.0) for values in merged.values()))
+    return flat
+
+
+_STEP_TOTALS = ("loss", "num_tokens", "num_sequences")
+
+
 class MetricsLog:
     """Appends each step's metrics to `{directory}/metrics.jsonl` and TensorBoard event files in
     `{directory}/tensorboard/` (a resumed run appends; TensorBoard orders the points by step)."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from trainer.config import LossConfig
-from trainer.losses import policy_loss
-from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
+from trainer.losses import policy_loss, sft
+from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, ObjectiveShare, PackedBatch
+
+# The loss of each objective but rl, whose loss is the configured one (LossConfig.name).
+OBJECTIVE_LOSSES = {"sft": sft}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -75,13 +78,17 @@ def micro_batch_loss(
     batch: PackedBatch,
     config: LossConfig,
     *,
-    step_num_sequences: float,
-    step_num_tokens: float,
+    objectives: Mapping[str, ObjectiveShare],
+    world_size: int = 1,
     reference: torch.nn.Module | None = None,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """The policy loss of one packed micro-batch as a share of its step's loss, and its metrics.
+) -> tuple[torch.Tensor, dict[str, dict[str, float]]]:
+    """The loss of one packed micro-batch as a share of its step's loss, and each objective's
+    metrics: {objective: metrics} for the objectives it holds.
 
+    One forward pass; each objective's loss (rl: the configured policy loss) runs on its own
+    sequences' trained tokens, divides by that objective's step counts over `world_size` (the
+    step's `objectives`, from build_step) and is weighted by its share of the step's groups.
     `reference` is the frozen model of the KL penalty (needed when config.kl_coef > 0).
     """
     logprobs = packed_logprobs(model, batch, device=device)
@@ -89,17 +96,25 @@ def micro_batch_loss(
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = packed_logprobs(reference, batch, device=device)
-    return policy_loss(
-        logprobs,
-        batch.old_logprobs.to(device),
-        batch.advantages.to(device),
-        batch.mask.to(device),
-        config,
-        sequence_ids=batch.sequence_ids.to(device),
-        ref_logprobs=ref_logprobs,
-        step_num_sequences=step_num_sequences,
-        step_num_tokens=step_num_tokens,
-    )
+    # Connected to the graph even with nothing to train, so every rank runs the same backward.
+    total = logprobs.sum() * 0.0
+    metrics = {}
+    for objective in batch.objectives:
+        share = objectives[objective]
+        loss, metrics[objective] = policy_loss(
+            logprobs,
+            batch.old_logprobs.to(device),
+            batch.advantages.to(device),
+            batch.objective_mask(objective).to(device),
+            config,
+            sequence_ids=batch.sequence_ids.to(device),
+            ref_logprobs=ref_logprobs,
+            step_num_sequences=share.num_sequences / world_size,
+            step_num_tokens=share.num_trained_tokens / world_size,
+            function=OBJECTIVE_LOSSES.get(objective),
+        )
+        total = total + share.weight * loss
+    return total, metrics
 
 
 def gradient_norm(module: torch.nn.Module) -> float:
@@ -123,6 +138,7 @@ def idle_micro_batch() -> PackedBatch:
         advantages=torch.zeros(1, 1),
         sequence_lengths=[],
         sequence_extras=[],
+        sequence_objectives=[],
     )
 
 

@@ -13,6 +13,7 @@ import torch
 from environments.scored_group import ScoredGroup
 from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
+from trainer.data import group_objective
 
 AttentionMaskHook = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 """Given one sequence's block of the attention mask, [n, n] bool (True: the query row may attend to
@@ -55,6 +56,7 @@ class TrainingSequence:
     advantages: list[float]
     extras: dict[str, Any]
     name: str
+    objective: str = "rl"
 
 
 @dataclass
@@ -77,6 +79,7 @@ class PackedBatch:
     advantages: torch.Tensor
     sequence_lengths: list[int]
     sequence_extras: list[dict[str, Any]]
+    sequence_objectives: list[str] = field(default_factory=list)
 
     @property
     def num_slots(self) -> int:
@@ -94,6 +97,24 @@ class PackedBatch:
     def num_sequences(self) -> int:
         """Sequences with at least one trained token: the ones a sequence-mean loss counts."""
         return int(torch.unique(self.sequence_ids[self.mask]).numel())
+
+    @property
+    def objectives(self) -> list[str]:
+        """The objectives of this micro-batch's sequences, each once, in first-seen order."""
+        return list(dict.fromkeys(self.sequence_objectives))
+
+    def objective_mask(self, objective: str) -> torch.Tensor:
+        """[1, T] bool: the trained tokens of the sequences trained with `objective`."""
+        chosen = torch.tensor(
+            [index for index, name in enumerate(self.sequence_objectives) if name == objective],
+            dtype=torch.long,
+        )
+        return self.mask & torch.isin(self.sequence_ids, chosen)
+
+    def objective_counts(self, objective: str) -> tuple[int, int]:
+        """(sequences with a trained token, trained tokens) of `objective` in this micro-batch."""
+        mask = self.objective_mask(objective)
+        return int(torch.unique(self.sequence_ids[mask]).numel()), int(mask.sum())
 
     def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
         """Block-diagonal causal mask [1, 1, T, T] bool, True where a query may attend to a key.
@@ -114,13 +135,18 @@ class PackedBatch:
 
 
 def training_sequences(
-    groups: Sequence[ScoredGroup], config: AdvantageConfig
+    groups: Sequence[ScoredGroup], config: AdvantageConfig, default_objective: str = "auto"
 ) -> list[TrainingSequence]:
-    """Flatten groups into sequences with their advantages and extras (group's, then the sequence's
-    own on top), with the first token untrained since nothing predicts it."""
+    """Flatten groups into sequences with their objective (trainer.data.group_objective), their
+    advantages (0.0 for sft, which has none) and extras (group's, then the sequence's own on top),
+    with the first token untrained since nothing predicts it."""
     result = []
     for group in groups:
-        advantages = sequence_token_advantages(group, config)
+        objective = group_objective(group, default_objective)
+        if objective == "rl":
+            advantages = sequence_token_advantages(group, config)
+        else:
+            advantages = [[0.0] * len(sequence.tokens) for sequence in group.sequences]
         for index, (sequence, token_advantages) in enumerate(
             zip(group.sequences, advantages, strict=True)
         ):
@@ -132,6 +158,7 @@ def training_sequences(
                     advantages=token_advantages,
                     extras={**group.extras, **sequence.extras},
                     name=f"group {group.group_id} (env {group.env}) sequences[{index}]",
+                    objective=objective,
                 )
             )
     return result
@@ -202,6 +229,7 @@ def _pack(
         advantages=torch.tensor([advantages + [0.0] * padding], dtype=torch.float32),
         sequence_lengths=[len(s.tokens) for s in sequences],
         sequence_extras=[s.extras for s in sequences],
+        sequence_objectives=[s.objective for s in sequences],
     )
 
 
@@ -209,6 +237,17 @@ def padding_waste(batches: Sequence[PackedBatch]) -> float:
     """Padded slots / all slots over the micro-batches; 0.0 when there are none."""
     slots = sum(b.num_slots for b in batches)
     return sum(b.num_padding for b in batches) / slots if slots else 0.0
+
+
+@dataclass(frozen=True)
+class ObjectiveShare:
+    """One objective's part of an optimizer step: the counts its loss divides by, and its weight
+    in the step's loss, its share of the step's groups (so a step of one objective weighs 1)."""
+
+    groups: int
+    num_sequences: int
+    num_trained_tokens: int
+    weight: float
 
 
 @dataclass
@@ -219,6 +258,7 @@ class StepBatch:
     num_sequences: int
     num_trained_tokens: int
     stats: dict[str, float] = field(default_factory=dict)
+    objectives: dict[str, ObjectiveShare] = field(default_factory=dict)
 
 
 def build_step(
@@ -227,32 +267,48 @@ def build_step(
     policy_version: int,
     token_budget: int,
     advantage_config: AdvantageConfig,
+    default_objective: str = "auto",
     pad_multiple: int = 64,
 ) -> StepBatch:
     """Compute advantages and pack every group given; stats are plain floats for logging.
 
     Which groups to train on is decided before (trainer.data.is_stale); `policy_version`, the
-    version of the weights about to be updated, only measures how stale the given ones are. Pass
-    `num_sequences` and `num_trained_tokens` to `policy_loss` as step_num_sequences and
-    step_num_tokens for every micro-batch.
+    version of the weights about to be updated, only measures how stale the given rl groups are.
+    Each objective's loss divides by its own counts (`objectives`), passed to `policy_loss` as
+    step_num_sequences and step_num_tokens for every micro-batch, and weighs its share of groups.
     """
     batches = pack_micro_batches(
-        training_sequences(groups, advantage_config), token_budget, pad_multiple
+        training_sequences(groups, advantage_config, default_objective), token_budget, pad_multiple
     )
+    objective_of = [group_objective(g, default_objective) for g in groups]
+    objectives = {}
+    for objective in dict.fromkeys(objective_of):
+        counts = [b.objective_counts(objective) for b in batches]
+        objectives[objective] = ObjectiveShare(
+            groups=objective_of.count(objective),
+            num_sequences=sum(sequences for sequences, _ in counts),
+            num_trained_tokens=sum(tokens for _, tokens in counts),
+            weight=objective_of.count(objective) / len(groups),
+        )
+    rl_groups = [g for g, objective in zip(groups, objective_of) if objective == "rl"]
     trained_advantages = (
-        torch.cat([b.advantages[b.mask] for b in batches]) if batches else torch.zeros(0)
+        torch.cat([b.advantages[b.objective_mask("rl")] for b in batches])
+        if batches
+        else torch.zeros(0)
     )
-    staleness = [policy_version - g.policy_version for g in groups]
-    scores = [score for g in groups for score in g.scores]
+    staleness = [policy_version - g.policy_version for g in rl_groups]
+    scores = [score for g in rl_groups for score in g.scores]
     stats = {
         "groups": float(len(groups)),
+        **{f"{name}/groups": float(share.groups) for name, share in objectives.items() if name != "rl"},
         "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
         "staleness_max": float(max(staleness, default=0)),
-        "score_mean": statistics.fmean(scores) if scores else 0.0,
         "micro_batches": float(len(batches)),
         "padding_waste": padding_waste(batches),
         "tokens": float(sum(sum(b.sequence_lengths) for b in batches)),
     }
+    if scores:  # the reward of what the policy sampled; a demonstration's score is not one
+        stats["score_mean"] = statistics.fmean(scores)
     if trained_advantages.numel():
         stats |= {
             "advantage_mean": trained_advantages.mean().item(),
@@ -265,4 +321,5 @@ def build_step(
         num_sequences=sum(b.num_sequences for b in batches),
         num_trained_tokens=sum(b.num_trained_tokens for b in batches),
         stats=stats,
+        objectives=objectives,
     )

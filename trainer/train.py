@@ -28,7 +28,7 @@ from trainer.checkpointing import load_resume_state, publish_step, rng_state, sa
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
-from trainer.metrics import MetricsLog, merge_metrics
+from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.packing import StepBatch, build_step
 
@@ -94,6 +94,7 @@ def train(
                 groups, stale = next_step_groups(
                     reader, config.groups_per_step, policy_version=policy_version,
                     max_staleness=config.max_staleness, timeout_s=data_timeout_s,
+                    objective=config.objective,
                 )  # fmt: skip
             groups, stale = broadcast_object((groups, stale), world_size)
 
@@ -101,7 +102,7 @@ def train(
             started = time.monotonic()
             batch = build_step(
                 groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
-                advantage_config=config.advantages,
+                advantage_config=config.advantages, default_objective=config.objective,
             )  # fmt: skip
             micro_metrics, grad_norm = optimizer_step(
                 engine, batch, config, rank=rank, world_size=world_size, reference=reference
@@ -155,9 +156,8 @@ def optimizer_step(
     micro_metrics = []
     for micro_batch in rank_micro_batches(batch.micro_batches, rank, world_size):
         loss, metrics = micro_batch_loss(
-            engine, micro_batch, config.loss, reference=reference, device=engine.device,
-            step_num_sequences=batch.num_sequences / world_size,
-            step_num_tokens=batch.num_trained_tokens / world_size,
+            engine, micro_batch, config.loss, objectives=batch.objectives, world_size=world_size,
+            reference=reference, device=engine.device,
         )  # fmt: skip
         engine.backward(loss, scale_wrt_gas=False)
         micro_metrics.append(metrics)
@@ -172,7 +172,7 @@ def optimizer_step(
 def step_metrics(
     batch: StepBatch,
     stale: int,
-    rank_micro_metrics: Sequence[list[dict[str, float]]],
+    rank_micro_metrics: Sequence[list[dict[str, dict[str, float]]]],
     engine,
     *,
     grad_norm: float | None,
@@ -183,10 +183,14 @@ def step_metrics(
     """One step's metrics: data stats of the whole step, loss metrics merged over every rank's
     micro-batches, optimizer state and speed. grad_norm (before clipping) is left out when unknown:
     without ZeRO on several ranks."""
-    merged = merge_metrics(m for metrics in rank_micro_metrics for m in metrics)
+    weights = {objective: share.weight for objective, share in batch.objectives.items()}
+    merged = merge_objective_metrics(
+        (m for metrics in rank_micro_metrics for m in metrics), weights
+    )
     # Each rank's loss divides by the global counts over the world size: their sum is
     # world_size times the step's loss.
-    merged["loss"] = merged.get("loss", 0.0) / len(rank_micro_metrics)
+    for key in [key for key in merged if key == "loss" or key.endswith("/loss")]:
+        merged[key] /= len(rank_micro_metrics)
     metrics = {
         **batch.stats,
         **merged,
@@ -203,6 +207,6 @@ def step_metrics(
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    shown = ("loss", "score_mean", "clip_fraction", "importance_weight_mean", "grad_norm",
+    shown = ("loss", "score_mean", "sft/nll", "clip_fraction", "importance_weight_mean", "grad_norm",
              "stale_groups_skipped", "padding_waste", "tokens_per_s")  # fmt: skip
     return " ".join(f"{name}={metrics[name]:.4g}" for name in shown if name in metrics)

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from environments.scored_group import SCHEMA_VERSION
 from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.schema import SchemaVersionError, groups_to_table
@@ -141,10 +142,11 @@ def test_shard_in_the_wrong_partition_is_quarantined(root: str, caplog) -> None:
 
 def test_newer_schema_version_stops_the_reader_and_keeps_the_shard(root: str) -> None:
     table = groups_to_table(make_groups(1, seed=16), "tok")
-    newer = table.replace_schema_metadata({**table.schema.metadata, b"clotho.schema_version": b"2"})
+    version = str(SCHEMA_VERSION + 1).encode()
+    newer = table.replace_schema_metadata({**table.schema.metadata, b"clotho.schema_version": version})
     url = f"{root}/run/rollouts/env=gsm8k/policy_version=0/20000101T000000.000000000Z-000000000000.parquet"
     with fsspec.open(url, "wb") as file:
         pq.write_table(newer, file)
-    with pytest.raises(SchemaVersionError, match=f"{url}: shard schema version 2"):
+    with pytest.raises(SchemaVersionError, match=f"{url}: shard schema version {SCHEMA_VERSION + 1}"):
         list(ShardReader(root, "run").groups())
     assert fsspec.core.url_to_fs(url)[0].exists(fsspec.core.url_to_fs(url)[1])  # not quarantined

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +55,36 @@ def test_logprobs_are_stored_as_float32() -> None:
     back = table_to_groups(table)[0]
     assert back.sequences[0].logprobs == [0.0, 0.0, float(np.float32(-0.1))]
     assert back.sequences[0].advantages is None
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_version_1_shard_still_reads_with_its_groups_unchanged() -> None:
+    # Written by clotho at schema version 1 (commit e274a7f), before ScoredGroup.objective.
+    table = decode((DATA / "schema-v1.parquet").read_bytes(), "test://v1")
+    assert table.schema.metadata[METADATA_SCHEMA_VERSION] == str(SCHEMA_VERSION).encode()
+    groups = table_to_groups(table)
+    expected = [ScoredGroup(**fields) for fields in json.loads((DATA / "schema-v1.json").read_text())]
+    assert groups == expected and all(group.objective is None for group in groups)
+    # An upgraded table is a current one: it writes and reads back as such.
+    assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def test_objective_round_trips_and_a_bad_one_is_named() -> None:
+    groups = make_groups(2, seed=8)
+    groups[0].objective = "sft"
+    table = groups_to_table(groups, "tok")
+    assert [g.objective for g in table_to_groups(table)] == ["sft", None]
+    bad = table.set_column(
+        table.schema.get_field_index("objective"),
+        SHARD_SCHEMA.field("objective"),
+        pa.array(["dance"] * table.num_rows, pa.string()),
+    )
+    with pytest.raises(ShardFormatError, match="objective: a value outside"):
+        check_table(bad)
+    with pytest.raises(ValueError, match="objective"):
+        ScoredGroup(**{**groups[1].model_dump(), "objective": "dance"})
 
 
 def _tampered(column: str, values: list) -> pa.Table:

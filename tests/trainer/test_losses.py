@@ -9,7 +9,7 @@ import torch
 
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import LossConfig
-from trainer.losses import policy_loss
+from trainer.losses import policy_loss, sft
 from trainer.model import token_logprobs
 from trainer.metrics import Maximum, Minimum, Total, merge_metrics
 
@@ -228,6 +228,23 @@ def test_nothing_trained_gives_zero_loss_with_a_graph():
     assert torch.count_nonzero(logprobs.grad) == 0
 
 
+def test_sft_by_hand():
+    # NLL_t = -logp_t = 1 - log r_t on the five trained tokens (logp = -1 + log r), token mean;
+    # d loss / d logp_t = -1/5 on each trained token. Sampler logprobs and advantages are unread.
+    loss, grad, metrics = loss_and_grad(LossConfig(), function=sft)
+    trained_ratios = [1.5, 0.5, 1.1, 1.0, 3.0]
+    expected = sum(1 - math.log(r) for r in trained_ratios) / 5
+    assert loss == pytest.approx(expected)
+    assert metrics["nll"] == pytest.approx(expected) and metrics["loss"] == pytest.approx(expected)
+    assert metrics["num_tokens"] == 5 and metrics["num_sequences"] == 2
+    torch.testing.assert_close(
+        grad, torch.tensor([[0.0, -0.2, -0.2], [-0.2, -0.2, -0.2]], dtype=torch.float64)
+    )
+    logprobs, old, advantages, mask = worked_example()
+    moved, _ = policy_loss(logprobs, old + 3.0, -advantages, mask, LossConfig(), function=sft)
+    assert moved.item() == pytest.approx(expected)
+
+
 def test_packed_sequence_ids_group_tokens_like_rows():
     logprobs, old, advantages, mask = worked_example()
     expected, _ = policy_loss(logprobs, old, advantages, mask, LossConfig(name="grpo"))
@@ -327,8 +344,12 @@ LOSS_CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", LOSS_CONFIGS, ids=lambda c: c.name)
-def test_two_micro_batches_of_two_equal_one_of_four(config):
+@pytest.mark.parametrize(
+    "config, function",
+    [(config, None) for config in LOSS_CONFIGS] + [(LOSS_CONFIGS[0], sft)],
+    ids=[config.name for config in LOSS_CONFIGS] + ["sft"],
+)
+def test_two_micro_batches_of_two_equal_one_of_four(config, function):
     input_ids, positions, attention, mask, old, advantages, reference = toy_batch()
     model = ToyCausalLM(seed=1)
 
@@ -343,6 +364,7 @@ def test_two_micro_batches_of_two_equal_one_of_four(config):
             mask[rows],
             config,
             ref_logprobs=reference[rows],
+            function=function,
             **counts,
         )
         loss.backward()
@@ -359,5 +381,7 @@ def test_two_micro_batches_of_two_equal_one_of_four(config):
     for name in whole:
         torch.testing.assert_close(accumulated[name], whole[name], rtol=0, atol=1e-5)
     merged = merge_metrics([metrics for _, metrics in parts])
-    for key in ("loss", "clip_fraction", "importance_weight_mean", "importance_weight_max", "kl"):
+    shared = set(whole_metrics) - {"num_tokens", "num_sequences"}
+    assert shared >= ({"nll"} if function else {"clip_fraction", "importance_weight_max", "kl"})
+    for key in shared:
         assert merged[key] == pytest.approx(whole_metrics[key])

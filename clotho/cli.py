@@ -186,7 +186,7 @@ def rollout(
     max_concurrent_groups: int = typer.Option(8, min=1, help="Groups in flight at once."),
     shard_max_groups: int = typer.Option(64, min=1, help="Flush a shard after this many groups."),
     shard_max_age_s: float = typer.Option(30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."),
-    max_policy_lag: int = typer.Option(None, min=0, help="Wait while the trainer lags more versions than this."),
+    max_policy_lag: int = typer.Option(None, min=0, help="Bounded staleness K: start a group only if the trainer will train it at most K policy versions after the one it samples with (reads the trainer's progress; 0 is the synchronous loop)."),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
     server_concurrency: int = typer.Option(None, min=1, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
     task_run_s: float = typer.Option(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import random
 import time
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Awaitable
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -15,11 +15,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from environments.base import Environment, Item, RolloutFailure
 from environments.scored_group import ScoredGroup
+from flows.admission import Admission
 from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
-from inference.client import PolicyServerAuthError, PolicyServerUnreachable
-from storage.checkpoints import latest_checkpoint
-from storage.ledger import Ledger
-from storage.reader import ShardReader
+from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 from storage.writer import ShardWriter
 from storage.layout import split_run_url
 from tasks.api_key import resolve_api_key
@@ -61,8 +59,10 @@ async def rollout(
     instead of lanes on the flow's event loop, which share one connection pool.
     server_concurrency: groups in flight per server across every flow that uses it (a Prefect
     global concurrency limit per server, visible and adjustable in the UI's Concurrency page).
-    max_policy_lag: hand out no item while the trainer lags more policy versions than this behind
-    the oldest shard it has not consumed.
+    max_policy_lag: bounded staleness k (flows.admission): a group starts sampling only if the
+    trainer will train it at most k policy versions after the one it samples with, read from the
+    trainer's position (progress/trainer.json) and every sampler's counts; about (k + 1) steps'
+    groups then wait unconsumed. None: no bound (collecting data without a trainer).
     api_key_secret: name of a Prefect Secret block holding the servers' API key; without it the
     key is $CLOTHO_API_KEY of the flow's process. A refused key stops the flow at once.
     """
@@ -79,12 +79,31 @@ async def rollout(
     sources = {spec.key: await environment_for(spec, servers[0], tokenizer, api_key) for spec in specs}
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
-    lag = (lambda: wait_for_trainer(storage, run, max_policy_lag, poll_s=5.0, log=log)) if max_policy_lag is not None else None
-    items = ItemStream(specs, sources, groups, seed, wait_for_trainer=lag)
     progress = await progress_artifact(groups)
     started_at = time.monotonic()
 
-    async with ShardWriter(storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s) as writer:
+    # The writer leaves first (its exit flushes every stored group), then the admission's clients.
+    async with (
+        contextlib.AsyncExitStack() as clients,
+        ShardWriter(storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s) as writer,
+    ):
+        admission = None
+        if max_policy_lag is not None:
+            version_clients = [await clients.enter_async_context(PolicyClient(url, api_key=api_key)) for url in servers]
+
+            async def served_version() -> int:
+                return min(await asyncio.gather(*(client.weight_version() for client in version_clients)))
+
+            async def flush_now() -> None:
+                for url in await asyncio.to_thread(writer.flush):
+                    emit_shard_event(url, run, None)
+                admission.writer_holds(writer.pending_groups)
+
+            admission = Admission(
+                storage, run, max_lag=max_policy_lag, served_version=served_version, flush=flush_now, sampler=sampler_name(), logger=log
+            )
+            clients.push_async_callback(lambda: admission.close(writer.pending_groups))
+        items = ItemStream(specs, sources, groups, seed, admission=admission)
 
         async def store(spec: EnvSpec, results: Results) -> None:
             """Counts and buffers finished groups; a cancel cannot cut it short."""
@@ -92,10 +111,16 @@ async def rollout(
             async def counted() -> None:
                 for result in results:
                     stats[spec.key].add(result)
+                    if admission is not None:
+                        admission.finished(stored=isinstance(result, ScoredGroup))
                 scored = [result for result in results if isinstance(result, ScoredGroup)]
                 if scored:
                     for url in await asyncio.to_thread(writer.add_many, scored):
                         emit_shard_event(url, run, scored[0].env)
+                    if admission is not None:
+                        admission.writer_holds(writer.pending_groups)
+                        if admission.flush_due():
+                            await flush_now()
                 await progress.update(sum(s.groups + s.failures for s in stats.values()))
 
             await to_the_end(counted())
@@ -136,7 +161,7 @@ async def rollout(
             await store(spec, results)
 
         lanes = [lane(index, servers[index % len(servers)]) for index in range(max_concurrent_groups)]
-        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run)))
+        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run, admission)))
     seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
     await progress.close()
     summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs)
@@ -146,19 +171,16 @@ async def rollout(
 
 class ItemStream:
     """The run's items, environments picked by weight, until `groups` were handed out (None:
-    forever) or every environment ran out. Lanes share it; with `wait_for_trainer` it holds every
-    lane back while the trainer lags too far (checked at most every LAG_CHECK_S)."""
-
-    LAG_CHECK_S = 5.0
+    forever) or every environment ran out. Lanes share it; with an `admission` each item waits
+    until a group may start sampling (bounded staleness, flows.admission)."""
 
     def __init__(self, specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, seed: int,
-                 wait_for_trainer: Callable[[], Awaitable[None]] | None = None):  # fmt: skip
+                 admission: Admission | None = None):  # fmt: skip
         self.sources, self.groups = sources, groups
         self.rng = random.Random(seed)
         self.live = list(specs)
         self.handed_out = 0
-        self.wait_for_trainer = wait_for_trainer
-        self.lag_checked_at = -math.inf
+        self.admission = admission
         self.lock = asyncio.Lock()
 
     @property
@@ -169,9 +191,8 @@ class ItemStream:
         async with self.lock:
             if self.exhausted:
                 return None
-            if self.wait_for_trainer is not None and time.monotonic() - self.lag_checked_at >= self.LAG_CHECK_S:
-                await self.wait_for_trainer()
-                self.lag_checked_at = time.monotonic()
+            if self.admission is not None:
+                await self.admission.acquire()
             while not self.exhausted:
                 spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
                 item = await self.sources[spec.key].get_item()
@@ -180,6 +201,8 @@ class ItemStream:
                     continue
                 self.handed_out += 1
                 return spec, item
+            if self.admission is not None:
+                self.admission.finished(stored=False)
             return None
 
 
@@ -197,13 +220,15 @@ async def all_or_none(lanes: list[Awaitable[int]], background: Awaitable[None]) 
         await to_the_end(asyncio.gather(*tasks, helper, return_exceptions=True))
 
 
-async def flush_aged_shards(writer: ShardWriter, run: str) -> None:
+async def flush_aged_shards(writer: ShardWriter, run: str, admission: Admission | None = None) -> None:
     """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
     while True:
         await asyncio.sleep(1.0)
         if writer.due():
             for url in await asyncio.to_thread(writer.flush_if_due):
                 emit_shard_event(url, run, None)
+            if admission is not None:
+                admission.writer_holds(writer.pending_groups)
 
 
 async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
@@ -254,6 +279,14 @@ async def to_the_end(awaitable):
         return result
 
 
+def sampler_name() -> str:
+    """This sampler's name in the run's progress: its flow run's id (a restarted flow is a new
+    sampler; the old one's committed groups still count)."""
+    from prefect.runtime import flow_run
+
+    return str(flow_run.id or "") or uuid.uuid4().hex[:12]
+
+
 def check_limits(max_concurrent_groups: int, server_concurrency: int | None, task_run_s: float) -> None:
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")
@@ -261,25 +294,3 @@ def check_limits(max_concurrent_groups: int, server_concurrency: int | None, tas
         raise ValueError(f"server_concurrency={server_concurrency}: use 1 or more, or None for no server limit")
     if not task_run_s >= 0:
         raise ValueError(f"task_run_s={task_run_s}: use seconds >= 0 (0: a task run per group)")
-
-
-async def wait_for_trainer(storage: str, run: str, max_policy_lag: int, poll_s: float, log) -> None:
-    """Back-pressure: while the oldest shard the trainer has not consumed was sampled more than
-    max_policy_lag versions before the newest checkpoint, new groups would only pile up stale data."""
-    while True:
-        checkpoint = await asyncio.to_thread(latest_checkpoint, storage, run)
-        if checkpoint is None:
-            return
-        ledger = Ledger.from_dict(checkpoint.manifest.get("ledger") or {})
-        reader = ShardReader(storage, run, ledger=ledger)
-        pending = await asyncio.to_thread(reader.new_shards)
-        if not pending:
-            return
-        oldest = min(shard.policy_version for shard in pending)
-        if checkpoint.policy_version - oldest <= max_policy_lag:
-            return
-        log.info(
-            "waiting for the trainer: checkpoint %d, oldest unconsumed shard from policy %d (max lag %d)",
-            checkpoint.policy_version, oldest, max_policy_lag,
-        )  # fmt: skip
-        await asyncio.sleep(poll_s)

@@ -44,9 +44,9 @@ def next_step_groups(
     max_staleness: int,
     timeout_s: float,
     objective: str = "auto",
-    poll_s: float = 1.0,
-) -> tuple[list[ScoredGroup], int]:
-    """The next `count` fresh groups in shard order, and how many stale ones were skipped.
+    poll_s: float = 0.25,
+) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
+    """The next `count` fresh groups in shard order, and the stale ones skipped on the way.
 
     A stale rl group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
@@ -54,7 +54,7 @@ def next_step_groups(
     it: resume from the last state.
     """
     fresh: list[ScoredGroup] = []
-    stale = 0
+    stale: list[ScoredGroup] = []
     last_group = time.monotonic()
     wait_logged = False
     while True:
@@ -65,7 +65,7 @@ def next_step_groups(
             if group_objective(group, objective) == "rl" and is_stale(
                 version, policy_version=policy_version, max_staleness=max_staleness
             ):
-                stale += 1
+                stale.append(group)
                 continue
             fresh.append(group)
             if len(fresh) == count:
@@ -74,7 +74,7 @@ def next_step_groups(
         if waited >= timeout_s:
             raise DataTimeoutError(
                 f"{reader.url}: {len(fresh)} of {count} groups for the next step after "
-                f"{waited:.0f}s without a new group ({stale} stale ones skipped); are rollouts "
+                f"{waited:.0f}s without a new group ({len(stale)} stale ones skipped); are rollouts "
                 "being written to this run? Raise --data-timeout to wait longer"
             )
         if not wait_logged:

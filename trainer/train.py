@@ -23,6 +23,7 @@ import torch
 from storage.filesystem import is_local, resolve
 from storage.layout import run_url
 from storage.ledger import Ledger
+from storage.progress import TrainerPosition, write_trainer_position
 from storage.reader import ShardReader
 from trainer.checkpointing import load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
@@ -73,11 +74,17 @@ def train(
     saved = load_resume_state(engine, state_dir)
     step = saved["step"] if saved else 0
     policy_version = saved["policy_version"] if saved else 0  # the newest published step
+    # Since the run began: every group read (trained or skipped as stale) and every one trained,
+    # in sequences too, and the seconds spent waiting for data and training.
+    totals = dict(groups_consumed=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0)
+    totals |= (saved or {}).get("totals", {})
     reader = metrics_log = None
+    where = dict(config=config, storage=storage, run=run, storage_options=storage_options)
     if rank == 0:
         ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
         reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
         metrics_log = MetricsLog(work_dir)
+        publish_position(**where, step=step, policy_version=policy_version, totals=totals)
         log.info(
             "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
             config.model, reader.url, "resuming" if saved else "starting", step, config.steps,
@@ -89,14 +96,22 @@ def train(
             step += 1
             # Data: the next fresh groups, read on rank 0 and sent to every rank.
             wait_started = time.monotonic()
-            groups, stale = None, 0
+            groups, stale = None, []
             if reader is not None:
                 groups, stale = next_step_groups(
                     reader, config.groups_per_step, policy_version=policy_version,
                     max_staleness=config.max_staleness, timeout_s=data_timeout_s,
                     objective=config.objective,
                 )  # fmt: skip
-            groups, stale = broadcast_object((groups, stale), world_size)
+            stale_counts = (len(stale), sum(len(g.sequences) for g in stale))
+            groups, (stale, stale_sequences) = broadcast_object((groups, stale_counts), world_size)
+            trained_sequences = sum(len(g.sequences) for g in groups)
+            totals["groups_consumed"] += len(groups) + stale
+            totals["sequences_consumed"] += trained_sequences + stale_sequences
+            totals["sequences_trained"] += trained_sequences
+            if rank == 0:
+                # At once: the samplers admit the next step's groups on it.
+                publish_position(**where, step=step, policy_version=policy_version, totals=totals)
 
             # Update: every micro-batch's loss is its share of the step's, gradients add up.
             started = time.monotonic()
@@ -107,11 +122,14 @@ def train(
             micro_metrics, grad_norm = optimizer_step(
                 engine, batch, config, rank=rank, world_size=world_size, reference=reference
             )
+            totals["wait_s"] += started - wait_started
+            totals["busy_s"] += time.monotonic() - started
             metrics = step_metrics(
-                batch, stale, gather_objects(micro_metrics, world_size), engine, grad_norm=grad_norm,
-                policy_version=policy_version, step_time_s=time.monotonic() - started,
-                data_wait_s=started - wait_started,
+                batch, stale, gather_objects(micro_metrics, world_size), engine,
+                grad_norm=grad_norm, policy_version=policy_version,
+                step_time_s=time.monotonic() - started, data_wait_s=started - wait_started,
             )  # fmt: skip
+            metrics |= run_metrics(totals)
 
             # Save: publish the weights as policy version `step`, then the state to resume from.
             if step % config.save_every == 0 or step == config.steps:
@@ -122,7 +140,11 @@ def train(
                     extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
                 )  # fmt: skip
                 policy_version = step
-                trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state}
+                if rank == 0:
+                    publish_position(**where, step=step, policy_version=step, totals=totals)
+                trainer_state = {
+                    "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals
+                }  # fmt: skip
                 save_resume_state(
                     engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
                 )
@@ -137,6 +159,26 @@ def train(
         if metrics_log is not None:
             metrics_log.close()
         engine.destroy()
+
+
+def publish_position(
+    *,
+    config: TrainerConfig,
+    storage: str,
+    run: str,
+    step: int,
+    policy_version: int,
+    totals: dict[str, float],
+    storage_options: dict[str, Any] | None,
+) -> None:
+    """Where the trainer is, written for the samplers' admission (flows.admission) after each read
+    and each publish, so they can tell a pending group from a consumed one at every step."""
+    position = TrainerPosition(
+        steps=step, groups_consumed=int(totals["groups_consumed"]), policy_version=policy_version,
+        groups_per_step=config.groups_per_step, save_every=config.save_every,
+        max_staleness=config.max_staleness,
+    )  # fmt: skip
+    write_trainer_position(storage, run, position, storage_options=storage_options)
 
 
 def optimizer_step(
@@ -204,6 +246,17 @@ def step_metrics(
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
     return metrics
+
+
+def run_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """Since the run began: the share of consumed sequences trained (the rest were stale) and the
+    share of the trainer's time spent waiting for data."""
+    busy = totals["wait_s"] + totals["busy_s"]
+    return {
+        "utilization": totals["sequences_trained"] / max(totals["sequences_consumed"], 1),
+        "idle_fraction": totals["wait_s"] / busy if busy > 0 else 0.0,
+        "groups_consumed": float(totals["groups_consumed"]),
+    }
 
 
 def format_metrics(metrics: dict[str, float]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import os
@@ -300,3 +301,46 @@ def test_groups_in_flight_stay_at_the_limit(prefect_server, policy_server, tiny_
     # Within a lane's task run the next group starts as soon as one is stored; with a task run per
     # group, within Prefect's per-task-run latency.
     assert mean >= {10.0: 3.8, 0.0: 3.2}[task_run_s], mean
+
+
+def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(prefect_server, policy_server, tiny_model_dir, tmp_path):
+    """k = 2, two groups a step, servers at version 0: steps 1-3 train on versions 0-2, so exactly
+    six groups may sample; they reach shards at once (the trainer waits for them), far below the
+    shard's size and age limits. A trainer that consumes them without a newer served version
+    frees nothing (the next ones would train on version 3). A cancel leaves the counts final."""
+    import asyncio
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.rollout import rollout
+    from storage.progress import TrainerPosition, read_sampler_positions, write_trainer_position
+    from tasks.rollout import EnvSpec
+
+    storage, run = f"file://{tmp_path}/store", "bounded"
+    position = dict(groups_per_step=2, save_every=1, max_staleness=2)
+    write_trainer_position(storage, run, TrainerPosition(steps=0, groups_consumed=0, policy_version=0, **position))
+
+    async def main() -> int:
+        flow = asyncio.ensure_future(
+            rollout(
+                environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
+                servers=[policy_server.base_url], run_url=f"{storage}/{run}", tokenizer=str(tiny_model_dir),
+                groups=None, max_concurrent_groups=4, shard_max_groups=1000, shard_max_age_s=3600, max_policy_lag=2,
+            )  # fmt: skip
+        )
+        deadline = time.monotonic() + 120
+        while len(list(ShardReader(storage, run).groups())) < 6 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        write_trainer_position(storage, run, TrainerPosition(steps=2, groups_consumed=4, policy_version=2, **position))
+        await asyncio.sleep(2.0)  # many admission refreshes: still nothing admitted
+        stored = len(list(ShardReader(storage, run).groups()))
+        flow.cancel()
+        with contextlib.suppress(BaseException):
+            await flow
+        return stored
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        stored = asyncio.run(main())
+    assert stored == 6
+    [sampler] = read_sampler_positions(storage, run)
+    assert (sampler.committed, sampler.in_flight) == (6, 0)

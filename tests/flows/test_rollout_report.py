@@ -94,14 +94,19 @@ async def test_the_item_stream_ends_when_every_environment_ran_out():
     assert sorted(i for _, i in await drain(stream)) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]
 
 
-async def test_the_item_stream_holds_every_lane_while_the_trainer_lags():
-    checks = []
+async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_none():
+    class Counting:
+        acquired = given_back = 0
 
-    async def wait_for_trainer():
-        checks.append(len(checks))
-        await asyncio.sleep(0.05)
+        async def acquire(self):
+            Counting.acquired += 1
+            await asyncio.sleep(0.01)
 
-    stream = ItemStream([Spec("a", 1.0)], {"a": Finite("a", 10)}, groups=None, seed=0, wait_for_trainer=wait_for_trainer)
-    stream.LAG_CHECK_S = 0.0  # check before every item
+        def finished(self, stored):
+            assert not stored
+            Counting.given_back += 1
+
+    stream = ItemStream([Spec("a", 1.0)], {"a": Finite("a", 10)}, groups=None, seed=0, admission=Counting())
     assert len(await drain(stream, lanes=3)) == 10
-    assert len(checks) == 11  # before each of the 10 items and before finding none left
+    # One admission per item, and one for the call that found none left, given back.
+    assert (Counting.acquired, Counting.given_back) == (11, 1)

@@ -50,7 +50,7 @@ def test_demonstrations_are_never_stale(tmp_path):
     groups, stale = next_step_groups(
         ShardReader(root, "run"), 2, policy_version=5, max_staleness=1, timeout_s=1
     )
-    assert [g.item_id for g in groups] == ["d", "p"] and stale == 1
+    assert [g.item_id for g in groups] == ["d", "p"] and len(stale) == 1
     assert groups[1].policy_version == 5
 
 

@@ -1,0 +1,203 @@
+"""Bounded staleness on the sampler's side: a group starts sampling only when the trainer will
+still train it, so the sampler never runs ahead to make groups that are thrown away as stale.
+
+The rule (`admits`), as AReaL's staleness manager and prime-rl's async level state it, in counts
+the trainer publishes every step (storage.progress): with max lag k, B groups per step and a
+checkpoint every N steps, a new group queues behind the `pending` groups already admitted and not
+yet consumed, so the trainer takes it in step
+
+    j = steps + pending // B + 1          (steps: steps whose data the trainer has taken)
+
+whose weights are the newest version published before it, N * ((j - 1) // N). The group samples
+with the served version v, so it is admitted iff N * ((j - 1) // N) - v <= k. With N = 1 that is
+pending < (k + 1 + v - steps) * B: about (k + 1) * B groups wait unconsumed, and k = 0 samples one
+step's groups on the newest weights, then waits for the next checkpoint (the synchronous loop).
+
+Groups finish out of the order they were admitted in, so one admitted at the edge of its step's lag
+can be overtaken and land a step later, where the trainer skips it as stale (trainer.data.is_stale
+stays the one guarantee). In simulation (tests/flows/test_admission.py) that happens only when a
+step trains about as fast as its groups sample, for up to a few percent of the groups.
+
+It never deadlocks: a trainer waiting for step steps + 1 has published N * (steps // N); once the
+servers serve it, a group queued behind fewer than B others is admitted (j = steps + 1), and any
+pending group is either trained or consumed as stale, which lowers `pending`. Failed groups give
+their place back, and the shards a waiting trainer needs are flushed the moment admission blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from storage.progress import (
+    SamplerPosition,
+    TrainerPosition,
+    read_sampler_positions,
+    read_trainer_position,
+    write_sampler_position,
+)
+
+log = logging.getLogger(__name__)
+
+
+def training_step(pending: int, steps: int, groups_per_step: int) -> int:
+    """The step that will train a group admitted now, behind `pending` unconsumed ones."""
+    return steps + pending // groups_per_step + 1
+
+
+def admits(
+    *,
+    pending: int,
+    steps: int,
+    served_version: int,
+    groups_per_step: int,
+    save_every: int,
+    max_lag: int,
+) -> bool:
+    """Whether one more group may start sampling now (see the module docstring)."""
+    step = training_step(pending, steps, groups_per_step)
+    trained_with = save_every * ((step - 1) // save_every)
+    return trained_with - served_version <= max_lag
+
+
+class Admission:
+    """Admits this sampler's groups under the rule, counting its own exactly and reading the
+    trainer's and the other samplers' positions at most every `refresh_s` (faster while blocked).
+
+    `served_version()` is the oldest version the flow's servers serve. Call `acquire()` before a
+    group samples, `finished(stored)` when it is stored in the writer or failed, and `writer_holds(n)` after the
+    writer flushed, with the groups it still buffers. `flush()` is awaited when admission
+    blocks with groups still buffered: they are what the trainer is waiting for.
+    """
+
+    DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
+    HEARTBEAT_S = 5.0
+
+    def __init__(
+        self,
+        storage: str,
+        run: str,
+        *,
+        max_lag: int,
+        served_version: Callable[[], Awaitable[int]],
+        flush: Callable[[], Awaitable[None]],
+        sampler: str | None = None,
+        refresh_s: float = 0.25,
+        storage_options: dict[str, Any] | None = None,
+        logger: logging.Logger | logging.LoggerAdapter = log,
+    ):
+        self.storage, self.run, self.max_lag = storage, run, max_lag
+        self.served_version, self.flush = served_version, flush
+        self.sampler = sampler or uuid.uuid4().hex[:12]
+        self.refresh_s, self.storage_options, self.log = refresh_s, storage_options, logger
+        self.committed = 0  # this sampler's groups in shards
+        self.buffered = 0  # stored in the writer, not yet in a shard
+        self.sampling = 0
+        self.trainer: TrainerPosition | None = None
+        self.others = 0  # the other live samplers' committed + in flight, and dead ones' committed
+        self.version = 0
+        self.refreshed_at = -float("inf")
+        self.written_at = -float("inf")
+        self.written: tuple[int, int] | None = None
+        self.blocked_since: float | None = None
+        self.lock = asyncio.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return self.sampling + self.buffered
+
+    def pending(self) -> int:
+        """Groups admitted by every sampler and not yet consumed by the trainer."""
+        consumed = self.trainer.groups_consumed if self.trainer else 0
+        return max(0, self.committed + self.in_flight + self.others - consumed)
+
+    async def acquire(self) -> None:
+        async with self.lock:
+            while True:
+                await self._refresh(force=self.blocked_since is not None)
+                if self.trainer is not None and admits(
+                    pending=self.pending(), steps=self.trainer.steps, served_version=self.version,
+                    groups_per_step=self.trainer.groups_per_step, save_every=self.trainer.save_every,
+                    max_lag=self.max_lag,
+                ):  # fmt: skip
+                    if self.blocked_since is not None:
+                        self.log.debug("admitting again after %.1fs", time.monotonic() - self.blocked_since)
+                        self.blocked_since = None
+                    self.sampling += 1
+                    return
+                if self.blocked_since is None:
+                    self.blocked_since = time.monotonic()
+                    (self.log.info if self.trainer is None else self.log.debug)(self._why_blocked())
+                if self.buffered:
+                    await self.flush()
+                await asyncio.sleep(self.refresh_s)
+
+    def finished(self, stored: bool) -> None:
+        """A group admitted by acquire() is done: stored in the writer, or failed (its place is
+        given back)."""
+        self.sampling -= 1
+        if stored:
+            self.buffered += 1
+
+    def flush_due(self) -> bool:
+        """Whether the buffered groups make a step for the trainer: write them now rather than
+        when the shard is full or old, since the trainer waits for exactly these."""
+        return self.trainer is not None and self.buffered >= self.trainer.groups_per_step
+
+    def writer_holds(self, buffered: int) -> None:
+        """The flow's writer now buffers `buffered` groups; the rest of those stored are in shards."""
+        self.committed += self.buffered - buffered
+        self.buffered = buffered
+
+    async def close(self, buffered: int = 0) -> None:
+        """Publish the final counts once the flow's writer is closed (`buffered`: what it still
+        holds, 0 after its last flush): nothing of this sampler is in flight any more."""
+        self.sampling = 0
+        self.writer_holds(buffered)
+        await self._write(force=True)
+
+    def _why_blocked(self) -> str:
+        if self.trainer is None:
+            return "waiting for the trainer's position (progress/trainer.json): is a trainer running?"
+        return (
+            f"waiting for the trainer: {self.pending()} groups admitted and not consumed, trainer at "
+            f"step {self.trainer.steps} (published {self.trainer.policy_version}), servers at "
+            f"{self.version}, max lag {self.max_lag}"
+        )
+
+    async def _refresh(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self.refreshed_at < self.refresh_s:
+            return
+        self.refreshed_at = now
+        self.version = await self.served_version()
+        self.trainer, samplers = await asyncio.to_thread(self._read_positions)
+        wall = time.time()
+        self.others = sum(
+            s.committed + (s.in_flight if wall - s.updated_at < self.DEAD_AFTER_S else 0)
+            for s in samplers
+            if s.sampler != self.sampler
+        )
+        await self._write(force=False)
+
+    def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition]]:
+        options = dict(storage_options=self.storage_options)
+        return (
+            read_trainer_position(self.storage, self.run, **options),
+            read_sampler_positions(self.storage, self.run, **options),
+        )
+
+    async def _write(self, force: bool) -> None:
+        counts = (self.committed, self.in_flight)
+        now = time.monotonic()
+        if not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S:
+            return
+        position = SamplerPosition(self.sampler, committed=counts[0], in_flight=counts[1])
+        await asyncio.to_thread(
+            write_sampler_position, self.storage, self.run, position, storage_options=self.storage_options
+        )
+        self.written, self.written_at = counts, now

@@ -1,0 +1,135 @@
+"""Where a run stands, for bounded staleness: the trainer's position (steps whose data it took,
+groups consumed, the newest published version, its batch and staleness settings) and each
+sampler's counts (groups committed to shards, groups in flight).
+
+    {root}/{run}/progress/trainer.json             written by the trainer after every read and publish
+    {root}/{run}/progress/samplers/{sampler}.json  written by each rollout flow as its counts change
+
+Small JSON documents, each with one writer, replaced whole (a PUT on object stores, a rename on
+local disks), so a reader sees the old or the new one, never half. Reading them costs the same at
+step 10 and at step 10**6: none grows with the run's history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from storage.filesystem import is_local, resolve, storage_errors
+from storage.layout import join, run_url
+
+PROGRESS = "progress"
+TRAINER_FILE = "trainer.json"
+SAMPLERS = "samplers"
+
+
+@dataclass(frozen=True)
+class TrainerPosition:
+    """The trainer as the samplers see it. `steps`: steps whose groups it has taken (it may still
+    be training the last one); `groups_consumed`: every group it read, trained or skipped as stale;
+    `policy_version`: the newest version it published; then the settings the admission rule needs."""
+
+    steps: int
+    groups_consumed: int
+    policy_version: int
+    groups_per_step: int
+    save_every: int
+    max_staleness: int
+    updated_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class SamplerPosition:
+    """One rollout flow's groups: `committed` to shards since it started, `in_flight` admitted and
+    not yet in a shard (sampling, or buffered in its writer). A sampler that stopped updating is
+    dead: its in-flight groups will never arrive, its committed ones did."""
+
+    sampler: str
+    committed: int
+    in_flight: int
+    updated_at: float = field(default_factory=time.time)
+
+
+def trainer_position_url(root: str, run: str) -> str:
+    return join(run_url(root, run), PROGRESS, TRAINER_FILE)
+
+
+def sampler_position_url(root: str, run: str, sampler: str) -> str:
+    if not sampler or "/" in sampler:
+        raise ValueError(f"sampler {sampler!r}: use a non-empty name without '/'")
+    return join(run_url(root, run), PROGRESS, SAMPLERS, f"{sampler}.json")
+
+
+def write_trainer_position(
+    root: str, run: str, position: TrainerPosition, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    _replace(trainer_position_url(root, run), asdict(position), storage_options)
+
+
+def read_trainer_position(
+    root: str, run: str, *, storage_options: dict[str, Any] | None = None
+) -> TrainerPosition | None:
+    """The trainer's last position; None before a trainer (or the pipeline) wrote one."""
+    data = _read(trainer_position_url(root, run), storage_options)
+    return None if data is None else _load(TrainerPosition, data, trainer_position_url(root, run))
+
+
+def write_sampler_position(
+    root: str, run: str, position: SamplerPosition, *, storage_options: dict[str, Any] | None = None
+) -> None:
+    _replace(sampler_position_url(root, run, position.sampler), asdict(position), storage_options)
+
+
+def read_sampler_positions(
+    root: str, run: str, *, storage_options: dict[str, Any] | None = None
+) -> list[SamplerPosition]:
+    """Every sampler's last position (one file per rollout flow run that ever sampled this run)."""
+    url = join(run_url(root, run), PROGRESS, SAMPLERS)
+    fs, path = resolve(url, storage_options)
+    fs.invalidate_cache(path)
+    with storage_errors(url):
+        try:
+            names = [name for name in fs.ls(path, detail=False) if name.endswith(".json")]
+        except FileNotFoundError:
+            return []
+        positions = []
+        for name in names:
+            try:
+                data = json.loads(fs.cat_file(name))
+            except FileNotFoundError:
+                continue
+            positions.append(_load(SamplerPosition, data, name))
+    return positions
+
+
+def _load(cls, data: dict[str, Any], where: str):
+    try:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+    except TypeError as error:
+        raise ValueError(f"{where}: not a {cls.__name__} ({error}); delete it to start over") from None
+
+
+def _replace(url: str, data: dict[str, Any], storage_options: dict[str, Any] | None) -> None:
+    fs, path = resolve(url, storage_options)
+    body = json.dumps(data).encode()
+    with storage_errors(url):
+        if is_local(fs):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            temp = f"{path}.{os.getpid()}.{os.urandom(3).hex()}.tmp"
+            with open(temp, "wb") as file:
+                file.write(body)
+            os.replace(temp, path)  # atomic on one file system: readers see old or new
+        else:
+            fs.pipe_file(path, body)  # one PUT: atomic on object stores
+
+
+def _read(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    fs, path = resolve(url, storage_options)
+    with storage_errors(url):
+        try:
+            return json.loads(fs.cat_file(path))
+        except FileNotFoundError:
+            return None

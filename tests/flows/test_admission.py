@@ -1,0 +1,237 @@
+"""Bounded staleness: the admission rule as a pure function, simulated against a trainer over many
+combinations of lag, batch, checkpoint interval, lanes and speeds (no deadlock, nothing stale,
+about (k + 1) steps of groups waiting), and the Admission controller on real progress files."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import pytest
+
+from flows.admission import Admission, admits
+from storage.progress import (
+    SamplerPosition,
+    TrainerPosition,
+    read_sampler_positions,
+    read_trainer_position,
+    write_sampler_position,
+    write_trainer_position,
+)
+
+
+def test_the_rule_by_hand():
+    rule = dict(groups_per_step=4, save_every=1, max_lag=1)
+    # Trainer took step 3's data (published 2), servers at 2: step 4 trains on version 3, step 5
+    # on 4. A group queued behind 0-3 others goes to step 4 (lag 1 from version 2): admitted;
+    # behind 4 it would go to step 5 (lag 2): not.
+    assert admits(pending=3, steps=3, served_version=2, **rule)
+    assert not admits(pending=4, steps=3, served_version=2, **rule)
+    # k = 0: nothing while the trainer trains step 4 on version 3 with the servers still at 3...
+    on_policy = dict(rule, max_lag=0)
+    assert admits(pending=3, steps=3, served_version=3, **on_policy)
+    assert not admits(pending=0, steps=4, served_version=3, **on_policy)
+    # ... and one step's worth once it published 4 and the servers serve it.
+    assert admits(pending=3, steps=4, served_version=4, **on_policy)
+    assert not admits(pending=4, steps=4, served_version=4, **on_policy)
+    # Checkpoints every 3 steps: steps 4-6 all train on version 3, so k = 0 admits three steps.
+    every_three = dict(on_policy, save_every=3)
+    assert admits(pending=11, steps=3, served_version=3, **every_three)
+    assert not admits(pending=12, steps=3, served_version=3, **every_three)
+
+
+@dataclass
+class Simulation:
+    """A trainer, a sampler of `lanes` lanes admitted by the rule, and servers that reload each
+    checkpoint after `reload_s`; time in units of one group's mean sampling time."""
+
+    max_lag: int
+    groups_per_step: int
+    save_every: int
+    lanes: int
+    train_s: float  # one optimizer step
+    reload_s: float
+    seed: int = 0
+    # trainer
+    steps: int = 0  # whose data it took (published with `consumed`)
+    consumed: int = 0
+    published: int = 0
+    training_until: float | None = None
+    taking: list = field(default_factory=list)  # fresh groups of the step being gathered
+    taking_stale: int = 0
+    # servers and sampler
+    served: int = 0
+    reloads: deque = field(default_factory=deque)
+    sampling: list = field(default_factory=list)  # (done_at, version)
+    queue: deque = field(default_factory=deque)  # committed versions, shard order
+    committed: int = 0
+    # what happened
+    trained: list = field(default_factory=list)  # (policy version of the step, group's version)
+    stale: int = 0
+    most_waiting: int = 0
+
+    def pending(self) -> int:
+        return self.committed + len(self.sampling) - self.consumed
+
+    def run(self, target_steps: int, horizon: float) -> float:
+        rng = random.Random(self.seed)
+        now, dt = 0.0, 0.05
+        while self.steps < target_steps or self.training_until is not None:
+            if now > horizon:
+                raise AssertionError(f"deadlock or stall at t={now:.0f}: {self}")
+            # servers: reloads land after reload_s
+            while self.reloads and self.reloads[0][0] <= now:
+                self.served = self.reloads.popleft()[1]
+            # sampler: finished groups commit; idle lanes start a group when admitted
+            for done in [s for s in self.sampling if s[0] <= now]:
+                self.sampling.remove(done)
+                self.queue.append(done[1])
+                self.committed += 1
+            while len(self.sampling) < self.lanes and admits(
+                pending=self.pending(), steps=self.steps, served_version=self.served,
+                groups_per_step=self.groups_per_step, save_every=self.save_every, max_lag=self.max_lag,
+            ):  # fmt: skip
+                self.sampling.append((now + rng.uniform(0.5, 1.5), self.served))
+            self.most_waiting = max(self.most_waiting, self.pending())
+            # trainer: finish a step (publish), or gather the next step's fresh groups
+            if self.training_until is not None and self.training_until <= now:
+                self.training_until = None
+                if self.steps % self.save_every == 0:
+                    self.published = self.steps
+                    self.reloads.append((now + self.reload_s, self.steps))
+            if self.training_until is None and self.steps < target_steps:
+                while self.queue and len(self.taking) < self.groups_per_step:
+                    version = self.queue.popleft()
+                    if self.published - version > self.max_lag:
+                        self.taking_stale += 1
+                    else:
+                        self.taking.append(version)
+                if len(self.taking) == self.groups_per_step:
+                    self.trained += [(self.published, version) for version in self.taking]
+                    self.consumed += len(self.taking) + self.taking_stale
+                    self.stale += self.taking_stale
+                    self.taking, self.taking_stale = [], 0
+                    self.steps += 1
+                    self.training_until = now + self.train_s
+            now += dt
+        return now
+
+
+COMBINATIONS = list(
+    itertools.product(
+        [0, 1, 2, 4],  # max lag k
+        [1, 3, 8],  # groups per step B
+        [1, 2, 3],  # save every N
+        [1, 4, 32],  # lanes
+        [0.1, 1.0, 3.0, 40.0],  # train time per step, in group sampling times
+    )
+)
+
+
+@pytest.mark.parametrize("max_lag, groups_per_step, save_every, lanes, train_s", COMBINATIONS)
+def test_the_loop_never_deadlocks_and_trains_nothing_stale(max_lag, groups_per_step, save_every, lanes, train_s):
+    sim = Simulation(max_lag, groups_per_step, save_every, lanes, train_s, reload_s=0.3)
+    steps = 12
+    # Generous: the slowest loop is synchronous, one step's sampling then its training and reload.
+    horizon = steps * (train_s + 2.0 * (groups_per_step / min(lanes, groups_per_step) + 1) + 1.0) + 50
+    sim.run(steps, horizon)
+    assert len(sim.trained) == steps * groups_per_step
+    assert all(version - sampled <= max_lag for version, sampled in sim.trained)
+    # Groups finish out of the order they were admitted in: one admitted at the edge of its step's
+    # lag can be overtaken and land a step later, stale. That only happens when a step trains
+    # about as fast as its groups sample, and costs little even then.
+    stale_fraction = sim.stale / (sim.stale + len(sim.trained))
+    assert stale_fraction <= 0.15
+    if train_s >= 3.0:
+        assert sim.stale == 0, "the rule admitted a group the trainer then skipped as stale"
+    # About (k + 1) steps of groups wait: one more checkpoint interval at most, rounded to whole steps.
+    assert sim.most_waiting <= (max_lag + save_every) * groups_per_step + groups_per_step
+
+
+def test_k0_is_the_synchronous_loop_and_k1_overlaps_sampling_with_training():
+    def wall_time(max_lag: int) -> float:
+        sim = Simulation(max_lag, groups_per_step=8, save_every=1, lanes=8, train_s=1.0, reload_s=0.1)
+        return sim.run(20, horizon=10_000)
+
+    synchronous, one_off = wall_time(0), wall_time(1)
+    # k = 0 alternates: sample a step (~1.4, the slowest of 8 groups), train it (1), reload (0.1).
+    assert synchronous == pytest.approx(20 * 2.5, rel=0.15)
+    assert one_off < 0.75 * synchronous
+
+
+# --- the controller on real progress files -----------------------------------------------------
+
+
+class Served:
+    def __init__(self, version: int = 0):
+        self.version = version
+
+    async def __call__(self) -> int:
+        return self.version
+
+
+async def admitted_within(admission: Admission, seconds: float) -> bool:
+    try:
+        await asyncio.wait_for(admission.acquire(), timeout=seconds)
+    except TimeoutError:
+        return False
+    return True
+
+
+def position(steps: int, consumed: int, version: int, groups_per_step: int = 2, max_staleness: int = 0) -> TrainerPosition:
+    return TrainerPosition(
+        steps=steps, groups_consumed=consumed, policy_version=version,
+        groups_per_step=groups_per_step, save_every=1, max_staleness=max_staleness,
+    )  # fmt: skip
+
+
+async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(tmp_path):
+    root = str(tmp_path)
+    flushed = []
+    served = Served(0)
+
+    async def flush():
+        flushed.append(admission.buffered)
+        admission.writer_holds(0)
+
+    admission = Admission(root, "run", max_lag=0, served_version=served, flush=flush, sampler="a", refresh_s=0.02)
+    assert not await admitted_within(admission, 0.2), "no trainer position yet: wait for one"
+    write_trainer_position(root, "run", position(steps=0, consumed=0, version=0))
+    assert await admitted_within(admission, 1) and await admitted_within(admission, 1)
+    admission.finished(stored=True)
+    admission.finished(stored=True)
+    assert not await admitted_within(admission, 0.2), "two groups pending = one step for k = 0"
+    assert flushed[:1] == [2], "blocked with groups buffered: flush them for the trainer"
+    assert read_sampler_positions(root, "run") == [SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12))]
+
+    # The trainer took both for step 1 and trains on version 0: k = 0 waits for version 1 served.
+    write_trainer_position(root, "run", position(steps=1, consumed=2, version=0))
+    assert not await admitted_within(admission, 0.2)
+    write_trainer_position(root, "run", position(steps=1, consumed=2, version=1))
+    assert not await admitted_within(admission, 0.2), "published, but the servers still serve 0"
+    served.version = 1
+    assert await admitted_within(admission, 1)
+    admission.finished(stored=False)  # a failed group gives its place back
+    assert await admitted_within(admission, 1) and await admitted_within(admission, 1)
+    assert not await admitted_within(admission, 0.2)
+
+
+async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(tmp_path):
+    root = str(tmp_path)
+    write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=4))
+
+    async def flush():
+        pass
+
+    admission = Admission(root, "run", max_lag=0, served_version=Served(0), flush=flush, sampler="me", refresh_s=0.02)
+    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=2))
+    write_sampler_position(root, "run", SamplerPosition("dead", committed=0, in_flight=5, updated_at=1.0))
+    assert await admitted_within(admission, 1), "3 of 4 pending: one more fits"
+    assert not await admitted_within(admission, 0.2)
+    await admission.close()
+    mine = {p.sampler: p for p in read_sampler_positions(root, "run")}["me"]
+    assert (mine.committed, mine.in_flight) == (0, 0)
+    assert read_trainer_position(root, "run").groups_per_step == 4

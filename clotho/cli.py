@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import signal
 import threading
 import time
@@ -195,8 +197,6 @@ def rollout(
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
-    import os
-
     from clotho.overrides import apply_overrides
     from environments.loading import EnvironmentLoadError
     from inference.client import PolicyServerAuthError
@@ -254,6 +254,33 @@ def rollout(
 from inference.cli import watch_command  # noqa: E402 - typer only, imports nothing heavy
 
 app.command("watch")(watch_command)
+
+
+@app.command("run")
+def run_pipeline(
+    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Pipeline YAML (flows.pipeline_config.PipelineConfig), e.g. runs/demo.yaml."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set max_lag=0 (repeatable)."),
+    api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the policy servers."),
+) -> None:
+    """Run the whole loop for one run: policy servers with hot reload, rollout flows and the
+    trainer, asynchronous with bounded staleness, phase after phase, until the last step."""
+    from flows.pipeline_config import PipelineConfig
+
+    try:
+        pipeline_config = PipelineConfig.from_yaml(config, set_)
+        _split_run(pipeline_config.run)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from error
+    if api_key:
+        os.environ[API_KEY_VARIABLE] = api_key
+    from flows.pipeline import pipeline
+
+    try:
+        summary = run_flow(pipeline(config=pipeline_config.model_dump()))
+    except Stopped as stopped:
+        typer.echo(f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True)
+        raise typer.Exit(128 + stopped.signum) from None
+    typer.echo(json.dumps({key: value for key, value in summary.items() if key != "curve"}, indent=1))
 
 
 @app.command()

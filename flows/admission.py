@@ -86,6 +86,7 @@ class Admission:
         served_version: Callable[[], Awaitable[int]],
         flush: Callable[[], Awaitable[None]],
         sampler: str | None = None,
+        last_step: int | None = None,
         refresh_s: float = 0.25,
         storage_options: dict[str, Any] | None = None,
         logger: logging.Logger | logging.LoggerAdapter = log,
@@ -94,6 +95,7 @@ class Admission:
         self.served_version, self.flush = served_version, flush
         self.sampler = sampler or uuid.uuid4().hex[:12]
         self.refresh_s, self.storage_options, self.log = refresh_s, storage_options, logger
+        self.last_step = last_step
         self.committed = 0  # this sampler's groups in shards
         self.buffered = 0  # stored in the writer, not yet in a shard
         self.sampling = 0
@@ -115,20 +117,20 @@ class Admission:
         consumed = self.trainer.groups_consumed if self.trainer else 0
         return max(0, self.committed + self.in_flight + self.others - consumed)
 
-    async def acquire(self) -> None:
+    async def acquire(self) -> bool:
+        """Wait until one more group may sample, and count it; False once the trainer has taken
+        `last_step`'s groups (the sampler's work is done: nothing more will be trained)."""
         async with self.lock:
             while True:
                 await self._refresh(force=self.blocked_since is not None)
-                if self.trainer is not None and admits(
-                    pending=self.pending(), steps=self.trainer.steps, served_version=self.version,
-                    groups_per_step=self.trainer.groups_per_step, save_every=self.trainer.save_every,
-                    max_lag=self.max_lag,
-                ):  # fmt: skip
+                if self.done:
+                    return False
+                if self._admits():
                     if self.blocked_since is not None:
                         self.log.debug("admitting again after %.1fs", time.monotonic() - self.blocked_since)
                         self.blocked_since = None
                     self.sampling += 1
-                    return
+                    return True
                 if self.blocked_since is None:
                     self.blocked_since = time.monotonic()
                     (self.log.info if self.trainer is None else self.log.debug)(self._why_blocked())
@@ -142,6 +144,22 @@ class Admission:
         self.sampling -= 1
         if stored:
             self.buffered += 1
+
+    @property
+    def done(self) -> bool:
+        return self.trainer is not None and self.last_step is not None and self.trainer.steps >= self.last_step
+
+    def _admits(self) -> bool:
+        """The rule, and with a `last_step` nothing that only a later step would train."""
+        if self.trainer is None:
+            return False
+        pending, trainer = self.pending(), self.trainer
+        if self.last_step is not None and training_step(pending, trainer.steps, trainer.groups_per_step) > self.last_step:
+            return False
+        return admits(
+            pending=pending, steps=trainer.steps, served_version=self.version,
+            groups_per_step=trainer.groups_per_step, save_every=trainer.save_every, max_lag=self.max_lag,
+        )  # fmt: skip
 
     def flush_due(self) -> bool:
         """Whether the buffered groups make a step for the trainer: write them now rather than

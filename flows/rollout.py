@@ -42,6 +42,7 @@ async def rollout(
     distributed: bool = False,
     server_concurrency: int | None = None,
     api_key_secret: str | None = None,
+    until_step: int | None = None,
 ) -> dict[str, Any]:
     """Maps collect_trajectories over the environments' items as Prefect task runs in
     `max_concurrent_groups` lanes, a group sampling in each at all times, and stores every finished
@@ -63,6 +64,8 @@ async def rollout(
     trainer will train it at most k policy versions after the one it samples with, read from the
     trainer's position (progress/trainer.json) and every sampler's counts; about (k + 1) steps'
     groups then wait unconsumed. None: no bound (collecting data without a trainer).
+    until_step: with max_policy_lag, sample only groups that steps up to this one will train, and
+    end once the trainer has taken that step's groups (a pipeline phase's last step).
     api_key_secret: name of a Prefect Secret block holding the servers' API key; without it the
     key is $CLOTHO_API_KEY of the flow's process. A refused key stops the flow at once.
     """
@@ -100,7 +103,8 @@ async def rollout(
                 admission.writer_holds(writer.pending_groups)
 
             admission = Admission(
-                storage, run, max_lag=max_policy_lag, served_version=served_version, flush=flush_now, sampler=sampler_name(), logger=log
+                storage, run, max_lag=max_policy_lag, served_version=served_version, flush=flush_now, sampler=sampler_name(), logger=log,
+                last_step=until_step,
             )
             clients.push_async_callback(lambda: admission.close(writer.pending_groups))
         items = ItemStream(specs, sources, groups, seed, admission=admission)
@@ -191,8 +195,9 @@ class ItemStream:
         async with self.lock:
             if self.exhausted:
                 return None
-            if self.admission is not None:
-                await self.admission.acquire()
+            if self.admission is not None and not await self.admission.acquire():
+                self.live = []  # the trainer has all it will train
+                return None
             while not self.exhausted:
                 spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
                 item = await self.sources[spec.key].get_item()

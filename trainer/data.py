@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from environments.scored_group import ScoredGroup
 from storage.reader import ShardReader
@@ -45,13 +46,15 @@ def next_step_groups(
     timeout_s: float,
     objective: str = "auto",
     poll_s: float = 0.25,
+    on_wait: Callable[[list[ScoredGroup]], None] | None = None,
 ) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
     """The next `count` fresh groups in shard order, and the stale ones skipped on the way.
 
     A stale rl group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
-    it: resume from the last state.
+    it: resume from the last state. Before each wait, `on_wait` hears the stale groups consumed so
+    far: the samplers must see them consumed, or they would wait for a trainer that waits for them.
     """
     fresh: list[ScoredGroup] = []
     stale: list[ScoredGroup] = []
@@ -80,4 +83,6 @@ def next_step_groups(
         if not wait_logged:
             log.info("waiting for groups in %s (%d of %d so far)", reader.url, len(fresh), count)
             wait_logged = True
+        if on_wait is not None:
+            on_wait(stale)
         time.sleep(poll_s)

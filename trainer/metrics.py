@@ -4,6 +4,7 @@ step and TensorBoard scalars, both under work_dir."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -93,7 +94,8 @@ class MetricsLog:
         self._tensorboard = SummaryWriter(str(directory / TENSORBOARD_DIR))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+        # The wall time goes to the JSON line only: readers measure rates with it.
+        self._file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
         self._file.flush()
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"train/{name}", value, step)

@@ -307,6 +307,8 @@ def build_step(
         "padding_waste": padding_waste(batches),
         "tokens": float(sum(sum(b.sequence_lengths) for b in batches)),
     }
+    for value in sorted(set(staleness)):  # how many groups trained at each staleness
+        stats[f"staleness/{value}"] = float(staleness.count(value))
     if scores:  # the reward of what the policy sampled; a demonstration's score is not one
         stats["score_mean"] = statistics.fmean(scores)
     if trained_advantages.numel():

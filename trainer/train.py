@@ -98,10 +98,20 @@ def train(
             wait_started = time.monotonic()
             groups, stale = None, []
             if reader is not None:
+                published_stale = 0
+
+                def consumed_so_far(stale_groups: list) -> None:
+                    # Stale groups are consumed the moment they are skipped: tell the samplers.
+                    nonlocal published_stale
+                    if len(stale_groups) != published_stale:
+                        published_stale = len(stale_groups)
+                        so_far = {**totals, "groups_consumed": totals["groups_consumed"] + published_stale}
+                        publish_position(**where, step=step - 1, policy_version=policy_version, totals=so_far)
+
                 groups, stale = next_step_groups(
                     reader, config.groups_per_step, policy_version=policy_version,
                     max_staleness=config.max_staleness, timeout_s=data_timeout_s,
-                    objective=config.objective,
+                    objective=config.objective, on_wait=consumed_so_far,
                 )  # fmt: skip
             stale_counts = (len(stale), sum(len(g.sequences) for g in stale))
             groups, (stale, stale_sequences) = broadcast_object((groups, stale_counts), world_size)

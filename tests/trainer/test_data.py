@@ -66,10 +66,12 @@ def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):
     log.write(1, {"loss": 0.5, "score_mean": 0.25})
     log.write(2, {"loss": 0.25, "score_mean": 0.5})
     log.close()
-    assert read_metrics(tmp_path) == [
-        {"step": 1, "loss": 0.5, "score_mean": 0.25},
-        {"step": 2, "loss": 0.25, "score_mean": 0.5},
+    rows = read_metrics(tmp_path)
+    assert rows == [
+        {"step": 1, "loss": 0.5, "score_mean": 0.25, "time": rows[0]["time"]},
+        {"step": 2, "loss": 0.25, "score_mean": 0.5, "time": rows[1]["time"]},
     ]
+    assert time.time() - 60 < rows[0]["time"] <= rows[1]["time"] <= time.time()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 0.5), (2, 0.25)]

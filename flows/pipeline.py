@@ -1,0 +1,287 @@
+"""The pipeline flow (`clotho run CONFIG.yaml`): the whole asynchronous RL loop for one run.
+
+    policy servers (vLLM) <- reload watcher <- checkpoints <- trainer <- shards <- rollout flows
+           |                                                                         ^
+           +-------------------- sampling (bounded staleness: flows.admission) ------+
+
+Reads top to bottom: start the servers and the reload watcher (and the evaluator, when the config
+has one); then each phase: its trainer (a process that resumes the run's state), its rollout flows
+(subflows here, or runs of a deployment on a work pool), watched until the trainer reaches the
+phase's last step; then the rollouts stop (keeping every finished group) and the next phase starts
+on the same run and servers. A cancel or Ctrl-C at any point stops everything the same way: no
+process is left, no committed group is lost, the servers are stopped by the pipeline that started
+them. The trainer's metrics and the curve reach the Prefect UI as artifacts while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
+
+from flows.pipeline_config import PipelineConfig, Phase
+from flows.pipeline_report import Curve, StepLog, artifact_key, progress_line, report_markdown
+from flows.rollout import rollout
+from inference.client import PolicyClient
+from inference.parity_guard import ParityGuard
+from inference.reload import ServedPolicy
+from inference.server import PolicyServer
+from inference.watcher import ReloadWatcher
+from storage.layout import split_run_url
+from storage.progress import TrainerPosition, read_trainer_position, write_trainer_position
+from tasks.rollout import EnvSpec
+from trainer.train import default_work_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@flow(name="pipeline")
+async def pipeline(config: dict[str, Any]) -> dict[str, Any]:
+    """Runs every phase of `config` (a PipelineConfig as a dict: the YAML of `clotho run`)."""
+    config = PipelineConfig.model_validate(config)
+    log = get_run_logger()
+    storage, run = split_run_url(config.run)
+    work_dir = default_work_dir(storage, run)
+    key = artifact_key(run)
+    started = time.monotonic()
+    total_steps = sum(phase.steps for phase in config.phases)
+    progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {total_steps}")
+    steps = StepLog(work_dir)
+    curve = Curve()
+
+    async with contextlib.AsyncExitStack() as stack:
+        # Servers, the reload watcher and the evaluator run for the whole pipeline.
+        servers = await start_servers(config, log)
+        stack.callback(stop_servers, servers)
+        urls = [server.base_url for server in servers] + list(config.servers.urls)
+        tokenizer = config.model
+        watcher = reload_watcher(config, servers, urls)
+        stop_watching = asyncio.Event()
+        watching = asyncio.ensure_future(watcher.run(stop=stop_watching))
+        stack.push_async_callback(finish, watching, stop_watching)
+        if config.evaluation is not None:
+            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], tokenizer, curve, started, log))
+            stack.push_async_callback(cancel_and_wait, [evaluating])
+
+        end_step = 0
+        for phase in config.phases:
+            end_step += phase.steps
+            position = read_trainer_position(storage, run)
+            if position is not None and position.steps >= end_step:
+                log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
+                continue
+            log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
+            set_trainer_position(config, phase, storage, run)
+            trainer = start_trainer(config, phase, end_step, work_dir)
+            rollouts = [
+                asyncio.ensure_future(phase_rollout(config, phase, end_step, urls, tokenizer, index))
+                for index in range(config.rollout.flows)
+            ]
+            try:
+                while trainer.poll() is None:
+                    await asyncio.sleep(1.0)
+                    for metrics in steps.new():
+                        log.info(progress_line(phase.name, metrics, time.monotonic() - started))
+                        await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / total_steps)
+                    failed = [task for task in rollouts if task.done() and task.exception() is not None]
+                    if failed:
+                        raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
+                if trainer.returncode != 0:
+                    raise RuntimeError(
+                        f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
+                    )
+                for metrics in steps.new():
+                    log.info(progress_line(phase.name, metrics, time.monotonic() - started))
+                # The rollout flows end on their own once the trainer took the phase's last groups.
+                await asyncio.wait(rollouts, timeout=60)
+            finally:
+                stop_process(trainer)
+                await cancel_and_wait(rollouts)
+            await acreate_table_artifact(steps.table(), key=f"{key}-metrics", description=f"Trainer metrics of run {run}")
+
+        # The last checkpoint is served (and evaluated) before the pipeline stops.
+        await wait_until_served(urls, end_step, timeout_s=120)
+        if config.evaluation is not None:
+            await curve.wait_for(end_step, timeout_s=300)
+
+    await aupdate_progress_artifact(progress, 100.0)
+    summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
+    if curve.rows:
+        summary["curve"] = curve.rows
+    await acreate_markdown_artifact(report_markdown(run, steps, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
+    log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+    return summary
+
+
+async def start_servers(config: PipelineConfig, log) -> list[PolicyServer]:
+    """The pipeline's own policy servers, started at once (in parallel) on the initial model."""
+    servers = [
+        PolicyServer(
+            config.model, api_key=os.environ.get("CLOTHO_API_KEY") or None, dtype=config.servers.dtype,
+            max_model_len=config.servers.max_model_len,
+        )  # fmt: skip
+        for _ in range(config.servers.count)
+    ]
+    try:
+        await asyncio.gather(*(asyncio.to_thread(s.start, config.servers.startup_timeout_s) for s in servers))
+    except BaseException:
+        stop_servers(servers)
+        raise
+    for server in servers:
+        log.info("policy server %s up (log %s)", server.base_url, server.log_path)
+    return servers
+
+
+def stop_servers(servers: list[PolicyServer]) -> None:
+    for server in servers:
+        server.stop()
+
+
+def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run: str) -> None:
+    """Before a phase's rollout flows start, the samplers must know where the trainer is and with
+    the phase's batch and checkpoint settings (the previous phase's would admit the wrong number
+    of groups): the run's position so far (step 0 for a new run) with this phase's settings. The
+    phase's trainer writes its own as soon as it is up."""
+    from trainer.config import TrainerConfig
+
+    settings = TrainerConfig.model_validate({**config.trainer, **phase.trainer, "model": config.model})
+    known = read_trainer_position(storage, run)
+    position = TrainerPosition(
+        steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
+        policy_version=known.policy_version if known else 0, groups_per_step=settings.groups_per_step,
+        save_every=settings.save_every, max_staleness=config.max_lag,
+    )  # fmt: skip
+    write_trainer_position(storage, run, position)
+
+
+def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], urls: list[str]) -> ReloadWatcher:
+    api_key = os.environ.get("CLOTHO_API_KEY") or None
+    policies = [ServedPolicy.of(server) for server in servers]
+    policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key) for url in config.servers.urls]
+    guard = ParityGuard.for_model(config.model, dtype=config.servers.dtype)
+    return ReloadWatcher(config.run, policies, guard, poll_s=config.servers.reload_poll_s)
+
+
+def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir: Path) -> subprocess.Popen:
+    """`clotho train` as a process of its own (DeepSpeed owns its process), resuming the run's state."""
+    command = [
+        sys.executable, "-m", "trainer.cli", "--run", config.run, "--model", config.model, "--steps", str(end_step),
+        "--data-timeout-s", str(config.data_timeout_s),
+    ]  # fmt: skip
+    for override in config.trainer_overrides(phase):
+        command += ["--set", override]
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_file = (work_dir / "trainer.log").open("a")
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Its own process group: a Ctrl-C meant for the pipeline reaches it only through stop_process.
+    return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True)
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+async def phase_rollout(config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int) -> Any:
+    """One rollout flow of a phase: a subflow here, or a run of the configured deployment (its
+    worker may be on another machine; cancelling this cancels that flow run). It samples only
+    groups that the phase's steps will train, and ends once the trainer took the last of them."""
+    environments = [EnvSpec(import_path=e.env, weight=e.weight, config=e.config) for e in phase.environments]
+    parameters = dict(
+        environments=[spec.model_dump() for spec in environments], servers=urls[index % len(urls):] + urls[: index % len(urls)],
+        run_url=config.run, tokenizer=tokenizer, groups=None, max_concurrent_groups=config.rollout.max_concurrent_groups,
+        shard_max_age_s=config.rollout.shard_max_age_s, max_policy_lag=config.max_lag, seed=index,
+        task_run_s=config.rollout.task_run_s, until_step=end_step,
+    )  # fmt: skip
+    name = f"{phase.name}-{index}"
+    if config.rollout.deployment is None:
+        return await rollout.with_options(flow_run_name=name)(**parameters)
+    return await run_rollout_deployment(config.rollout.deployment, parameters, name)
+
+
+async def run_rollout_deployment(deployment: str, parameters: dict[str, Any], name: str) -> Any:
+    """A run of the rollout deployment, taken by whichever worker of its pool is free, as a child
+    of this flow run; waits for it, and cancels it when cancelled (its worker stops it, the rollout
+    stores its finished groups)."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import arun_deployment
+    from prefect.states import Cancelling
+
+    flow_run = await arun_deployment(deployment, parameters=parameters, flow_run_name=name, timeout=0)
+    try:
+        while True:
+            async with get_client() as client:
+                state = (await client.read_flow_run(flow_run.id)).state
+            if state is not None and state.is_final():
+                if not state.is_completed():
+                    raise RuntimeError(f"rollout flow run {name} ended {state.type.value}: {state.message}")
+                return flow_run.id
+            await asyncio.sleep(2.0)
+    except asyncio.CancelledError:
+        async with get_client() as client:
+            await client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
+        raise
+
+
+async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:
+    """Cancel and wait for each to finish its cleanup (a rollout stores every finished group)."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            await task
+
+
+async def finish(watching: asyncio.Future, stop: asyncio.Event) -> None:
+    """Stop the watcher between polls, never in the middle of a reload (a server left paused)."""
+    stop.set()
+    try:
+        await asyncio.wait_for(asyncio.shield(watching), timeout=60)
+    except BaseException:
+        await cancel_and_wait([watching])
+
+
+async def wait_until_served(urls: list[str], version: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for url in urls:
+        async with PolicyClient(url, api_key=os.environ.get("CLOTHO_API_KEY") or None) as client:
+            while await client.weight_version() < version and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+
+
+async def evaluate_versions(config: PipelineConfig, url: str, tokenizer: str, curve: Curve, started: float, log) -> None:
+    """Greedy evaluation (the environment's `evaluate`, held-out items) of each served version
+    divisible by `evaluation.every`, and of version 0: the curve, the same measure in every phase."""
+    from environments.loading import load_config, load_environment_class
+
+    evaluation = config.evaluation
+    env_class = load_environment_class(evaluation.env)
+    async with PolicyClient(url, api_key=os.environ.get("CLOTHO_API_KEY") or None) as client:
+        env = env_class(load_config(env_class, evaluation.config), client=client, tokenizer=tokenizer)
+        await env.setup()
+        done: set[int] = set()
+        last_step = sum(phase.steps for phase in config.phases)
+        while True:
+            version = await client.weight_version()
+            if version not in done and (version % evaluation.every == 0 or version == last_step):
+                done.add(version)
+                report = await env.evaluate(num_items=evaluation.items)
+                row = curve.add(config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60)
+                log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
+            await asyncio.sleep(1.0)
+

@@ -1,0 +1,120 @@
+"""The pipeline's configuration (`clotho run CONFIG.yaml`): one run, its policy servers, its phases
+(each: environments to sample, trainer steps and settings), bounded staleness and evaluation.
+Imports nothing heavy, so a bad file fails in milliseconds with the field named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from clotho.overrides import apply_overrides
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EnvironmentEntry(Strict):
+    env: str = Field(description="An installed environment name (clotho env list) or 'module:Class'.")
+    weight: float = Field(default=1.0, gt=0.0, description="Share of the phase's items, relative to the others.")
+    config: dict[str, Any] = Field(default_factory=dict, description="The environment's config fields.")
+
+
+class ServersConfig(Strict):
+    count: int = Field(default=1, ge=0, description="vLLM servers the pipeline starts on the model, each hot-reloaded.")
+    urls: list[str] = Field(
+        default_factory=list,
+        description="Running servers to use as well (started with `clotho serve`); the pipeline reloads them too.",
+    )
+    dtype: str = Field(default="float32", description="Weights dtype: float32 on CPU, bfloat16 on GPUs.")
+    max_model_len: int = Field(default=2048, gt=0)
+    startup_timeout_s: float = Field(default=600.0, gt=0)
+    reload_poll_s: float = Field(default=0.5, gt=0, description="Seconds between looks for a new checkpoint.")
+
+    @model_validator(mode="after")
+    def _some_server(self) -> ServersConfig:
+        if self.count == 0 and not self.urls:
+            raise ValueError("servers: count is 0 and no urls are given; start one (count: 1) or list running ones")
+        return self
+
+
+class Phase(Strict):
+    name: str = Field(description="Shown in the curve and the logs, e.g. sft, rl.")
+    steps: int = Field(gt=0, description="Trainer steps of this phase.")
+    environments: list[EnvironmentEntry] = Field(min_length=1)
+    trainer: dict[str, Any] = Field(
+        default_factory=dict, description="TrainerConfig fields for this phase, on top of the pipeline's `trainer`."
+    )
+
+
+class RolloutConfig(Strict):
+    flows: int = Field(default=1, ge=1, description="Rollout flow runs per phase, each with its own lanes.")
+    max_concurrent_groups: int = Field(default=8, ge=1, description="Lanes per rollout flow.")
+    task_run_s: float = Field(default=10.0, ge=0)
+    shard_max_age_s: float = Field(default=10.0, ge=0)
+    deployment: str | None = Field(
+        default=None,
+        description="Run the rollout flows as runs of this deployment ('rollout/NAME', see prefect.yaml) on its "
+        "work pool, so workers on other machines add capacity; None runs them in the pipeline's process.",
+    )
+
+
+class EvaluationConfig(Strict):
+    env: str = Field(description="The environment whose `evaluate` (greedy, held-out items) gives the curve.")
+    config: dict[str, Any] = Field(default_factory=dict)
+    items: int = Field(default=32, gt=0)
+    every: int = Field(default=5, gt=0, description="Evaluate each served version divisible by this (and the last).")
+
+
+class PipelineConfig(Strict):
+    run: str = Field(description="Run URL STORAGE_URL/RUN: shards, checkpoints and progress of the run.")
+    model: str = Field(description="The initial policy: a Hugging Face model directory (or hub id where reachable).")
+    max_lag: int = Field(
+        default=1,
+        ge=0,
+        description="Bounded staleness k: every group is trained at most k policy versions after the one that "
+        "sampled it (the trainer's max_staleness and the samplers' admission); 0 is the synchronous loop.",
+    )
+    phases: list[Phase] = Field(min_length=1)
+    trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for every phase.")
+    servers: ServersConfig = Field(default_factory=ServersConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    evaluation: EvaluationConfig | None = None
+    data_timeout_s: float = Field(default=600.0, gt=0, description="The trainer gives up after this long without data.")
+
+    @model_validator(mode="after")
+    def _trainer_fields(self) -> PipelineConfig:
+        owned = {"model", "steps", "max_staleness"}
+        for where, fields in [("trainer", self.trainer)] + [(f"phases.{p.name}.trainer", p.trainer) for p in self.phases]:
+            clash = owned & set(fields)
+            if clash:
+                raise ValueError(
+                    f"{where}: {sorted(clash)} are the pipeline's (model, phases[].steps, max_lag); set them there"
+                )
+        return self
+
+    def phase_of(self, version: int) -> Phase:
+        """The phase whose steps trained policy version `version` (version 0: the first)."""
+        end = 0
+        for phase in self.phases:
+            end += phase.steps
+            if version <= end:
+                return phase
+        return self.phases[-1]
+
+    def trainer_overrides(self, phase: Phase) -> list[str]:
+        """`--set` overrides for one phase's trainer: the pipeline's trainer fields, the phase's, k."""
+        import json
+
+        merged = {**self.trainer, **phase.trainer, "max_staleness": self.max_lag}
+        return [f"{key}={json.dumps(value)}" for key, value in merged.items()]
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: top level is {type(loaded).__name__}; write a mapping of fields")
+        return cls.model_validate(apply_overrides(loaded, overrides))

@@ -1,0 +1,129 @@
+"""What the pipeline shows while it runs and after: the trainer's steps as they land in its
+metrics.jsonl, a progress line per step, the evaluation curve, and the run's summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.metrics import METRICS_FILE
+
+# The per-step table's columns (what a person watches in a run), then the rest as logged.
+TABLE_COLUMNS = (
+    "step", "score_mean", "sft/nll", "loss", "policy_version", "staleness_mean", "staleness_max",
+    "stale_groups_skipped", "utilization", "idle_fraction", "groups", "tokens_per_s", "step_time_s", "data_wait_s",
+)  # fmt: skip
+
+
+def artifact_key(run: str) -> str:
+    """Prefect artifact keys take lowercase letters, digits and dashes only."""
+    return "pipeline-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
+
+
+class StepLog:
+    """The trainer's metrics.jsonl read as it grows (the trainer runs in another process)."""
+
+    WINDOW = 10
+
+    def __init__(self, work_dir: Path):
+        self.path = work_dir / METRICS_FILE
+        self.offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's old steps
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def last_step(self) -> int:
+        return int(self.rows[-1]["step"]) if self.rows else 0
+
+    def new(self) -> list[dict[str, float]]:
+        """Steps written since the last call (whole lines only)."""
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as file:
+            file.seek(self.offset)
+            data = file.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        for row in rows:
+            # Groups per second of wall time over the last WINDOW steps.
+            window = self.rows[-self.WINDOW :]
+            if window and row["time"] > window[0]["time"]:
+                consumed = row.get("groups_consumed", 0) - window[0].get("groups_consumed", 0)
+                row["groups_per_s"] = consumed / (row["time"] - window[0]["time"])
+            self.rows.append(row)
+        return rows
+
+    def table(self) -> list[dict[str, Any]]:
+        logged = list(dict.fromkeys(name for row in self.rows for name in row))
+        columns = [c for c in TABLE_COLUMNS if c in logged] + [c for c in logged if c not in TABLE_COLUMNS]
+        return [{name: row.get(name) for name in columns} for row in self.rows]
+
+    def summary(self) -> dict[str, Any]:
+        """Over the whole run: utilization and idle fraction (the trainer's own running totals),
+        the staleness of what was trained, and the speed."""
+        if not self.rows:
+            return {}
+        last = self.rows[-1]
+        histogram: dict[str, float] = {}
+        for row in self.rows:
+            for key, value in row.items():
+                if key.startswith("staleness/"):
+                    histogram[key.split("/", 1)[1]] = histogram.get(key.split("/", 1)[1], 0) + value
+        seconds = last["time"] - self.rows[0]["time"]
+        return {
+            "utilization": last.get("utilization"),
+            "idle_fraction": last.get("idle_fraction"),
+            "staleness_histogram": dict(sorted(histogram.items(), key=lambda item: int(item[0]))),
+            "groups_per_s": (last.get("groups_consumed", 0) - self.rows[0].get("groups_consumed", 0)) / seconds if seconds > 0 else None,
+            "tokens_per_s": sum(r.get("tokens", 0) for r in self.rows) / sum(r.get("step_time_s", 0) for r in self.rows),
+        }
+
+
+def progress_line(phase: str, metrics: dict[str, float], seconds: float) -> str:
+    reward = metrics.get("score_mean")
+    shown = f"reward {reward:.3f}" if reward is not None else f"sft nll {metrics.get('sft/nll', float('nan')):.3f}"
+    return (
+        f"[{phase}] step {metrics['step']:.0f} {shown} policy v{metrics.get('policy_version', 0):.0f} "
+        f"utilization {metrics.get('utilization', 0):.2f} idle {metrics.get('idle_fraction', 0):.2f} "
+        f"groups/s {metrics.get('groups_per_s', 0):.2f} ({seconds / 60:.1f} min)"
+    )
+
+
+class Curve:
+    """The evaluation curve: one row per evaluated version, the same greedy measure in every phase."""
+
+    def __init__(self):
+        self.rows: list[dict[str, Any]] = []
+        self.changed = asyncio.Event()
+
+    def add(self, phase: str, step: int, reward: float, minutes: float) -> dict[str, Any]:
+        row = {"phase": phase, "step": step, "reward": reward, "minutes": round(minutes, 3)}
+        self.rows.append(row)
+        self.changed.set()
+        return row
+
+    async def wait_for(self, step: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(row["step"] >= step for row in self.rows) and time.monotonic() < deadline:
+            self.changed.clear()
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                break
+
+
+def report_markdown(run: str, steps: StepLog, curve: Curve, summary: dict[str, Any]) -> str:
+    lines = [f"# Pipeline run `{run}`", "", f"{summary.get('steps', 0)} steps in {summary.get('minutes', 0):.1f} minutes.", ""]
+    for name in ("utilization", "idle_fraction", "groups_per_s", "tokens_per_s"):
+        if summary.get(name) is not None:
+            lines.append(f"- {name}: {summary[name]:.3g}")
+    if summary.get("staleness_histogram"):
+        lines.append(f"- trained groups by staleness: {summary['staleness_histogram']}")
+    if curve.rows:
+        lines += ["", "| phase | step | reward (greedy, held out) | minutes |", "|---|---|---|---|"]
+        lines += [f"| {r['phase']} | {r['step']} | {r['reward']:.3f} | {r['minutes']:.1f} |" for r in curve.rows]
+    return "\n".join(lines)

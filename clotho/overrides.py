@@ -9,26 +9,39 @@ import yaml
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
-    """A copy of `data` with each `dotted.key=value` set; values are YAML (8, 1e-6, true, null, [a, b])."""
+    """A copy of `data` with each `dotted.key=value` set; values are YAML (8, 1e-6, true, null, [a, b]).
+    A number in the path indexes a list that is already there: `phases.1.steps=50`."""
     result = _deep_copy(data)
     for override in overrides:
         key, separator, raw = override.partition("=")
         if not separator or not key.strip():
             raise ValueError(f"--set {override!r}: write it as key.path=value, e.g. --set loss.name=dapo or --set group_size=8")
         parts = key.strip().split(".")
-        node = result
-        for depth, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                where = ".".join(parts[: depth + 1])
-                raise ValueError(f"--set {override!r}: {where} is a value, not a section")
-            node = child
+        node: Any = result
+        for depth, part in enumerate(parts):
+            where = ".".join(parts[: depth + 1])
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise ValueError(f"--set {override!r}: {where}: index a list of {len(node)} with 0..{len(node) - 1}")
+                part = int(part)
+            elif not isinstance(node, dict):
+                raise ValueError(f"--set {override!r}: {'.'.join(parts[:depth])} is a value, not a section")
+            if depth == len(parts) - 1:
+                break
+            if isinstance(node, dict):
+                node = node.setdefault(part, {})
+            else:
+                node = node[part]
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[part] = yaml.safe_load(raw)
         except yaml.YAMLError as error:
             raise ValueError(f"--set {override!r}: the value is not YAML ({error}); quote strings that look like YAML") from None
     return result
 
 
-def _deep_copy(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: _deep_copy(v) if isinstance(v, dict) else v for k, v in data.items()}
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data

@@ -15,6 +15,8 @@ _NUMBER = re.compile(r"-?\d+")
 class ArithmeticConfig(EnvironmentConfig):
     max_operand: int = Field(default=20, ge=1, description="Operands are drawn from 0..max_operand.")
     operations: str = Field(default="+-", pattern=r"^[+\-*]+$", description="Operators to draw from, a subset of '+-*'.")
+    pool: int | None = Field(default=None, ge=1, description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations; None: fresh problems.")
+    partial_credit: bool = Field(default=False, description="A wrong number still earns up to 0.5 the closer it is (a denser signal to learn from); exact answers always earn 1.")
 
 
 class Arithmetic(Environment):
@@ -26,10 +28,14 @@ class Arithmetic(Environment):
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)
         self.count = 0
+        self.problems = [self.problem() for _ in range(self.config.pool or 0)]
+
+    def problem(self) -> tuple[int, int, str]:
+        a, b = self.rng.randint(0, self.config.max_operand), self.rng.randint(0, self.config.max_operand)
+        return a, b, self.rng.choice(self.config.operations)
 
     async def get_item(self) -> Item:
-        a, b = self.rng.randint(0, self.config.max_operand), self.rng.randint(0, self.config.max_operand)
-        op = self.rng.choice(self.config.operations)
+        a, b, op = self.problems[self.count % len(self.problems)] if self.problems else self.problem()
         self.count += 1
         return Item(
             id=f"{self.config.seed}-{self.count}",
@@ -39,7 +45,12 @@ class Arithmetic(Environment):
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         match = _NUMBER.search(final_answer(messages))
-        return 1.0 if match and int(match.group()) == item.answer else 0.0
+        if not match:
+            return 0.0
+        distance = abs(int(match.group()) - item.answer)
+        if distance == 0 or not self.config.partial_credit:
+            return float(distance == 0)
+        return 0.5 * max(0.0, 1.0 - distance / (self.config.max_operand + 1))
 
     def gold_completion(self, item: Item) -> str:
         return f"{item.answer}"

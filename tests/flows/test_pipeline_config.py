@@ -1,0 +1,54 @@
+"""The pipeline's config: the bundled runs/*.yaml load, bad fields are named with the fix, phases
+are found by version, and each phase's trainer gets the pipeline's k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from flows.pipeline_config import PipelineConfig
+
+RUNS = Path(__file__).resolve().parents[2] / "runs"
+
+
+@pytest.mark.parametrize("path", sorted(RUNS.glob("*.yaml")), ids=lambda p: p.name)
+def test_the_bundled_runs_load(path):
+    config = PipelineConfig.from_yaml(path)
+    assert config.phases and all(phase.steps > 0 for phase in config.phases)
+
+
+def test_phases_by_version_and_trainer_overrides():
+    config = PipelineConfig.from_yaml(RUNS / "demo.yaml", ["max_lag=2", "phases.1.steps=10"])
+    sft, rl = config.phases
+    assert [config.phase_of(v).name for v in (0, 1, 60, 61, 70, 99)] == ["sft", "sft", "sft", "rl", "rl", "rl"]
+    overrides = config.trainer_overrides(rl)
+    assert "max_staleness=2" in overrides and "groups_per_step=8" in overrides and "lr=0.0005" in overrides
+    assert "groups_per_step=16" in config.trainer_overrides(sft)
+
+
+def test_bad_configs_name_the_field_and_the_fix(tmp_path):
+    base = {"run": "file:///tmp/x/run", "model": "m", "phases": [{"name": "rl", "steps": 2, "environments": [{"env": "arithmetic"}]}]}
+    PipelineConfig.model_validate(base)
+    with pytest.raises(ValueError, match="max_staleness.*the pipeline's"):
+        PipelineConfig.model_validate({**base, "trainer": {"max_staleness": 3}})
+    with pytest.raises(ValueError, match="servers: count is 0 and no urls"):
+        PipelineConfig.model_validate({**base, "servers": {"count": 0}})
+    with pytest.raises(ValueError, match="phases"):
+        PipelineConfig.model_validate({**base, "phases": []})
+    with pytest.raises(ValueError, match="max_lag"):
+        PipelineConfig.model_validate({**base, "max_lag": -1})
+    path = tmp_path / "bad.yaml"
+    path.write_text("- a list\n")
+    with pytest.raises(ValueError, match="top level is list"):
+        PipelineConfig.from_yaml(path)
+
+
+def test_overrides_index_lists():
+    from clotho.overrides import apply_overrides
+
+    data = {"phases": [{"steps": 1}, {"steps": 2}]}
+    assert apply_overrides(data, ["phases.1.steps=50"]) == {"phases": [{"steps": 1}, {"steps": 50}]}
+    assert data["phases"][1]["steps"] == 2  # a copy
+    with pytest.raises(ValueError, match="phases.2: index a list of 2 with 0..1"):
+        apply_overrides(data, ["phases.2.steps=5"])

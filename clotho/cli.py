@@ -65,20 +65,28 @@ class Stopped(Exception):
 
 def start_local_prefect_server() -> None:
     """Without PREFECT_API_URL a flow runs against a temporary local Prefect server that Prefect
-    starts on first use, as a child in our process group, so a Ctrl-C in the terminal would stop it
-    too, in the middle of the flow's cleanup (which then hangs reporting to it). Start it here,
-    with SIGINT ignored, which the child inherits; it still stops when this process exits."""
+    starts on first use, as a child in our process group: a Ctrl-C in the terminal (sent to the
+    whole group) would stop it in the middle of the flow's cleanup, which then hangs reporting to
+    it. Start it here in a session of its own (uvicorn installs its own SIGINT handler, so ignoring
+    the signal is not enough); Prefect still stops it when this process exits."""
+    import subprocess
+
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api import server as prefect_server
 
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    class OwnSession(subprocess.Popen):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, start_new_session=True, **kwargs)
+
+    popen = prefect_server.subprocess.Popen
+    prefect_server.subprocess.Popen = OwnSession  # only while this one server starts
     try:
-        SubprocessASGIServer().start()  # the instance Prefect's client then uses
+        prefect_server.SubprocessASGIServer().start()  # the instance Prefect's client then uses
     finally:
-        signal.signal(signal.SIGINT, previous)
+        prefect_server.subprocess.Popen = popen
 
 
 def drain_prefect_reporting(timeout_s: float = 15.0) -> None:

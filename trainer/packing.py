@@ -311,6 +311,8 @@ def build_step(
         stats[f"staleness/{value}"] = float(staleness.count(value))
     if scores:  # the reward of what the policy sampled; a demonstration's score is not one
         stats["score_mean"] = statistics.fmean(scores)
+        for env in sorted({g.env for g in rl_groups}):  # and each environment's, in a mixed run
+            stats[f"score_mean/{env}"] = statistics.fmean(s for g in rl_groups if g.env == env for s in g.scores)
     if trained_advantages.numel():
         stats |= {
             "advantage_mean": trained_advantages.mean().item(),

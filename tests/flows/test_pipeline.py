@@ -4,6 +4,7 @@ subflows with bounded staleness, the DeepSpeed trainer as a process; then Ctrl-C
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,12 +45,18 @@ def write_config(tmp_path: Path, model: Path, steps: int, **fields) -> Path:
 
 
 def left_behind(marker: str) -> list[str]:
-    """Processes whose command line names this test's directory (servers, trainer, flows)."""
+    """Processes whose command line or environment names this test's directory (servers, trainer,
+    flows, a temporary Prefect server with its PREFECT_HOME there)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
-        with_marker = any(marker in part for part in (process.info["cmdline"] or []))
-        if with_marker and process.pid != psutil.Process().pid:
-            found.append(" ".join(process.info["cmdline"]))
+        if process.pid == psutil.Process().pid:
+            continue
+        try:
+            environment = " ".join(process.environ().values())
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            environment = ""
+        if any(marker in part for part in (process.info["cmdline"] or [])) or marker in environment:
+            found.append(" ".join(process.info["cmdline"] or []))
     return found
 
 
@@ -78,11 +85,15 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_serve
     assert left_behind(str(tmp_path)) == []
 
 
-def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, prefect_server, tiny_model_dir):
+def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):
+    """As in a terminal: the temporary local Prefect server, and Ctrl-C sent to the whole process
+    group (which must not take that server down in the middle of the pipeline's cleanup)."""
     model = tmp_path / "model"
     subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
     config = write_config(tmp_path, model, steps=1000)
-    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(),
+    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=environment, start_new_session=True,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     metrics = tmp_path / "store" / "run" / "trainer"
     try:
@@ -92,13 +103,50 @@ def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, prefect_
             time.sleep(1)
         assert len(read_metrics(metrics)) >= 3, "the pipeline never got going"
         assert any("trainer.cli" in line for line in left_behind(str(tmp_path)))
-        process.send_signal(signal.SIGINT)
+        os.killpg(process.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
         output, _ = process.communicate(timeout=180)
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 130, output[-5000:]
+    assert "Error logging to API" not in output and "Unable to connect" not in output, output[-5000:]
     assert left_behind(str(tmp_path)) == [], "a process outlived the pipeline"
     # Every shard that was committed is whole and readable; the trainer resumes from its state.
     assert all(not check.problems for check in verify(f"file://{tmp_path}/store/run"))
     assert (metrics / "state").exists()
+
+
+def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline(tmp_path, prefect_server, tiny_model_dir):
+    """rollout.deployment: the pipeline starts its rollout flows as runs of the rollout deployment;
+    two `prefect worker` processes on the pool (one flow run at a time each) take one each."""
+    import contextlib
+
+    with contextlib.suppress(RuntimeError):  # another test may have made the pool
+        prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process")
+    prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
+    model = tmp_path / "model"
+    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    config = write_config(tmp_path, model, steps=4, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
+    logs = [tmp_path / f"worker-{name}.log" for name in ("a", "b")]
+    workers = [
+        subprocess.Popen(
+            [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", "rollout-pool", "--name", log.stem, "--limit", "1"],
+            env={**prefect_server.env(), "PREFECT_WORKER_QUERY_SECONDS": "2"}, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        for log in logs
+    ]
+    try:
+        done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    finally:
+        for worker in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(60)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    taken = [log.read_text().lower().count("submitting flow run") for log in logs]
+    assert taken == [1, 1], (taken, [log.read_text()[-2000:] for log in logs])
+    samplers = list((tmp_path / "store" / "run" / "progress" / "samplers").glob("*.json"))
+    assert len(samplers) == 2 and all(json.loads(p.read_text())["committed"] > 0 for p in samplers)
+    assert len(read_metrics(tmp_path / "store" / "run" / "trainer")) == 4

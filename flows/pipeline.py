@@ -189,7 +189,10 @@ def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir:
     log_file = (work_dir / "trainer.log").open("a")
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Its own process group: a Ctrl-C meant for the pipeline reaches it only through stop_process.
-    return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True)
+    try:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True)
+    finally:
+        log_file.close()  # the child holds its own copy
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:

@@ -121,8 +121,7 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
     two `prefect worker` processes on the pool (one flow run at a time each) take one each."""
     import contextlib
 
-    with contextlib.suppress(RuntimeError):  # another test may have made the pool
-        prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process")
+    prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process", "--overwrite")
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
     model = tmp_path / "model"
     subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)

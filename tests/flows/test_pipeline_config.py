@@ -21,7 +21,8 @@ def test_the_bundled_runs_load(path):
 def test_phases_by_version_and_trainer_overrides():
     config = PipelineConfig.from_yaml(RUNS / "demo.yaml", ["max_lag=2", "phases.1.steps=10"])
     sft, rl = config.phases
-    assert [config.phase_of(v).name for v in (0, 1, 60, 61, 70, 99)] == ["sft", "sft", "sft", "rl", "rl", "rl"]
+    end = sft.steps
+    assert [config.phase_of(v).name for v in (0, 1, end, end + 1, end + 10, 10**6)] == ["sft", "sft", "sft", "rl", "rl", "rl"]
     overrides = config.trainer_overrides(rl)
     assert "max_staleness=2" in overrides and "groups_per_step=8" in overrides and "lr=0.0005" in overrides
     assert "groups_per_step=16" in config.trainer_overrides(sft)

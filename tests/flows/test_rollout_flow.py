@@ -35,7 +35,7 @@ def flow_run_state(server, flow_run_id: str) -> str:
 
 
 def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_model_dir, tmp_path):
-    prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process")
+    prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process", "--overwrite")
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-arithmetic", cwd=REPO)
     storage = f"file://{tmp_path}/store"
     params = {

@@ -101,6 +101,7 @@ async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_non
         async def acquire(self):
             Counting.acquired += 1
             await asyncio.sleep(0.01)
+            return True
 
         def finished(self, stored):
             assert not stored

@@ -70,6 +70,16 @@ def prompt_messages(item: Item) -> Messages:
     return [dict(message) for message in item.prompt]
 
 
+def evaluation_report(scores: list[float], failures: int = 0) -> dict[str, float]:
+    """What `evaluate` reports: items answered, failures, mean score, share of scores above 0."""
+    return {
+        "items": float(len(scores)),
+        "failures": float(failures),
+        "mean_score": sum(scores) / len(scores) if scores else 0.0,
+        "success_rate": sum(s > 0 for s in scores) / len(scores) if scores else 0.0,
+    }
+
+
 def final_answer(messages: Messages) -> str:
     """The content of the last assistant message ('' when the model never answered)."""
     for message in reversed(messages):
@@ -199,12 +209,7 @@ class Environment(ABC):
                 failures += 1
             else:
                 scores.append(result.sequences[0].score)
-        return {
-            "items": float(len(scores)),
-            "failures": float(failures),
-            "mean_score": sum(scores) / len(scores) if scores else 0.0,
-            "success_rate": sum(s > 0 for s in scores) / len(scores) if scores else 0.0,
-        }
+        return evaluation_report(scores, failures)
 
     # ---- helpers the base class owns -------------------------------------------------------
     @property
@@ -311,6 +316,7 @@ __all__ = [
     "InvalidGroupError",
     "Item",
     "RolloutFailure",
+    "evaluation_report",
     "final_answer",
     "prompt_messages",
 ]

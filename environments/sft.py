@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
+from environments.base import Environment, EnvironmentConfig, Item, evaluation_report, final_answer, prompt_messages
 from environments.chat import Messages
 from environments.loading import load_config, load_environment_class
 from environments.scored_group import ScoredGroup, ScoredSequence
@@ -172,9 +172,4 @@ class SFT(Environment):
             )
             answer = {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}
             scores.append(self.reward(item, prompt_messages(item) + [answer]))
-        return {
-            "items": float(len(scores)),
-            "failures": 0.0,
-            "mean_score": sum(scores) / len(scores) if scores else 0.0,
-            "success_rate": sum(s > 0 for s in scores) / len(scores) if scores else 0.0,
-        }
+        return evaluation_report(scores)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,10 +67,10 @@ class Admission:
     """Admits this sampler's groups under the rule, counting its own exactly and reading the
     trainer's and the other samplers' positions at most every `refresh_s` (faster while blocked).
 
-    `served_version()` is the oldest version the flow's servers serve. Call `acquire()` before a
-    group samples, `finished(stored)` when it is stored in the writer or failed, and `writer_holds(n)` after the
-    writer flushed, with the groups it still buffers. `flush()` is awaited when admission
-    blocks with groups still buffered: they are what the trainer is waiting for.
+    `served_version()` is the oldest version the flow's servers serve and `buffered()` the groups
+    its shard writer holds (stored, not yet in a shard). Call `acquire()` before a group samples
+    and `finished(stored)` when it is given to the writer or failed. `flush()` is awaited when
+    admission blocks with groups still buffered: they are what the trainer is waiting for.
     """
 
     DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
@@ -84,20 +83,20 @@ class Admission:
         *,
         max_lag: int,
         served_version: Callable[[], Awaitable[int]],
+        buffered: Callable[[], int],
         flush: Callable[[], Awaitable[None]],
-        sampler: str | None = None,
+        sampler: str,
         last_step: int | None = None,
         refresh_s: float = 0.25,
         storage_options: dict[str, Any] | None = None,
         logger: logging.Logger | logging.LoggerAdapter = log,
     ):
         self.storage, self.run, self.max_lag = storage, run, max_lag
-        self.served_version, self.flush = served_version, flush
-        self.sampler = sampler or uuid.uuid4().hex[:12]
+        self.served_version, self.buffered, self.flush = served_version, buffered, flush
+        self.sampler = sampler
         self.refresh_s, self.storage_options, self.log = refresh_s, storage_options, logger
         self.last_step = last_step
-        self.committed = 0  # this sampler's groups in shards
-        self.buffered = 0  # stored in the writer, not yet in a shard
+        self.stored = 0  # this sampler's groups given to the writer: in shards, or buffered there
         self.sampling = 0
         self.trainer: TrainerPosition | None = None
         self.others = 0  # the other live samplers' committed + in flight, and dead ones' committed
@@ -109,13 +108,18 @@ class Admission:
         self.lock = asyncio.Lock()
 
     @property
+    def committed(self) -> int:
+        """This sampler's groups in shards."""
+        return self.stored - self.buffered()
+
+    @property
     def in_flight(self) -> int:
-        return self.sampling + self.buffered
+        return self.sampling + self.buffered()
 
     def pending(self) -> int:
         """Groups admitted by every sampler and not yet consumed by the trainer."""
         consumed = self.trainer.groups_consumed if self.trainer else 0
-        return max(0, self.committed + self.in_flight + self.others - consumed)
+        return max(0, self.stored + self.sampling + self.others - consumed)
 
     async def acquire(self) -> bool:
         """Wait until one more group may sample, and count it; False once the trainer has taken
@@ -134,7 +138,7 @@ class Admission:
                 if self.blocked_since is None:
                     self.blocked_since = time.monotonic()
                     (self.log.info if self.trainer is None else self.log.debug)(self._why_blocked())
-                if self.buffered:
+                if self.buffered():
                     await self.flush()
                 await asyncio.sleep(self.refresh_s)
 
@@ -143,7 +147,7 @@ class Admission:
         given back)."""
         self.sampling -= 1
         if stored:
-            self.buffered += 1
+            self.stored += 1
 
     @property
     def done(self) -> bool:
@@ -164,18 +168,12 @@ class Admission:
     def flush_due(self) -> bool:
         """Whether the buffered groups make a step for the trainer: write them now rather than
         when the shard is full or old, since the trainer waits for exactly these."""
-        return self.trainer is not None and self.buffered >= self.trainer.groups_per_step
+        return self.trainer is not None and self.buffered() >= self.trainer.groups_per_step
 
-    def writer_holds(self, buffered: int) -> None:
-        """The flow's writer now buffers `buffered` groups; the rest of those stored are in shards."""
-        self.committed += self.buffered - buffered
-        self.buffered = buffered
-
-    async def close(self, buffered: int = 0) -> None:
-        """Publish the final counts once the flow's writer is closed (`buffered`: what it still
-        holds, 0 after its last flush): nothing of this sampler is in flight any more."""
+    async def close(self) -> None:
+        """Publish the final counts once the flow's writer is closed (its last flush wrote every
+        stored group): nothing of this sampler is in flight any more."""
         self.sampling = 0
-        self.writer_holds(buffered)
         await self._write(force=True)
 
     def _why_blocked(self) -> str:

@@ -30,7 +30,8 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
 
 from flows.pipeline_config import PipelineConfig, Phase
-from flows.pipeline_report import Curve, StepLog, artifact_key, progress_line, report_markdown
+from flows.artifacts import artifact_key
+from flows.pipeline_report import Curve, StepLog, progress_line, report_markdown
 from flows.rollout import rollout
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
@@ -39,6 +40,7 @@ from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.layout import split_run_url
 from storage.progress import TrainerPosition, read_trainer_position, write_trainer_position
+from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
 
@@ -57,25 +59,30 @@ async def pipeline(
     log = get_run_logger()
     storage, run = split_run_url(config.run)
     work_dir = default_work_dir(storage, run)
-    key = artifact_key(run)
+    key = artifact_key("pipeline", run)
+    api_key = await resolve_api_key(None)  # $CLOTHO_API_KEY (clotho run --api-key sets it)
     started = time.monotonic()
-    total_steps = sum(phase.steps for phase in config.phases)
-    progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {total_steps}")
+    progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {config.total_steps}")
     steps = StepLog(work_dir)
     curve = Curve()
 
+    async def show_new_steps(phase: Phase) -> None:
+        for metrics in steps.new():
+            log.info(progress_line(phase.name, metrics, time.monotonic() - started))
+            await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / config.total_steps)
+
     async with contextlib.AsyncExitStack() as stack:
         # Servers, the reload watcher and the evaluator run for the whole pipeline.
-        servers = await start_servers(config, log)
+        servers = await start_servers(config, api_key, log)
         stack.callback(stop_servers, servers)
         urls = [server.base_url for server in servers] + list(config.servers.urls)
         tokenizer = config.model
-        watcher = reload_watcher(config, servers, urls)
+        watcher = reload_watcher(config, servers, api_key)
         stop_watching = asyncio.Event()
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching))
         stack.push_async_callback(finish, watching, stop_watching)
         if config.evaluation is not None:
-            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], tokenizer, curve, started, log))
+            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], api_key, tokenizer, curve, started, log))
             stack.push_async_callback(cancel_and_wait, [evaluating])
 
         end_step = 0
@@ -95,9 +102,7 @@ async def pipeline(
             try:
                 while trainer.poll() is None:
                     await asyncio.sleep(1.0)
-                    for metrics in steps.new():
-                        log.info(progress_line(phase.name, metrics, time.monotonic() - started))
-                        await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / total_steps)
+                    await show_new_steps(phase)
                     failed = [task for task in rollouts if task.done() and task.exception() is not None]
                     if failed:
                         raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
@@ -105,8 +110,7 @@ async def pipeline(
                     raise RuntimeError(
                         f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
                     )
-                for metrics in steps.new():
-                    log.info(progress_line(phase.name, metrics, time.monotonic() - started))
+                await show_new_steps(phase)
                 # The rollout flows end on their own once the trainer took the phase's last groups.
                 await asyncio.wait(rollouts, timeout=60)
             finally:
@@ -115,7 +119,7 @@ async def pipeline(
             await acreate_table_artifact(steps.table(), key=f"{key}-metrics", description=f"Trainer metrics of run {run}")
 
         # The last checkpoint is served (and evaluated) before the pipeline stops.
-        await wait_until_served(urls, end_step, timeout_s=120)
+        await wait_until_served(urls, api_key, end_step, timeout_s=120)
         if config.evaluation is not None:
             await curve.wait_for(end_step, timeout_s=300)
 
@@ -123,16 +127,16 @@ async def pipeline(
     summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
     if curve.rows:
         summary["curve"] = curve.rows
-    await acreate_markdown_artifact(report_markdown(run, steps, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
+    await acreate_markdown_artifact(report_markdown(run, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
     log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
     return summary
 
 
-async def start_servers(config: PipelineConfig, log) -> list[PolicyServer]:
+async def start_servers(config: PipelineConfig, api_key: str | None, log) -> list[PolicyServer]:
     """The pipeline's own policy servers, started at once (in parallel) on the initial model."""
     servers = [
         PolicyServer(
-            config.model, api_key=os.environ.get("CLOTHO_API_KEY") or None, dtype=config.servers.dtype,
+            config.model, api_key=api_key, dtype=config.servers.dtype,
             max_model_len=config.servers.max_model_len,
         )  # fmt: skip
         for _ in range(config.servers.count)
@@ -159,7 +163,7 @@ def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run
     phase's trainer writes its own as soon as it is up."""
     from trainer.config import TrainerConfig
 
-    settings = TrainerConfig.model_validate({**config.trainer, **phase.trainer, "model": config.model})
+    settings = TrainerConfig.model_validate({**config.trainer_fields(phase), "model": config.model})
     known = read_trainer_position(storage, run)
     position = TrainerPosition(
         steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
@@ -169,8 +173,7 @@ def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run
     write_trainer_position(storage, run, position)
 
 
-def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], urls: list[str]) -> ReloadWatcher:
-    api_key = os.environ.get("CLOTHO_API_KEY") or None
+def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher:
     policies = [ServedPolicy.of(server) for server in servers]
     policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key) for url in config.servers.urls]
     guard = ParityGuard.for_model(config.model, dtype=config.servers.dtype)
@@ -264,15 +267,17 @@ async def finish(watching: asyncio.Future, stop: asyncio.Event) -> None:
         await cancel_and_wait([watching])
 
 
-async def wait_until_served(urls: list[str], version: int, timeout_s: float) -> None:
+async def wait_until_served(urls: list[str], api_key: str | None, version: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for url in urls:
-        async with PolicyClient(url, api_key=os.environ.get("CLOTHO_API_KEY") or None) as client:
+        async with PolicyClient(url, api_key=api_key) as client:
             while await client.weight_version() < version and time.monotonic() < deadline:
                 await asyncio.sleep(0.5)
 
 
-async def evaluate_versions(config: PipelineConfig, url: str, tokenizer: str, curve: Curve, started: float, log) -> None:
+async def evaluate_versions(
+    config: PipelineConfig, url: str, api_key: str | None, tokenizer: str, curve: Curve, started: float, log
+) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
     at the last step: the curve, the same measure in every phase."""
@@ -280,8 +285,8 @@ async def evaluate_versions(config: PipelineConfig, url: str, tokenizer: str, cu
 
     evaluation = config.evaluation
     env_class = load_environment_class(evaluation.env)
-    last_step = sum(phase.steps for phase in config.phases)
-    async with PolicyClient(url, api_key=os.environ.get("CLOTHO_API_KEY") or None) as client:
+    last_step = config.total_steps
+    async with PolicyClient(url, api_key=api_key) as client:
         env = env_class(load_config(env_class, evaluation.config), client=client, tokenizer=tokenizer)
         await env.setup()
         evaluated: int | None = None

@@ -96,6 +96,10 @@ class PipelineConfig(Strict):
                 )
         return self
 
+    @property
+    def total_steps(self) -> int:
+        return sum(phase.steps for phase in self.phases)
+
     def phase_of(self, version: int) -> Phase:
         """The phase whose steps trained policy version `version` (version 0: the first)."""
         end = 0
@@ -105,12 +109,15 @@ class PipelineConfig(Strict):
                 return phase
         return self.phases[-1]
 
+    def trainer_fields(self, phase: Phase) -> dict[str, Any]:
+        """One phase's TrainerConfig fields: the pipeline's trainer fields, the phase's, k."""
+        return {**self.trainer, **phase.trainer, "max_staleness": self.max_lag}
+
     def trainer_overrides(self, phase: Phase) -> list[str]:
-        """`--set` overrides for one phase's trainer: the pipeline's trainer fields, the phase's, k."""
+        """The same as `--set` overrides for the phase's `clotho train`."""
         import json
 
-        merged = {**self.trainer, **phase.trainer, "max_staleness": self.max_lag}
-        return [f"{key}={json.dumps(value)}" for key, value in merged.items()]
+        return [f"{key}={json.dumps(value)}" for key, value in self.trainer_fields(phase).items()]
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

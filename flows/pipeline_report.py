@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -17,11 +16,6 @@ TABLE_COLUMNS = (
     "step", "score_mean", "sft/nll", "loss", "policy_version", "staleness_mean", "staleness_max",
     "stale_groups_skipped", "utilization", "idle_fraction", "groups", "tokens_per_s", "step_time_s", "data_wait_s",
 )  # fmt: skip
-
-
-def artifact_key(run: str) -> str:
-    """Prefect artifact keys take lowercase letters, digits and dashes only."""
-    return "pipeline-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
 
 
 class StepLog:
@@ -116,7 +110,7 @@ class Curve:
                 break
 
 
-def report_markdown(run: str, steps: StepLog, curve: Curve, summary: dict[str, Any]) -> str:
+def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
     lines = [f"# Pipeline run `{run}`", "", f"{summary.get('steps', 0)} steps in {summary.get('minutes', 0):.1f} minutes.", ""]
     for name in ("utilization", "idle_fraction", "groups_per_s", "tokens_per_s"):
         if summary.get(name) is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -10,6 +9,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_table_artifact
 
+from flows.artifacts import artifact_key
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
 from inference.watcher import ReloadOutcome, ReloadWatcher
@@ -39,7 +39,7 @@ async def reload_watcher(
     log = get_run_logger()
     api_key = await resolve_api_key(api_key_secret)
     _, run = split_run_url(run_url)
-    artifact_key = "reload-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
+    key = artifact_key("reload", run)
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)
     policies = [ServedPolicy(url.rstrip("/"), Path(base_model), api_key=api_key, model_name=served_model_name)
                 for url in servers]  # fmt: skip
@@ -50,7 +50,7 @@ async def reload_watcher(
             level = log.info if outcome.status in ("reloaded", "restored") else log.error
             level("%s: %s, serving version %d: %s", outcome.base_url, outcome.status, outcome.version, outcome.detail)
         await acreate_table_artifact(
-            key=artifact_key,
+            key=key,
             table=[asdict(outcome) for outcome in watcher.history[-20:]],
             description=f"Last reloads of {run_url}",
         )

@@ -100,13 +100,12 @@ async def rollout(
             async def flush_now() -> None:
                 for url in await asyncio.to_thread(writer.flush):
                     emit_shard_event(url, run, None)
-                admission.writer_holds(writer.pending_groups)
 
             admission = Admission(
-                storage, run, max_lag=max_policy_lag, served_version=served_version, flush=flush_now, sampler=sampler_name(), logger=log,
-                last_step=until_step,
+                storage, run, max_lag=max_policy_lag, served_version=served_version, buffered=lambda: writer.pending_groups,
+                flush=flush_now, sampler=sampler_name(), logger=log, last_step=until_step,
             )
-            clients.push_async_callback(lambda: admission.close(writer.pending_groups))
+            clients.push_async_callback(admission.close)
         items = ItemStream(specs, sources, groups, seed, admission=admission)
 
         async def store(spec: EnvSpec, results: Results) -> None:
@@ -121,10 +120,8 @@ async def rollout(
                 if scored:
                     for url in await asyncio.to_thread(writer.add_many, scored):
                         emit_shard_event(url, run, scored[0].env)
-                    if admission is not None:
-                        admission.writer_holds(writer.pending_groups)
-                        if admission.flush_due():
-                            await flush_now()
+                    if admission is not None and admission.flush_due():
+                        await flush_now()
                 await progress.update(sum(s.groups + s.failures for s in stats.values()))
 
             await to_the_end(counted())
@@ -165,7 +162,7 @@ async def rollout(
             await store(spec, results)
 
         lanes = [lane(index, servers[index % len(servers)]) for index in range(max_concurrent_groups)]
-        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run, admission)))
+        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run)))
     seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
     await progress.close()
     summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs)
@@ -225,15 +222,13 @@ async def all_or_none(lanes: list[Awaitable[int]], background: Awaitable[None]) 
         await to_the_end(asyncio.gather(*tasks, helper, return_exceptions=True))
 
 
-async def flush_aged_shards(writer: ShardWriter, run: str, admission: Admission | None = None) -> None:
+async def flush_aged_shards(writer: ShardWriter, run: str) -> None:
     """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
     while True:
         await asyncio.sleep(1.0)
         if writer.due():
             for url in await asyncio.to_thread(writer.flush_if_due):
                 emit_shard_event(url, run, None)
-            if admission is not None:
-                admission.writer_holds(writer.pending_groups)
 
 
 async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:

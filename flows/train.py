@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from prefect.artifacts import (
 
 from storage.checkpoints import latest_checkpoint
 from storage.layout import split_run_url
+from flows.artifacts import artifact_key
 from trainer.config import TrainerConfig
 from trainer.metrics import read_metrics
 from trainer.train import default_work_dir, format_metrics
@@ -53,7 +53,7 @@ def train(
     config = TrainerConfig.from_yaml(
         config_path, [*(overrides or []), f"model={json.dumps(model)}", f"steps={steps}"]
     )
-    key = artifact_key(run)
+    key = artifact_key("train", run)
     progress = create_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {steps}")
     for metrics in training_steps(
         config, storage, run, work_dir=Path(work_dir) if work_dir else None,
@@ -81,11 +81,6 @@ def train(
         "checkpoint": checkpoint.url if checkpoint else None,
         "final_metrics": history[-1] if history else {},
     }
-
-
-def artifact_key(run: str) -> str:
-    """Prefect artifact keys take lowercase letters, digits and dashes only."""
-    return "train-" + re.sub(r"[^a-z0-9-]+", "-", run.lower())
 
 
 def table_columns(history: list[dict[str, float]]) -> list[str]:

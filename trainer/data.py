@@ -53,11 +53,13 @@ def next_step_groups(
     A stale rl group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
-    it: resume from the last state. Before each wait, `on_wait` hears the stale groups consumed so
-    far: the samplers must see them consumed, or they would wait for a trainer that waits for them.
+    it: resume from the last state. Before a wait that follows new stale groups, `on_wait` hears
+    the stale groups consumed so far: the samplers must see them consumed, or they would wait for a
+    trainer that waits for them.
     """
     fresh: list[ScoredGroup] = []
     stale: list[ScoredGroup] = []
+    stale_told = 0
     last_group = time.monotonic()
     wait_logged = False
     while True:
@@ -83,6 +85,7 @@ def next_step_groups(
         if not wait_logged:
             log.info("waiting for groups in %s (%d of %d so far)", reader.url, len(fresh), count)
             wait_logged = True
-        if on_wait is not None:
+        if on_wait is not None and len(stale) != stale_told:
             on_wait(stale)
+            stale_told = len(stale)
         time.sleep(poll_s)

@@ -99,15 +99,17 @@ def micro_batch_loss(
     # Connected to the graph even with nothing to train, so every rank runs the same backward.
     total = logprobs.sum() * 0.0
     metrics = {}
+    old_logprobs, advantages = batch.old_logprobs.to(device), batch.advantages.to(device)
+    sequence_ids = batch.sequence_ids.to(device)
     for objective in batch.objectives:
         share = objectives[objective]
         loss, metrics[objective] = policy_loss(
             logprobs,
-            batch.old_logprobs.to(device),
-            batch.advantages.to(device),
+            old_logprobs,
+            advantages,
             batch.objective_mask(objective).to(device),
             config,
-            sequence_ids=batch.sequence_ids.to(device),
+            sequence_ids=sequence_ids,
             ref_logprobs=ref_logprobs,
             step_num_sequences=share.num_sequences / world_size,
             step_num_tokens=share.num_trained_tokens / world_size,

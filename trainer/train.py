@@ -84,7 +84,7 @@ def train(
         ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
         reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
         metrics_log = MetricsLog(work_dir)
-        publish_position(**where, step=step, policy_version=policy_version, totals=totals)
+        publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
         log.info(
             "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
             config.model, reader.url, "resuming" if saved else "starting", step, config.steps,
@@ -98,15 +98,13 @@ def train(
             wait_started = time.monotonic()
             groups, stale = None, []
             if reader is not None:
-                published_stale = 0
 
                 def consumed_so_far(stale_groups: list) -> None:
                     # Stale groups are consumed the moment they are skipped: tell the samplers.
-                    nonlocal published_stale
-                    if len(stale_groups) != published_stale:
-                        published_stale = len(stale_groups)
-                        so_far = {**totals, "groups_consumed": totals["groups_consumed"] + published_stale}
-                        publish_position(**where, step=step - 1, policy_version=policy_version, totals=so_far)
+                    publish_position(
+                        **where, step=step - 1, policy_version=policy_version,
+                        groups_consumed=totals["groups_consumed"] + len(stale_groups),
+                    )  # fmt: skip
 
                 groups, stale = next_step_groups(
                     reader, config.groups_per_step, policy_version=policy_version,
@@ -121,7 +119,7 @@ def train(
             totals["sequences_trained"] += trained_sequences
             if rank == 0:
                 # At once: the samplers admit the next step's groups on it.
-                publish_position(**where, step=step, policy_version=policy_version, totals=totals)
+                publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
 
             # Update: every micro-batch's loss is its share of the step's, gradients add up.
             started = time.monotonic()
@@ -151,7 +149,7 @@ def train(
                 )  # fmt: skip
                 policy_version = step
                 if rank == 0:
-                    publish_position(**where, step=step, policy_version=step, totals=totals)
+                    publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
                 trainer_state = {
                     "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals
                 }  # fmt: skip
@@ -178,13 +176,13 @@ def publish_position(
     run: str,
     step: int,
     policy_version: int,
-    totals: dict[str, float],
+    groups_consumed: int,
     storage_options: dict[str, Any] | None,
 ) -> None:
     """Where the trainer is, written for the samplers' admission (flows.admission) after each read
     and each publish, so they can tell a pending group from a consumed one at every step."""
     position = TrainerPosition(
-        steps=step, groups_consumed=int(totals["groups_consumed"]), policy_version=policy_version,
+        steps=step, groups_consumed=int(groups_consumed), policy_version=policy_version,
         groups_per_step=config.groups_per_step, save_every=config.save_every,
         max_staleness=config.max_staleness,
     )  # fmt: skip

@@ -193,17 +193,22 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
     root = str(tmp_path)
     flushed = []
     served = Served(0)
+    writer = {"buffered": 0}  # what the flow's shard writer holds
 
     async def flush():
-        flushed.append(admission.buffered)
-        admission.writer_holds(0)
+        flushed.append(writer["buffered"])
+        writer["buffered"] = 0
 
-    admission = Admission(root, "run", max_lag=0, served_version=served, flush=flush, sampler="a", refresh_s=0.02)
+    admission = Admission(
+        root, "run", max_lag=0, served_version=served, buffered=lambda: writer["buffered"], flush=flush,
+        sampler="a", refresh_s=0.02,
+    )  # fmt: skip
     assert not await admitted_within(admission, 0.2), "no trainer position yet: wait for one"
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0))
     assert await admitted_within(admission, 1) and await admitted_within(admission, 1)
-    admission.finished(stored=True)
-    admission.finished(stored=True)
+    for _ in range(2):
+        admission.finished(stored=True)
+        writer["buffered"] += 1
     assert not await admitted_within(admission, 0.2), "two groups pending = one step for k = 0"
     assert flushed[:1] == [2], "blocked with groups buffered: flush them for the trainer"
     assert read_sampler_positions(root, "run") == [SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12))]
@@ -227,7 +232,9 @@ async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(
     async def flush():
         pass
 
-    admission = Admission(root, "run", max_lag=0, served_version=Served(0), flush=flush, sampler="me", refresh_s=0.02)
+    admission = Admission(
+        root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="me", refresh_s=0.02
+    )
     write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=2))
     write_sampler_position(root, "run", SamplerPosition("dead", committed=0, in_flight=5, updated_at=1.0))
     assert await admitted_within(admission, 1), "3 of 4 pending: one more fits"

@@ -63,7 +63,7 @@ from inference.server import PolicyServer  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
 from tasks.rollout import EnvSpec  # noqa: E402
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
+from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
@@ -136,22 +136,6 @@ def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str
         "client_cpu_ms_per_task": round(1000 * phase["client_cpu"] / tasks, 1),
         "prefect_server_cpu_ms_per_task": round(1000 * phase["prefect_server_cpu"] / tasks, 1),
     }
-
-
-# Two-sided 95% quantiles of Student's t, by degrees of freedom (1.96 beyond the table).
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
-
-
-def interval(ratios: list[float]) -> dict[str, float] | None:
-    """The geometric mean of per-round ratios with its 95% confidence interval (t on the logs):
-    rounds are the repeated measurements, so the interval is what this run can tell apart."""
-    if len(ratios) < 2:
-        return None
-    logs = [math.log(r) for r in ratios]
-    mean = statistics.fmean(logs)
-    half = (T_975[len(logs) - 2] if len(logs) - 1 <= len(T_975) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {"mean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3), "high": round(math.exp(mean + half), 3)}
 
 
 def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) -> dict:

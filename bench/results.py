@@ -4,8 +4,10 @@ commit they were measured. The README's numbers are read from these files, never
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -39,3 +41,19 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(f"results written to {path}")
     return path
+
+
+# Two-sided 95% quantiles of Student's t, by degrees of freedom (1.96 beyond the table).
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
+
+
+def interval(ratios: list[float]) -> dict[str, float] | None:
+    """The geometric mean of per-round ratios with its 95% confidence interval (t on the logs):
+    rounds are the repeated measurements, so the interval is what this run can tell apart."""
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean = statistics.fmean(logs)
+    half = (T_975[len(logs) - 2] if len(logs) - 1 <= len(T_975) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {"mean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3), "high": round(math.exp(mean + half), 3)}

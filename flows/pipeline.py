@@ -31,7 +31,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifa
 
 from flows.pipeline_config import PipelineConfig, Phase
 from flows.artifacts import artifact_key
-from flows.pipeline_report import Curve, StepLog, progress_line, report_markdown
+from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, report_markdown, staleness_table
 from flows.rollout import rollout
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
@@ -39,7 +39,7 @@ from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.layout import split_run_url
-from storage.progress import TrainerPosition, read_trainer_position, write_trainer_position
+from storage.progress import TrainerPosition, read_sampler_positions, read_trainer_position, write_trainer_position
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
@@ -65,13 +65,22 @@ async def pipeline(
     progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {config.total_steps}")
     steps = StepLog(work_dir)
     curve = Curve()
+    measured = PipelineLog(work_dir)  # reload times and evaluations (the trainer logs its steps)
 
     async def show_new_steps(phase: Phase) -> None:
         for metrics in steps.new():
             log.info(progress_line(phase.name, metrics, time.monotonic() - started))
             await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / config.total_steps)
 
+    async def show_tables() -> None:
+        await acreate_table_artifact(steps.table(measured.reload_s), key=f"{key}-metrics", description=f"Trainer metrics of run {run}")
+        histogram = steps.staleness_histogram()
+        if histogram:
+            description = f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})"
+            await acreate_table_artifact(staleness_table(histogram), key=f"{key}-staleness", description=description)
+
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(measured.close)
         # Servers, the reload watcher and the evaluator run for the whole pipeline.
         servers = await start_servers(config, api_key, log)
         stack.callback(stop_servers, servers)
@@ -79,10 +88,10 @@ async def pipeline(
         tokenizer = config.model
         watcher = reload_watcher(config, servers, api_key)
         stop_watching = asyncio.Event()
-        watching = asyncio.ensure_future(watcher.run(stop=stop_watching))
+        watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=measured.reloads))
         stack.push_async_callback(finish, watching, stop_watching)
         if config.evaluation is not None:
-            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], api_key, tokenizer, curve, started, log))
+            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], api_key, tokenizer, curve, measured, started, log))
             stack.push_async_callback(cancel_and_wait, [evaluating])
 
         end_step = 0
@@ -94,6 +103,7 @@ async def pipeline(
                 continue
             log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
             set_trainer_position(config, phase, storage, run)
+            measured.phase(phase.name, end_step)
             trainer = start_trainer(config, phase, end_step, work_dir)
             rollouts = [
                 asyncio.ensure_future(phase_rollout(config, phase, end_step, urls, tokenizer, index))
@@ -116,7 +126,7 @@ async def pipeline(
             finally:
                 stop_process(trainer)
                 await cancel_and_wait(rollouts)
-            await acreate_table_artifact(steps.table(), key=f"{key}-metrics", description=f"Trainer metrics of run {run}")
+            await show_tables()
 
         # The last checkpoint is served (and evaluated) before the pipeline stops.
         await wait_until_served(urls, api_key, end_step, timeout_s=120)
@@ -124,7 +134,9 @@ async def pipeline(
             await curve.wait_for(end_step, timeout_s=300)
 
     await aupdate_progress_artifact(progress, 100.0)
+    await show_tables()  # with the last reloads
     summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
+    summary |= measured.summary() | sample_utilization(storage, run, steps)
     if curve.rows:
         summary["curve"] = curve.rows
     await acreate_markdown_artifact(report_markdown(run, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
@@ -275,8 +287,19 @@ async def wait_until_served(urls: list[str], api_key: str | None, version: int, 
                 await asyncio.sleep(0.5)
 
 
+def sample_utilization(storage: str, run: str, steps: StepLog) -> dict[str, float]:
+    """Groups trained / groups the samplers committed, over the run (the trainer's utilization
+    counts what it read; this also counts what was sampled and never read)."""
+    sampled = sum(position.committed for position in read_sampler_positions(storage, run))
+    trained = steps.rows[-1].get("groups_trained") if steps.rows else None
+    if not sampled or trained is None:
+        return {}
+    return {"groups_sampled": sampled, "groups_trained": trained, "sample_utilization": trained / sampled}
+
+
 async def evaluate_versions(
-    config: PipelineConfig, url: str, api_key: str | None, tokenizer: str, curve: Curve, started: float, log
+    config: PipelineConfig, url: str, api_key: str | None, tokenizer: str, curve: Curve, measured: PipelineLog,
+    started: float, log,
 ) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
@@ -296,6 +319,7 @@ async def evaluate_versions(
                 report = await env.evaluate(num_items=evaluation.items)
                 # A reload may land while it evaluates: record the version it started on.
                 row = curve.add(config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60)
+                measured.evaluation(row)
                 log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
                 evaluated = version
             await asyncio.sleep(0.5)

@@ -9,13 +9,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.metrics import METRICS_FILE
+from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
 
 # The per-step table's columns (what a person watches in a run), then the rest as logged.
 TABLE_COLUMNS = (
     "step", "score_mean", "sft/nll", "loss", "policy_version", "staleness_mean", "staleness_max",
-    "stale_groups_skipped", "utilization", "idle_fraction", "groups", "tokens_per_s", "step_time_s", "data_wait_s",
+    "stale_groups_skipped", "utilization", "idle_fraction", "groups", "groups_per_s", "tokens_per_s", "reload_s",
+    "step_time_s", "data_wait_s",
 )  # fmt: skip
+PIPELINE_LOG = "pipeline.jsonl"
 
 
 class StepLog:
@@ -51,10 +53,23 @@ class StepLog:
             self.rows.append(row)
         return rows
 
-    def table(self) -> list[dict[str, Any]]:
-        logged = list(dict.fromkeys(name for row in self.rows for name in row))
+    def table(self, reloads: dict[int, float] | None = None) -> list[dict[str, Any]]:
+        """One row per step; `reloads` (version -> seconds) adds the reload of the checkpoint the
+        step published."""
+        rows = [{**row, "reload_s": (reloads or {}).get(int(row["step"]))} for row in self.rows]
+        logged = list(dict.fromkeys(name for row in rows for name in row if row[name] is not None))
         columns = [c for c in TABLE_COLUMNS if c in logged] + [c for c in logged if c not in TABLE_COLUMNS]
-        return [{name: row.get(name) for name in columns} for row in self.rows]
+        return [{name: row.get(name) for name in columns} for row in rows]
+
+    def staleness_histogram(self) -> dict[str, float]:
+        """Trained groups by how many versions behind the trained policy they were sampled."""
+        histogram: dict[str, float] = {}
+        for row in self.rows:
+            for key, value in row.items():
+                if key.startswith("staleness/"):
+                    lag = key.split("/", 1)[1]
+                    histogram[lag] = histogram.get(lag, 0) + value
+        return dict(sorted(histogram.items(), key=lambda item: int(item[0])))
 
     def summary(self) -> dict[str, Any]:
         """Over the whole run: utilization and idle fraction (the trainer's own running totals),
@@ -62,19 +77,71 @@ class StepLog:
         if not self.rows:
             return {}
         last = self.rows[-1]
-        histogram: dict[str, float] = {}
-        for row in self.rows:
-            for key, value in row.items():
-                if key.startswith("staleness/"):
-                    histogram[key.split("/", 1)[1]] = histogram.get(key.split("/", 1)[1], 0) + value
         seconds = last["time"] - self.rows[0]["time"]
         return {
             "utilization": last.get("utilization"),
             "idle_fraction": last.get("idle_fraction"),
-            "staleness_histogram": dict(sorted(histogram.items(), key=lambda item: int(item[0]))),
+            "staleness_histogram": self.staleness_histogram(),
+            "stale_groups_skipped": sum(r.get("stale_groups_skipped", 0) for r in self.rows),
             "groups_per_s": (last.get("groups_consumed", 0) - self.rows[0].get("groups_consumed", 0)) / seconds if seconds > 0 else None,
             "tokens_per_s": sum(r.get("tokens", 0) for r in self.rows) / sum(r.get("step_time_s", 0) for r in self.rows),
         }
+
+
+def staleness_table(histogram: dict[str, float]) -> list[dict[str, Any]]:
+    """The staleness histogram as a Prefect table: versions behind, groups, share of the trained."""
+    total = sum(histogram.values()) or 1.0
+    return [{"versions_behind": int(lag), "groups": int(count), "share": round(count / total, 4)} for lag, count in histogram.items()]
+
+
+class PipelineLog:
+    """What the pipeline measures itself, beside the trainer's steps: each reload (seconds from the
+    watcher finding a checkpoint to every server serving it, parity check included) and each
+    evaluation, as JSON lines in `{work_dir}/pipeline.jsonl` and TensorBoard scalars
+    (`pipeline/reload_s`, `eval/reward`) next to the trainer's."""
+
+    def __init__(self, work_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (work_dir / PIPELINE_LOG).open("a")
+        self._tensorboard = SummaryWriter(str(work_dir / TENSORBOARD_DIR))
+        self.reload_s: dict[int, float] = {}
+
+    def _write(self, row: dict[str, Any], scalars: dict[str, float], step: int) -> None:
+        self._file.write(json.dumps({**row, "time": time.time()}) + "\n")
+        self._file.flush()
+        for name, value in scalars.items():
+            self._tensorboard.add_scalar(name, value, step)
+        self._tensorboard.flush()
+
+    async def reloads(self, outcomes: list[Any]) -> None:
+        """The watcher's `on_outcomes`: the slowest server's reload time for each version."""
+        for outcome in outcomes:
+            if outcome.status == "reloaded" and outcome.total_s is not None:
+                seconds = max(self.reload_s.get(outcome.version, 0.0), outcome.total_s)
+                self.reload_s[outcome.version] = seconds
+                row = {"event": "reload", "version": outcome.version, "server": outcome.base_url, "reload_s": outcome.total_s,
+                       "swap_s": outcome.swap_s, "parity_s": outcome.parity_s}  # fmt: skip
+                self._write(row, {"pipeline/reload_s": seconds}, outcome.version)
+
+    def phase(self, name: str, end_step: int) -> None:
+        """A phase begins: its trainer and rollout flows start now."""
+        self._file.write(json.dumps({"event": "phase", "phase": name, "end_step": end_step, "time": time.time()}) + "\n")
+        self._file.flush()
+
+    def evaluation(self, row: dict[str, Any]) -> None:
+        self._write({"event": "evaluation", **row}, {"eval/reward": row["reward"]}, row["step"])
+
+    def summary(self) -> dict[str, float]:
+        if not self.reload_s:
+            return {}
+        values = sorted(self.reload_s.values())
+        return {"reloads": len(values), "reload_s_median": values[len(values) // 2], "reload_s_max": values[-1]}
+
+    def close(self) -> None:
+        self._file.close()
+        self._tensorboard.close()
 
 
 def progress_line(phase: str, metrics: dict[str, float], seconds: float) -> str:
@@ -112,7 +179,7 @@ class Curve:
 
 def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
     lines = [f"# Pipeline run `{run}`", "", f"{summary.get('steps', 0)} steps in {summary.get('minutes', 0):.1f} minutes.", ""]
-    for name in ("utilization", "idle_fraction", "groups_per_s", "tokens_per_s"):
+    for name in ("sample_utilization", "utilization", "idle_fraction", "groups_per_s", "tokens_per_s", "reload_s_median"):
         if summary.get(name) is not None:
             lines.append(f"- {name}: {summary[name]:.3g}")
     if summary.get("staleness_histogram"):

@@ -76,7 +76,7 @@ def train(
     policy_version = saved["policy_version"] if saved else 0  # the newest published step
     # Since the run began: every group read (trained or skipped as stale) and every one trained,
     # in sequences too, and the seconds spent waiting for data and training.
-    totals = dict(groups_consumed=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0)
+    totals = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0)
     totals |= (saved or {}).get("totals", {})
     reader = metrics_log = None
     where = dict(config=config, storage=storage, run=run, storage_options=storage_options)
@@ -115,6 +115,7 @@ def train(
             groups, (stale, stale_sequences) = broadcast_object((groups, stale_counts), world_size)
             trained_sequences = sum(len(g.sequences) for g in groups)
             totals["groups_consumed"] += len(groups) + stale
+            totals["groups_trained"] += len(groups)
             totals["sequences_consumed"] += trained_sequences + stale_sequences
             totals["sequences_trained"] += trained_sequences
             if rank == 0:
@@ -264,6 +265,7 @@ def run_metrics(totals: dict[str, float]) -> dict[str, float]:
         "utilization": totals["sequences_trained"] / max(totals["sequences_consumed"], 1),
         "idle_fraction": totals["wait_s"] / busy if busy > 0 else 0.0,
         "groups_consumed": float(totals["groups_consumed"]),
+        "groups_trained": float(totals["groups_trained"]),
     }
 
 

@@ -84,6 +84,19 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_serve
     assert "evaluation at version 4" in output
     assert left_behind(str(tmp_path)) == []
 
+    # What the pipeline measures itself: each reload's time (JSONL, TensorBoard, the table), the
+    # staleness histogram and sample utilization (groups trained / groups the samplers committed).
+    events = [json.loads(line) for line in (root / "run" / "trainer" / "pipeline.jsonl").read_text().splitlines()]
+    reloads = {e["version"]: e["reload_s"] for e in events if e["event"] == "reload"}
+    assert len(reloads) >= 2 and all(0 < seconds < 60 for seconds in reloads.values()), reloads
+    assert summary["reloads"] == len(reloads) and summary["reload_s_max"] == max(reloads.values())
+    assert [e["phase"] for e in events if e["event"] == "phase"] == ["rl"]
+    assert [e["step"] for e in events if e["event"] == "evaluation"][-1] == 4
+    assert 0 < summary["sample_utilization"] <= 1 and summary["groups_trained"] == 8 <= summary["groups_sampled"]
+    assert set(summary["staleness_histogram"]) <= {"0", "1"} and sum(summary["staleness_histogram"].values()) == 8
+    staleness = prefect_server.cli("artifact", "inspect", "pipeline-run-staleness").stdout
+    assert "versions_behind" in staleness, staleness
+
 
 def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):
     """As in a terminal: the temporary local Prefect server, and Ctrl-C sent to the whole process

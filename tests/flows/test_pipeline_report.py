@@ -1,0 +1,44 @@
+"""The pipeline's own measurements: reload times per version, phases, evaluations, staleness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from flows.pipeline_report import PipelineLog, StepLog, staleness_table
+from inference.watcher import ReloadOutcome
+from trainer.metrics import METRICS_FILE
+
+
+def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table(tmp_path):
+    measured = PipelineLog(tmp_path)
+    outcomes = [
+        ReloadOutcome("http://a", 1, "reloaded", "", swap_s=0.1, parity_s=0.2, total_s=0.5),
+        ReloadOutcome("http://b", 1, "reloaded", "", swap_s=0.1, parity_s=0.3, total_s=0.7),
+        ReloadOutcome("http://a", 1, "failed", "boom"),  # no time: not a reload
+        ReloadOutcome("http://a", 2, "reloaded", "", swap_s=0.1, parity_s=0.1, total_s=0.4),
+    ]
+    asyncio.run(measured.reloads(outcomes))
+    measured.phase("rl", 2)
+    measured.evaluation({"phase": "rl", "step": 2, "reward": 0.5, "minutes": 1.0})
+    measured.close()
+    assert measured.reload_s == {1: 0.7, 2: 0.4}
+    assert measured.summary() == {"reloads": 2, "reload_s_median": 0.7, "reload_s_max": 0.7}
+    events = [json.loads(line) for line in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["reload", "reload", "reload", "phase", "evaluation"]
+    assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tensorboard").iterdir())
+
+    rows = [{"step": 1, "score_mean": 0.25, "staleness/0": 2, "time": 1.0}, {"step": 2, "staleness/0": 1, "staleness/1": 3, "time": 2.0}]
+    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    steps = StepLog(tmp_path / "elsewhere")
+    steps.path = tmp_path / METRICS_FILE
+    steps.offset = 0
+    steps.new()
+    table = steps.table(measured.reload_s)
+    assert [row["reload_s"] for row in table] == [0.7, 0.4]
+    assert list(table[0])[:2] == ["step", "score_mean"]
+    assert steps.staleness_histogram() == {"0": 3, "1": 3}
+    assert staleness_table(steps.staleness_histogram()) == [
+        {"versions_behind": 0, "groups": 3, "share": 0.5},
+        {"versions_behind": 1, "groups": 3, "share": 0.5},
+    ]

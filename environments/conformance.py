@@ -153,7 +153,8 @@ class Conformance:
 
         expected = group.model_copy(deep=True)
         for sequence in expected.sequences:
-            sequence.logprobs, sequence.advantages = float32(sequence.logprobs), float32(sequence.advantages)
+            for name in ("logprobs", "advantages", "ref_logprobs", "teacher_logprobs"):
+                setattr(sequence, name, float32(getattr(sequence, name)))
         require(restored == expected, "the group read back from Parquet differs; keep extras JSON-serializable")
         return "identical"
 

@@ -13,13 +13,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # reads older versions by filling what they lack (storage.schema.upgrade_table).
 #   1: the first wave's fields
 #   2: ScoredGroup.objective
-SCHEMA_VERSION = 2
+#   3: ScoredSequence.ref_logprobs and teacher_logprobs; objectives "dpo" and "distill"
+SCHEMA_VERSION = 3
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
-# What the trainer does with a group: "rl" (policy gradient on advantages, the GRPO family) or
-# "sft" (negative log-likelihood of the trained tokens: a demonstration).
-Objective = Literal["rl", "sft"]
+# What the trainer does with a group: "rl" (policy gradient on advantages, the GRPO family),
+# "sft" (negative log-likelihood of the trained tokens: a demonstration), "dpo" (a preference pair:
+# two sequences, the higher score chosen) or "distill" (on-policy distillation: the advantage of
+# each sampled token is the teacher's logprob minus the student's).
+Objective = Literal["rl", "sft", "dpo", "distill"]
 OBJECTIVES: tuple[str, ...] = Objective.__args__
 
 
@@ -35,6 +38,10 @@ def new_group_id() -> str:
     return f"{time.time_ns() // 1000:013x}-{os.urandom(6).hex()}"
 
 
+# Optional per-token lists: when set, one entry per token.
+PER_TOKEN_OPTIONAL = ("advantages", "ref_logprobs", "teacher_logprobs")
+
+
 class ScoredSequence(BaseModel):
     """One rollout: the tokens the policy saw and produced, which of them train, and its reward."""
 
@@ -48,6 +55,16 @@ class ScoredSequence(BaseModel):
     score: float = Field(description="The reward of this sequence.")
     advantages: list[float] | None = Field(
         default=None, description="Per-token advantages; when set they replace the trainer's."
+    )
+    ref_logprobs: list[float] | None = Field(
+        default=None,
+        description="A reference model's logprob of each token (0.0 where not trained), for DPO; "
+        "without them the trainer computes them with its frozen copy of the initial model.",
+    )
+    teacher_logprobs: list[float] | None = Field(
+        default=None,
+        description="A teacher's logprob of each token (0.0 where not trained), for on-policy "
+        "distillation (environments.distill fills them from a teacher server).",
     )
     finish_reason: str = Field(default="stop", description=f"One of {FINISH_REASONS}.")
     messages: list[dict[str, Any]] | None = Field(
@@ -83,7 +100,8 @@ class ScoredSequence(BaseModel):
         n = len(self.tokens)
         if n == 0:
             found.append("tokens: empty; a sequence needs at least one trained token")
-        for name in ("mask", "logprobs") + (("advantages",) if self.advantages is not None else ()):
+        optional = tuple(name for name in PER_TOKEN_OPTIONAL if getattr(self, name) is not None)
+        for name in ("mask", "logprobs") + optional:
             length = len(getattr(self, name))
             if length != n:
                 found.append(
@@ -97,11 +115,49 @@ class ScoredSequence(BaseModel):
             found.append("advantages: contains NaN or inf; return finite per-token advantages")
         if not all(math.isfinite(lp) for lp in self.logprobs):
             found.append("logprobs: contains NaN or inf; use 0.0 for tokens that were not sampled")
+        for name in ("ref_logprobs", "teacher_logprobs"):
+            values = getattr(self, name)
+            if values is not None and not all(math.isfinite(lp) for lp in values):
+                found.append(f"{name}: contains NaN or inf; use 0.0 for tokens that are not trained")
         if any(t < 0 for t in self.tokens):
             found.append("tokens: negative token id; token ids are >= 0")
         if self.finish_reason not in FINISH_REASONS:
             found.append(f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}")
         return found
+
+
+def preference_pair(group: ScoredGroup) -> tuple[int, int] | None:
+    """(chosen, rejected) indices into group.sequences: the highest score over the lowest (the
+    first of each when several tie), or None when every score is the same. The DPO objective and
+    the DPO export read pairs through this one function."""
+    scores = group.scores
+    best, worst = max(scores), min(scores)
+    if best == worst:
+        return None
+    return scores.index(best), scores.index(worst)
+
+
+def objective_problems(group: ScoredGroup) -> list[str]:
+    """What a group marked with an objective lacks for it, as 'field: what; fix' lines."""
+    if group.objective == "dpo":
+        if len(group.sequences) != 2:
+            return [
+                f"objective: dpo needs a pair, this group has {len(group.sequences)} sequences; return "
+                "two (chosen and rejected) or leave objective unset for the GRPO family"
+            ]
+        if group.sequences[0].score == group.sequences[1].score:
+            return [
+                f"objective: dpo pair with tied scores ({group.sequences[0].score}); the chosen sequence "
+                "needs the higher score: score them apart or drop the pair"
+            ]
+    if group.objective == "distill":
+        missing = [i for i, s in enumerate(group.sequences) if s.teacher_logprobs is None]
+        if missing:
+            return [
+                f"sequences{missing}.teacher_logprobs: unset in a distill group; fill them with the "
+                "teacher's logprobs (environments.distill.teacher_logprobs) or leave objective unset"
+            ]
+    return []
 
 
 class ScoredGroup(BaseModel):
@@ -137,6 +193,7 @@ class ScoredGroup(BaseModel):
                 "a group needs at least one sequence"
             )
         found = [f"sequences[{i}].{p}" for i, s in enumerate(self.sequences) for p in s.problems()]
+        found += objective_problems(self)
         if self.schema_version != SCHEMA_VERSION:
             found.append(
                 f"schema_version: {self.schema_version} != {SCHEMA_VERSION}; "

@@ -185,6 +185,25 @@ class PolicyClient:
             text=choice.get("text", ""),
         )
 
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The served model's logprob of each of `token_ids` given the ones before it (vLLM's
+        prompt_logprobs; the first token, which nothing predicts, gets 0.0): a teacher's score of
+        tokens another model sampled, with no sampling and no re-tokenization."""
+        body = {"model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        response = await self.request("POST", "/v1/completions", json=body)
+        scored = response.json()["choices"][0].get("prompt_logprobs")
+        if scored is None or len(scored) != len(token_ids):
+            raise PolicyServerError(
+                f"prompt_logprobs for {len(token_ids)} tokens expected from {self.base_url}, got "
+                f"{None if scored is None else len(scored)}; a teacher must be a vLLM server (prompt_logprobs)"
+            )
+        values = [0.0]
+        for token, entry in zip(token_ids[1:], scored[1:], strict=True):
+            if not entry or str(token) not in entry:
+                raise PolicyServerError(f"prompt_logprobs from {self.base_url} lack token {token}")
+            values.append(float(entry[str(token)]["logprob"]))
+        return values
+
     async def served_model(self) -> str:
         """The model path or id the server serves (its /v1/models 'root'): the tokenizer to use."""
         response = await self.request("GET", "/v1/models")

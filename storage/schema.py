@@ -40,6 +40,8 @@ SHARD_SCHEMA = pa.schema(
         pa.field("chat_template", pa.string(), nullable=True),
         pa.field("created_at", pa.timestamp("ns", tz="UTC"), nullable=False),
         pa.field("objective", pa.string(), nullable=True),  # since version 2
+        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
+        pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
     ]
 )
 GROUP_COLUMNS = (
@@ -53,7 +55,7 @@ GROUP_COLUMNS = (
     "objective",
 )
 # The columns each older schema version lacks; all are nullable and null means "not set".
-ADDED_IN_VERSION = {2: ("objective",)}
+ADDED_IN_VERSION = {2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs")}
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
 METADATA_TOKENIZER = b"clotho.tokenizer"
@@ -144,6 +146,8 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
             SHARD_SCHEMA.field("created_at").type
         ),
         "objective": per_group([g.objective for g in groups], pa.string()),
+        "ref_logprobs": pa.array([s.ref_logprobs for s in sequences], pa.list_(pa.float32())),
+        "teacher_logprobs": pa.array([s.teacher_logprobs for s in sequences], pa.list_(pa.float32())),
     }
     metadata = {
         METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
@@ -165,14 +169,14 @@ def check_table(table: pa.Table) -> None:
     lengths = pc.list_value_length(column["tokens"])
     if pc.min(lengths).as_py() == 0:
         problems.append("tokens: an empty sequence; every sequence has at least one token")
-    for name in ("mask", "logprobs", "advantages"):
+    for name in ("mask", "logprobs", "advantages", "ref_logprobs", "teacher_logprobs"):
         other = pc.list_value_length(column[name])
         if not pc.all(pc.or_kleene(pc.equal(other, lengths), pc.is_null(other))).as_py():
             problems.append(f"{name}: length differs from tokens in some row; lengths must match")
     tokens = pc.list_flatten(column["tokens"])
     if len(tokens) and pc.min(tokens).as_py() < 0:
         problems.append("tokens: negative token id")
-    for name in ("logprobs", "advantages"):
+    for name in ("logprobs", "advantages", "ref_logprobs", "teacher_logprobs"):
         if not np.isfinite(pc.list_flatten(column[name]).to_numpy(zero_copy_only=False)).all():
             problems.append(f"{name}: NaN or inf")
     mask_lengths = pc.list_value_length(column["mask"]).to_numpy()
@@ -187,6 +191,7 @@ def check_table(table: pa.Table) -> None:
         pc.or_kleene(pc.is_in(objective, pa.array(OBJECTIVES)), pc.is_null(objective))
     ).as_py():
         problems.append(f"objective: a value outside {OBJECTIVES} (or null)")
+    problems += _objective_problems(column)
     problems += _group_problems(column, num_groups)
     if problems:
         raise ShardFormatError("; ".join(problems))
@@ -266,6 +271,28 @@ def _schema_problems(schema: pa.Schema) -> list[str]:
     return problems
 
 
+def _objective_problems(column: dict[str, pa.Array]) -> list[str]:
+    """What a dpo or distill group lacks (environments.scored_group.objective_problems, by column)."""
+    objective = column["objective"]
+    if objective.null_count == len(objective):
+        return []
+    names = objective.to_numpy(zero_copy_only=False)
+    problems = []
+    dpo = np.flatnonzero(names == "dpo")
+    if len(dpo):
+        if (column["group_size"].to_numpy()[dpo] != 2).any():
+            problems.append("objective: a dpo group that is not a pair (group_size != 2)")
+        else:
+            first = dpo[column["sequence_index"].to_numpy()[dpo] == 0]
+            scores = column["score"].to_numpy()
+            if len(first) and first.max() + 1 < len(scores) and (scores[first] == scores[first + 1]).any():
+                problems.append("score: a dpo pair with tied scores")
+    distill = names == "distill"
+    if distill.any() and column["teacher_logprobs"].is_null().to_numpy(zero_copy_only=False)[distill].any():
+        problems.append("teacher_logprobs: null in a distill group")
+    return problems
+
+
 def _group_problems(column: dict[str, pa.Array], num_groups: int) -> list[str]:
     """Rows of a group are contiguous, numbered 0..n-1, as many as group_size, sharing group fields."""
     group_ids = column["group_id"].to_numpy(zero_copy_only=False)
@@ -318,6 +345,8 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 logprobs=rows["logprobs"][i],
                 score=rows["score"][i],
                 advantages=rows["advantages"][i],
+                ref_logprobs=rows["ref_logprobs"][i],
+                teacher_logprobs=rows["teacher_logprobs"][i],
                 finish_reason=rows["finish_reason"][i],
                 messages=None if rows["messages"][i] is None else json.loads(rows["messages"][i]),
                 extras=json.loads(rows["extras"][i]),

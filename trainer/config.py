@@ -78,6 +78,17 @@ class LossConfig(BaseModel):
         description="dr_grpo only: each sequence's token sum is divided by this constant (the "
         "generation budget in the Dr. GRPO paper) instead of its length. It only scales the step.",
     )
+    dpo_beta: float = Field(
+        default=0.1,
+        gt=0.0,
+        description="dpo groups: beta, the strength of the pull towards the reference (the implicit "
+        "reward is beta * (logp - ref) summed over a sequence's trained tokens).",
+    )
+    dpo_variant: Literal["dpo", "ipo"] = Field(
+        default="dpo",
+        description="dpo groups: dpo, -log sigmoid(beta * h) with h the chosen-minus-rejected log "
+        "ratio to the reference (sums over tokens); or ipo, (h - 1 / (2 beta))^2 on per-token means.",
+    )
     options: dict[str, Any] = Field(
         default_factory=dict,
         description="A custom loss's own settings (YAML values), read by it as config.options; "
@@ -200,12 +211,14 @@ class TrainerConfig(BaseModel):
         description="Skip (and count) groups sampled more than this many policy versions ago; "
         "0 trains strictly on-policy. Demonstrations (sft groups) are never stale.",
     )
-    objective: Literal["auto", "rl", "sft"] = Field(
+    objective: Literal["auto", "rl", "sft", "dpo", "distill"] = Field(
         default="auto",
         description=(
             "How to learn from a group that does not name its objective (ScoredGroup.objective): "
             "rl (the policy loss on advantages), sft (negative log-likelihood of its trained "
-            "tokens), or auto: sft for a group of one sequence without per-token advantages, "
+            "tokens), dpo (a pair: the higher score chosen), distill (the policy loss on the "
+            "teacher-minus-sampler logprob of each token), or auto: distill when every sequence "
+            "has teacher_logprobs, sft for a group of one sequence without per-token advantages, "
             "whose group advantage would be 0 anyway, rl otherwise."
         ),
     )

@@ -17,23 +17,59 @@ class DataTimeoutError(TimeoutError):
     """No new groups arrived in time for a step."""
 
 
+# Objectives whose groups are samples of the policy, so staleness applies; a demonstration or a
+# stored preference pair is data of its own and never stale.
+ON_POLICY_OBJECTIVES = ("rl", "distill")
+
+
 def group_objective(group: ScoredGroup, default: str = "auto") -> str:
-    """"rl" or "sft": the group's own `objective`, else `default` (TrainerConfig.objective), where
-    "auto" means sft for one sequence without per-token advantages (a demonstration: its group
-    advantage is 0, so the policy loss would learn nothing from it) and rl for anything else."""
+    """The objective a group trains with: its own `objective`, else `default`
+    (TrainerConfig.objective), where "auto" means distill when every sequence carries teacher
+    logprobs, sft for one sequence without per-token advantages (a demonstration: its group
+    advantage is 0, so the policy loss would learn nothing from it), and rl for anything else.
+    A preference pair is dpo only when it says so (or objective=dpo): two samples are also GRPO's."""
     if group.objective is not None:
         return group.objective
     if default != "auto":
         return default
+    if all(sequence.teacher_logprobs is not None for sequence in group.sequences):
+        return "distill"
     if len(group.sequences) == 1 and group.sequences[0].advantages is None:
         return "sft"
     return "rl"
 
 
+def objective_problem(group: ScoredGroup, objective: str) -> str | None:
+    """Why `group` cannot be trained with `objective` (its group_objective), or None. The trainer
+    skips such a group (consumed, logged, counted as rejected) rather than failing the step."""
+    for index, sequence in enumerate(group.sequences):
+        if not any(sequence.mask[1:]):
+            return (
+                f"sequences[{index}].mask: no trained token after the first (nothing predicts a "
+                "sequence's first token); put the prompt before the trained completion"
+            )
+    if objective == "dpo":
+        if len(group.sequences) != 2 or group.sequences[0].score == group.sequences[1].score:
+            return (
+                f"objective dpo: needs two sequences with different scores, has scores {group.scores}; "
+                "score the pair apart, or mark such groups objective='rl' (trainer objective=auto)"
+            )
+    if objective == "distill":
+        for index, sequence in enumerate(group.sequences):
+            teacher = sequence.teacher_logprobs
+            if teacher is None or len(teacher) != len(sequence.tokens):
+                given = "unset" if teacher is None else f"{len(teacher)} values for {len(sequence.tokens)} tokens"
+                return (
+                    f"sequences[{index}].teacher_logprobs: {given} in a distill group; give one "
+                    "teacher logprob per token (environments.distill fills them)"
+                )
+    return None
+
+
 def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:
     """The trainer's one staleness rule: a group sampled by a policy more than `max_staleness`
     versions older than `policy_version`, the weights about to be updated, is not trained on.
-    It applies to on-policy objectives only (rl): a demonstration is never stale."""
+    It applies to on-policy objectives only (ON_POLICY_OBJECTIVES): a demonstration is never stale."""
     return policy_version - group_policy_version > max_staleness
 
 
@@ -47,15 +83,17 @@ def next_step_groups(
     objective: str = "auto",
     poll_s: float = 0.25,
     on_wait: Callable[[list[ScoredGroup]], None] | None = None,
+    on_reject: Callable[[ScoredGroup, str], None] | None = None,
 ) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
     """The next `count` fresh groups in shard order, and the stale ones skipped on the way.
 
-    A stale rl group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
+    A stale on-policy group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
     it: resume from the last state. Before a wait that follows new stale groups, `on_wait` hears
     the stale groups consumed so far: the samplers must see them consumed, or they would wait for a
-    trainer that waits for them.
+    trainer that waits for them. A group its objective cannot train (`objective_problem`) is
+    consumed and skipped too; `on_reject` hears it with the reason (else it is logged).
     """
     fresh: list[ScoredGroup] = []
     stale: list[ScoredGroup] = []
@@ -67,7 +105,14 @@ def next_step_groups(
             last_group = time.monotonic()
             wait_logged = False
             version = group.policy_version
-            if group_objective(group, objective) == "rl" and is_stale(
+            problem = objective_problem(group, group_objective(group, objective))
+            if problem is not None:
+                if on_reject is not None:
+                    on_reject(group, problem)
+                else:
+                    log.warning("skipping group %s (env %s): %s", group.group_id, group.env, problem)
+                continue
+            if group_objective(group, objective) in ON_POLICY_OBJECTIVES and is_stale(
                 version, policy_version=policy_version, max_staleness=max_staleness
             ):
                 stale.append(group)

@@ -3,7 +3,8 @@ demonstrations, and the pieces they are made of, as pure functions over the trai
 
 Objectives. Every group is trained with one objective (trainer.data.group_objective): "rl" groups
 with the configured policy loss below, "sft" groups with `sft`, the negative log-likelihood of
-their trained tokens. Each objective's loss divides by its own share of the step's counts and is
+their trained tokens, "dpo" pairs with `dpo` (or IPO), "distill" groups with the configured policy
+loss on per-token advantages teacher - sampler logprob (trainer.packing.training_sequences). Each objective's loss divides by its own share of the step's counts and is
 weighted by its share of the step's groups (trainer.packing.ObjectiveShare), so a step of one
 objective is exactly that objective's loss.
 
@@ -212,6 +213,50 @@ def sft(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str,
     token mean over the step's sft tokens). Reads neither sampler logprobs nor advantages."""
     nll = -inputs.logprobs
     return token_mean(nll, inputs), {"nll": nll.detach().mean()}
+
+
+def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+    """Preference pairs (DPO, or IPO with loss.dpo_variant=ipo), summed / the step's pairs.
+
+    The sequences come as pairs in order, the chosen first: advantages +1 on the chosen's tokens,
+    -1 on the rejected's (trainer.packing.training_sequences). With rho(y) = logp(y) - ref(y) summed
+    over a sequence's trained tokens (ipo: their mean, as in the IPO paper and TRL) and
+    h = rho(chosen) - rho(rejected):
+        dpo  -log sigmoid(beta * h)        ipo  (h - 1 / (2 beta))^2
+    Metrics, exact step means over pairs: accuracy (h > 0), reward_margin (beta * h), chosen_reward
+    and rejected_reward (beta * rho)."""
+    if inputs.ref_logprobs is None:
+        raise ValueError(
+            "dpo: no reference logprobs; store ref_logprobs in the pair's sequences or let the trainer "
+            "hold its reference model (it does whenever a step has dpo groups without them)"
+        )
+    log_ratio = inputs.logprobs - inputs.ref_logprobs
+    if config.dpo_variant == "ipo":
+        rho = segment_mean(log_ratio, inputs.sequence, inputs.num_sequences)
+    else:
+        rho = torch.zeros(inputs.num_sequences, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
+            0, inputs.sequence, log_ratio
+        )
+    sign = torch.zeros(inputs.num_sequences, dtype=log_ratio.dtype, device=log_ratio.device).index_reduce(
+        0, inputs.sequence, inputs.advantages, "amax", include_self=False
+    )
+    if inputs.num_sequences % 2 or not (bool((sign[0::2] == 1).all()) and bool((sign[1::2] == -1).all())):
+        raise ValueError(
+            "dpo: the sequences are not (chosen, rejected) pairs in order; pack dpo groups with "
+            "trainer.packing.training_sequences, which keeps each pair together"
+        )
+    beta = config.dpo_beta
+    h = rho[0::2] - rho[1::2]
+    losses = (h - 1.0 / (2.0 * beta)) ** 2 if config.dpo_variant == "ipo" else -torch.nn.functional.logsigmoid(beta * h)
+    pairs = inputs.step_num_sequences / 2.0
+    with torch.no_grad():
+        metrics = {
+            "accuracy": Total((h > 0).sum().item() / pairs),
+            "reward_margin": Total((beta * h).sum().item() / pairs),
+            "chosen_reward": Total((beta * rho[0::2]).sum().item() / pairs),
+            "rejected_reward": Total((beta * rho[1::2]).sum().item() / pairs),
+        }
+    return losses.sum() / pairs, metrics
 
 
 # "Clip-higher" lets low-probability tokens still grow (DAPO); a length-normalized sequence ratio

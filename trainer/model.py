@@ -7,11 +7,11 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from trainer.config import LossConfig
-from trainer.losses import policy_loss, sft
+from trainer.losses import dpo, policy_loss, sft
 from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, ObjectiveShare, PackedBatch
 
-# The loss of each objective but rl, whose loss is the configured one (LossConfig.name).
-OBJECTIVE_LOSSES = {"sft": sft}
+# The loss of each objective but rl and distill, whose loss is the configured one (LossConfig.name).
+OBJECTIVE_LOSSES = {"sft": sft, "dpo": dpo}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -89,13 +89,23 @@ def micro_batch_loss(
     One forward pass; each objective's loss (rl: the configured policy loss) runs on its own
     sequences' trained tokens, divides by that objective's step counts over `world_size` (the
     step's `objectives`, from build_step) and is weighted by its share of the step's groups.
-    `reference` is the frozen model of the KL penalty (needed when config.kl_coef > 0).
+    `reference` is the frozen model that scores what has no stored reference logprobs: every
+    token for the KL penalty (config.kl_coef > 0), dpo tokens (batch.needs_reference says when).
     """
     logprobs = packed_logprobs(model, batch, device=device)
-    ref_logprobs = None
-    if reference is not None:
+    ref_logprobs = batch.stored_ref_logprobs.to(device) if batch.stored_ref_logprobs is not None else None
+    if batch.needs_reference(kl=config.kl_coef > 0):
+        if reference is None:
+            raise ValueError(
+                "reference: this micro-batch has dpo tokens (or a KL penalty) without stored ref_logprobs "
+                "and no reference model was given; pass the frozen reference (trainer.train loads it)"
+            )
         with torch.no_grad():
-            ref_logprobs = packed_logprobs(reference, batch, device=device)
+            computed = packed_logprobs(reference, batch, device=device)
+        if ref_logprobs is None:
+            ref_logprobs = computed
+        else:
+            ref_logprobs = torch.where(batch.has_stored_ref.to(device), ref_logprobs, computed)
     # Connected to the graph even with nothing to train, so every rank runs the same backward.
     total = logprobs.sum() * 0.0
     metrics = {}

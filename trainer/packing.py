@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from environments.scored_group import ScoredGroup
+from environments.scored_group import ScoredGroup, preference_pair
 from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
 from trainer.data import group_objective
@@ -57,6 +57,8 @@ class TrainingSequence:
     extras: dict[str, Any]
     name: str
     objective: str = "rl"
+    ref_logprobs: list[float] | None = None  # stored by the environment (dpo); else the trainer's
+    unit: int = -1  # sequences of one unit (a dpo pair) are packed side by side; -1: on its own
 
 
 @dataclass
@@ -80,6 +82,10 @@ class PackedBatch:
     sequence_lengths: list[int]
     sequence_extras: list[dict[str, Any]]
     sequence_objectives: list[str] = field(default_factory=list)
+    # Reference logprobs the environment stored, [1, T], and where there are any, [1, T] bool;
+    # None when no sequence of the micro-batch has them.
+    stored_ref_logprobs: torch.Tensor | None = None
+    has_stored_ref: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -116,6 +122,14 @@ class PackedBatch:
         mask = self.objective_mask(objective)
         return int(torch.unique(self.sequence_ids[mask]).numel()), int(mask.sum())
 
+    def needs_reference(self, kl: bool) -> bool:
+        """Whether the trainer's reference model must score this micro-batch: its dpo tokens (and,
+        with a KL penalty, every trained token) that have no stored reference logprobs."""
+        needed = self.mask if kl else self.objective_mask("dpo")
+        if self.has_stored_ref is not None:
+            needed = needed & ~self.has_stored_ref
+        return bool(needed.any())
+
     def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
         """Block-diagonal causal mask [1, 1, T, T] bool, True where a query may attend to a key.
 
@@ -138,18 +152,28 @@ def training_sequences(
     groups: Sequence[ScoredGroup], config: AdvantageConfig, default_objective: str = "auto"
 ) -> list[TrainingSequence]:
     """Flatten groups into sequences with their objective (trainer.data.group_objective), their
-    advantages (0.0 for sft, which has none) and extras (group's, then the sequence's own on top),
-    with the first token untrained since nothing predicts it."""
+    per-token advantages and extras (group's, then the sequence's own on top), with the first
+    token untrained since nothing predicts it. Advantages by objective:
+        rl       the group's (trainer.advantages; per-token overrides honoured)
+        distill  teacher logprob - sampler logprob on each trained token (reverse KL, per token)
+        dpo      +1 on the chosen sequence, -1 on the rejected one, which follows it (one unit)
+        sft      0.0 (it has none)"""
     result = []
+    unit = 0
     for group in groups:
         objective = group_objective(group, default_objective)
+        sequences = list(enumerate(group.sequences))
         if objective == "rl":
             advantages = sequence_token_advantages(group, config)
+        elif objective == "distill":
+            advantages = [distillation_advantages(group, index) for index, _ in sequences]
+        elif objective == "dpo":
+            chosen, rejected = dpo_pair(group)
+            sequences = [(chosen, group.sequences[chosen]), (rejected, group.sequences[rejected])]
+            advantages = [[1.0] * len(group.sequences[chosen].tokens), [-1.0] * len(group.sequences[rejected].tokens)]
         else:
-            advantages = [[0.0] * len(sequence.tokens) for sequence in group.sequences]
-        for index, (sequence, token_advantages) in enumerate(
-            zip(group.sequences, advantages, strict=True)
-        ):
+            advantages = [[0.0] * len(sequence.tokens) for _, sequence in sequences]
+        for (index, sequence), token_advantages in zip(sequences, advantages, strict=True):
             result.append(
                 TrainingSequence(
                     tokens=list(sequence.tokens),
@@ -159,9 +183,42 @@ def training_sequences(
                     extras={**group.extras, **sequence.extras},
                     name=f"group {group.group_id} (env {group.env}) sequences[{index}]",
                     objective=objective,
+                    ref_logprobs=None if sequence.ref_logprobs is None else list(sequence.ref_logprobs),
+                    unit=unit,
                 )
             )
+            if objective != "dpo":
+                unit += 1
+        if objective == "dpo":
+            unit += 1
     return result
+
+
+def dpo_pair(group: ScoredGroup) -> tuple[int, int]:
+    """(chosen, rejected) of a dpo group (environments.scored_group.preference_pair), or a clear
+    error for a group that is no pair (one the trainer's objective=dpo made dpo)."""
+    pair = preference_pair(group) if len(group.sequences) == 2 else None
+    if pair is None:
+        raise ValueError(
+            f"group {group.group_id} (env {group.env}): trained as dpo but it is not a pair with two "
+            f"different scores (scores {group.scores}); with trainer objective=dpo every group must be "
+            "one: use objective=auto and mark the pairs objective='dpo' in the environment"
+        )
+    return pair
+
+
+def distillation_advantages(group: ScoredGroup, index: int) -> list[float]:
+    """A distill sequence's per-token advantage: teacher minus sampler logprob where trained."""
+    sequence = group.sequences[index]
+    if sequence.teacher_logprobs is None:
+        raise ValueError(
+            f"group {group.group_id} (env {group.env}) sequences[{index}]: trained as distill without "
+            "teacher_logprobs; fill them (environments.distill) or train the group with another objective"
+        )
+    return [
+        teacher - sampled if trained else 0.0
+        for teacher, sampled, trained in zip(sequence.teacher_logprobs, sequence.logprobs, sequence.mask, strict=True)
+    ]
 
 
 def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -202,8 +259,20 @@ def pack_micro_batches(
                 f"{token_budget}; raise trainer micro_batch_tokens to at least "
                 f"{len(sequence.tokens)} or lower the environment's maximum tokens"
             )
-    plan = plan_micro_batches([len(s.tokens) for s in sequences], token_budget)
-    return [_pack([sequences[i] for i in indices], token_budget, pad_multiple) for indices in plan]
+    # Units (a dpo pair; any other sequence on its own) are planned whole, their sequences in order.
+    units: dict[int, list[int]] = {}
+    for index, sequence in enumerate(sequences):
+        units.setdefault(sequence.unit if sequence.unit >= 0 else -1 - index, []).append(index)
+    members = list(units.values())
+    lengths = [sum(len(sequences[i].tokens) for i in unit) for unit in members]
+    for unit, length in zip(members, lengths, strict=True):
+        if length > token_budget:
+            raise ValueError(
+                f"{sequences[unit[0]].name} and the rest of its dpo pair: {length} tokens > micro_batch_tokens "
+                f"{token_budget}; a pair trains in one micro-batch: raise micro_batch_tokens to at least {length}"
+            )
+    plan = plan_micro_batches(lengths, token_budget)
+    return [_pack([sequences[i] for u in indices for i in members[u]], token_budget, pad_multiple) for indices in plan]
 
 
 def _pack(
@@ -213,6 +282,7 @@ def _pack(
     slots = min(math.ceil(used / pad_multiple) * pad_multiple, token_budget)
     padding = slots - used
     input_ids, positions, ids, mask, old_logprobs, advantages = [], [], [], [], [], []
+    stored_ref, has_ref = [], []
     for index, s in enumerate(sequences):
         input_ids += s.tokens
         positions += range(len(s.tokens))
@@ -220,6 +290,9 @@ def _pack(
         mask += s.mask
         old_logprobs += s.old_logprobs
         advantages += s.advantages
+        stored_ref += s.ref_logprobs if s.ref_logprobs is not None else [0.0] * len(s.tokens)
+        has_ref += [s.ref_logprobs is not None] * len(s.tokens)
+    any_stored = any(s.ref_logprobs is not None for s in sequences)
     return PackedBatch(
         input_ids=torch.tensor([input_ids + [0] * padding], dtype=torch.long),
         position_ids=torch.tensor([positions + [0] * padding], dtype=torch.long),
@@ -230,6 +303,8 @@ def _pack(
         sequence_lengths=[len(s.tokens) for s in sequences],
         sequence_extras=[s.extras for s in sequences],
         sequence_objectives=[s.objective for s in sequences],
+        stored_ref_logprobs=torch.tensor([stored_ref + [0.0] * padding], dtype=torch.float32) if any_stored else None,
+        has_stored_ref=torch.tensor([has_ref + [False] * padding], dtype=torch.bool) if any_stored else None,
     )
 
 
@@ -259,6 +334,10 @@ class StepBatch:
     num_trained_tokens: int
     stats: dict[str, float] = field(default_factory=dict)
     objectives: dict[str, ObjectiveShare] = field(default_factory=dict)
+
+    def needs_reference(self, kl: bool) -> bool:
+        """Whether any micro-batch needs the trainer's reference model (PackedBatch.needs_reference)."""
+        return any(batch.needs_reference(kl) for batch in self.micro_batches)
 
 
 def build_step(
@@ -313,6 +392,9 @@ def build_step(
         stats["score_mean"] = statistics.fmean(scores)
         for env in sorted({g.env for g in rl_groups}):  # and each environment's, in a mixed run
             stats[f"score_mean/{env}"] = statistics.fmean(s for g in rl_groups if g.env == env for s in g.scores)
+    if "distill" in objectives:  # sampler minus teacher logprob per token: the reverse KL estimate
+        teacher_gap = torch.cat([b.advantages[b.objective_mask("distill")] for b in batches])
+        stats["distill/kl_to_teacher"] = -teacher_gap.mean().item() if teacher_gap.numel() else 0.0
     if trained_advantages.numel():
         stats |= {
             "advantage_mean": trained_advantages.mean().item(),

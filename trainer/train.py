@@ -96,27 +96,33 @@ def train(
             step += 1
             # Data: the next fresh groups, read on rank 0 and sent to every rank.
             wait_started = time.monotonic()
-            groups, stale = None, []
+            groups, stale, rejected = None, [], []
             if reader is not None:
 
                 def consumed_so_far(stale_groups: list) -> None:
                     # Stale groups are consumed the moment they are skipped: tell the samplers.
                     publish_position(
                         **where, step=step - 1, policy_version=policy_version,
-                        groups_consumed=totals["groups_consumed"] + len(stale_groups),
+                        groups_consumed=totals["groups_consumed"] + len(stale_groups) + len(rejected),
                     )  # fmt: skip
+
+                def reject(group, reason: str) -> None:
+                    log.warning("rejected group %s (env %s): %s", group.group_id, group.env, reason)
+                    rejected.append(group)
 
                 groups, stale = next_step_groups(
                     reader, config.groups_per_step, policy_version=policy_version,
                     max_staleness=config.max_staleness, timeout_s=data_timeout_s,
-                    objective=config.objective, on_wait=consumed_so_far,
+                    objective=config.objective, on_wait=consumed_so_far, on_reject=reject,
                 )  # fmt: skip
-            stale_counts = (len(stale), sum(len(g.sequences) for g in stale))
-            groups, (stale, stale_sequences) = broadcast_object((groups, stale_counts), world_size)
+            # Stale and rejected groups were consumed without being trained.
+            skipped = stale + rejected
+            skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
+            groups, (stale, rejected, skipped_sequences) = broadcast_object((groups, skipped_counts), world_size)
             trained_sequences = sum(len(g.sequences) for g in groups)
-            totals["groups_consumed"] += len(groups) + stale
+            totals["groups_consumed"] += len(groups) + stale + rejected
             totals["groups_trained"] += len(groups)
-            totals["sequences_consumed"] += trained_sequences + stale_sequences
+            totals["sequences_consumed"] += trained_sequences + skipped_sequences
             totals["sequences_trained"] += trained_sequences
             if rank == 0:
                 # At once: the samplers admit the next step's groups on it.
@@ -128,6 +134,9 @@ def train(
                 groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
                 advantage_config=config.advantages, default_objective=config.objective,
             )  # fmt: skip
+            if reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
+                # dpo pairs without stored reference logprobs: the initial model is the reference.
+                reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
             micro_metrics, grad_norm = optimizer_step(
                 engine, batch, config, rank=rank, world_size=world_size, reference=reference
             )
@@ -138,6 +147,7 @@ def train(
                 grad_norm=grad_norm, policy_version=policy_version,
                 step_time_s=time.monotonic() - started, data_wait_s=started - wait_started,
             )  # fmt: skip
+            metrics["rejected_groups"] = float(rejected)
             metrics |= run_metrics(totals)
 
             # Save: publish the weights as policy version `step`, then the state to resume from.

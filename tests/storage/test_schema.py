@@ -180,3 +180,54 @@ def test_clear_errors_for_bad_inputs() -> None:
     group.extras["when"] = object()
     with pytest.raises(ValueError, match="extras is not JSON-serializable"):
         groups_to_table([group], "tok")
+
+
+def test_a_version_2_shard_still_reads_with_its_groups_unchanged() -> None:
+    # Written by clotho at schema version 2 (commit e270a88), before ref_logprobs and teacher_logprobs.
+    table = decode((DATA / "schema-v2.parquet").read_bytes(), "test://v2")
+    groups = table_to_groups(table)
+    expected = [ScoredGroup(**fields) for fields in json.loads((DATA / "schema-v2.json").read_text())]
+    assert groups == expected and [g.objective for g in groups] == ["sft", "rl", None]
+    assert all(s.ref_logprobs is None and s.teacher_logprobs is None for g in groups for s in g.sequences)
+    assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def _pair(scores=(1.0, 0.0), **fields) -> ScoredGroup:
+    sequences = [ScoredSequence.from_prompt([1, 2], [3, 4], [-0.5, -0.25], score=score, **fields) for score in scores]
+    return ScoredGroup(env="e", item_id="i", sequences=sequences, objective="dpo")
+
+
+def test_reference_and_teacher_logprobs_round_trip_as_float32() -> None:
+    pair = _pair(ref_logprobs=[0.0, 0.0, -0.1, -0.2])
+    distill = ScoredGroup(env="e", item_id="j", objective="distill", sequences=[
+        ScoredSequence.from_prompt([1], [5, 6], [-1.0, -2.0], score=0.0, teacher_logprobs=[0.0, -0.3, -0.7])])  # fmt: skip
+    table = groups_to_table([pair, distill], "tok")
+    check_table(table)
+    back = table_to_groups(table)
+    assert back[0].sequences[1].ref_logprobs == [0.0, 0.0, float(np.float32(-0.1)), float(np.float32(-0.2))]
+    assert back[0].sequences[0].teacher_logprobs is None
+    assert back[1].sequences[0].teacher_logprobs == [0.0, float(np.float32(-0.3)), float(np.float32(-0.7))]
+    assert [g.objective for g in back] == ["dpo", "distill"]
+
+
+def test_bad_preference_pairs_and_distillation_groups_are_named() -> None:
+    from environments.scored_group import InvalidGroupError, preference_pair
+
+    with pytest.raises(InvalidGroupError, match="dpo pair with tied scores"):
+        _pair(scores=(0.5, 0.5))
+    with pytest.raises(InvalidGroupError, match="dpo needs a pair, this group has 3"):
+        ScoredGroup(env="e", item_id="i", objective="dpo", sequences=_pair().sequences + _pair().sequences[:1])
+    with pytest.raises(InvalidGroupError, match=r"teacher_logprobs: unset in a distill group"):
+        ScoredGroup(env="e", item_id="i", objective="distill", sequences=_pair().sequences)
+    with pytest.raises(InvalidGroupError, match=r"teacher_logprobs: length 3 != len\(tokens\) 4"):
+        _pair(teacher_logprobs=[0.0, 0.0, -1.0])
+    with pytest.raises(InvalidGroupError, match="ref_logprobs: contains NaN"):
+        _pair(ref_logprobs=[0.0, 0.0, float("nan"), 0.0])
+    assert preference_pair(_pair(scores=(0.0, 1.0))) == (1, 0)
+    tie = ScoredSequence.from_prompt([1], [2], [-0.5], score=0.5)
+    assert preference_pair(ScoredGroup(env="e", item_id="i", sequences=[tie, tie, tie])) is None
+    # The same rules on a shard's columns: a tie written by other code is refused on read.
+    table = groups_to_table([_pair()], "tok")
+    tied = table.set_column(table.schema.get_field_index("score"), SHARD_SCHEMA.field("score"), pa.array([0.5, 0.5], pa.float64()))
+    with pytest.raises(ShardFormatError, match="score: a dpo pair with tied scores"):
+        check_table(tied)

@@ -103,31 +103,30 @@ def test_trains_with_a_custom_loss_chosen_by_import_path(tmp_path, tiny_model_di
     assert max((trained[k] - base[k]).abs().max().item() for k in base) > 1e-4
 
 
-def test_a_run_mixing_sft_and_grpo_groups_lowers_both_losses(tmp_path, tiny_model_dir):
-    # Every step takes the same two sampled groups and two demonstrations (copies with new ids):
-    # the demonstrations' NLL falls, and so does the policy loss on the repeated samples.
+def test_a_run_mixing_four_objectives_lowers_each_loss(tmp_path, tiny_model_dir):
+    # Every step takes the same groups (copies with new ids) of all four objectives: two sampled
+    # GRPO groups, two demonstrations, two DPO pairs without stored reference logprobs (the trainer
+    # loads its reference model) and two distillation groups. Each objective's loss falls.
+    from tests.trainer.test_preference_and_distillation import demonstrations, distill_groups, pairs
+
     root = str(tmp_path)
-    sampled = sampled_groups(tiny_model_dir, 2, seed=12)
-    demonstrations = [
-        ScoredGroup(
-            env="sft", item_id=f"d{i}", objective="sft",
-            sequences=[ScoredSequence.from_prompt([7, 8, 9], [40 + i, 41, 42, 2], [0.0] * 4, 1.0)],
-        )  # fmt: skip
-        for i in range(2)
-    ]
-    steps = [
-        [group.model_copy(update={"group_id": new_group_id()}) for group in sampled + demonstrations]
-        for _ in range(6)
-    ]
-    write_shards(root, "run", [group for step in steps for group in step], groups_per_shard=4)
-    run_trainer(trainer_args(root, "run", tiny_model_dir, 6, "groups_per_step=4", "max_staleness=100"))
+    groups = sampled_groups(tiny_model_dir, 2, seed=12) + demonstrations(2) + pairs(tiny_model_dir, 2, seed=5)
+    groups += distill_groups(tiny_model_dir, 2, seed=6)
+    steps = [[group.model_copy(update={"group_id": new_group_id()}) for group in groups] for _ in range(6)]
+    write_shards(root, "run", [group for step in steps for group in step], groups_per_shard=8)
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 6, "groups_per_step=8", "max_staleness=100"))
 
     history = read_metrics(tmp_path / "run" / "trainer")
     first, last = history[0], history[-1]
-    assert (first["groups"], first["sft/groups"]) == (4, 2)
+    assert (first["groups"], first["sft/groups"], first["dpo/groups"], first["distill/groups"]) == (8, 2, 2, 2)
     assert last["sft/nll"] < 0.8 * first["sft/nll"]
     assert last["rl/loss"] < first["rl/loss"] - 0.01
-    assert first["loss"] == pytest.approx(0.5 * first["rl/loss"] + 0.5 * first["sft/loss"], abs=1e-5)
+    assert last["dpo/loss"] < first["dpo/loss"] - 0.01 and last["dpo/accuracy"] == 1.0
+    assert first["dpo/loss"] == pytest.approx(0.6931, abs=1e-3)  # the policy starts as its own reference
+    assert last["distill/loss"] < first["distill/loss"] - 0.01
+    assert first["loss"] == pytest.approx(
+        sum(0.25 * first[f"{name}/loss"] for name in ("rl", "sft", "dpo", "distill")), abs=1e-5
+    )
 
 
 @pytest.mark.slow

@@ -202,6 +202,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--memory-groups", type=int, default=2000, help="groups of the memory run (0: none)")
     parser.add_argument("--memory-lag", type=int, default=1)
+    parser.add_argument("--model-size", default="small", help="the built model (clotho model tiny --size)")
     args = parser.parse_args()
     args.extra_pids = []
     lags = [int(k) for k in args.lags.split(",") if k.strip()]
@@ -209,7 +210,7 @@ def main() -> None:
     base = yaml.safe_load(config.read_text())
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-pipeline-"))
     model = workdir / "model"
-    build_tiny_model(model, seed=0, size=base.get("bench_model_size", "small"))
+    build_tiny_model(model, seed=0, size=args.model_size)
     prefect = start_prefect_server(workdir / "prefect")
     args.extra_pids = [prefect.process.pid]
     env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
@@ -239,8 +240,11 @@ def main() -> None:
             report[f"idle_fraction_{side}"] = round(statistics.fmean(r[side]["idle_fraction"] for r in rounds), 4)
         if args.memory_groups:
             # Enough steps for the groups, the threshold ignored: the run goes to its end.
-            groups_per_step = base["phases"][-1].get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get("groups_per_step", 8)
-            steps = -(-args.memory_groups // groups_per_step)
+            def groups_per_step(phase: dict) -> int:
+                return phase.get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get("groups_per_step", 8)
+
+            earlier = sum(p["steps"] * groups_per_step(p) for p in base["phases"][:-1])
+            steps = max(1, -(-(args.memory_groups - earlier) // groups_per_step(base["phases"][-1])))
             memory = run_side(config, model, workdir, "memory", args.memory_lag, args, env, stop_at_threshold=False,
                               overrides=[f"phases.{len(base['phases']) - 1}.steps={steps}"])  # fmt: skip
             report["memory_run"] = {k: v for k, v in memory.items() if k != "memory"} | {"groups": memory["groups_trained"]}

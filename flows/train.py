@@ -25,11 +25,11 @@ from trainer.train import train as training_steps
 # The metrics table's first columns, in this order; whatever else the steps logged (a custom loss's
 # metrics, say) follows. The markdown report draws CURVES.
 TABLE_COLUMNS = (
-    "step", "loss", "score_mean", "sft/nll", "advantage_std", "clip_fraction", "importance_weight_mean",
+    "step", "loss", "score_mean", "sft/nll", "dpo/loss", "dpo/accuracy", "dpo/reward_margin", "distill/kl_to_teacher", "advantage_std", "clip_fraction", "importance_weight_mean",
     "importance_weight_max", "sampler_kl", "grad_norm", "stale_groups_skipped", "staleness_mean",
     "padding_waste", "tokens_per_s",
 )  # fmt: skip
-CURVES = ("loss", "score_mean", "sft/nll", "clip_fraction", "importance_weight_mean", "tokens_per_s")
+CURVES = ("loss", "score_mean", "sft/nll", "dpo/loss", "dpo/accuracy", "distill/kl_to_teacher", "clip_fraction", "importance_weight_mean", "tokens_per_s")
 _BARS = "▁▂▃▄▅▆▇█"
 
 

@@ -157,9 +157,10 @@ def save_resume_state(
     torch.distributed.barrier()
 
 
-def load_resume_state(engine, state_dir: Path) -> dict[str, Any] | None:
-    """Restore the newest resume state into `engine` and this rank's RNG; returns the trainer state
-    saved with it, or None when `state_dir` has none (a fresh run)."""
+def load_resume_state(engine, state_dir: Path, lr: float) -> dict[str, Any] | None:
+    """Restore the newest resume state into `engine` and this rank's RNG, with learning rate `lr`
+    (the config's, not the saved one); returns the trainer state saved with it, or None when
+    `state_dir` has none (a fresh run)."""
     if not (state_dir / "latest").exists():
         return None
     path, client_state = engine.load_checkpoint(str(state_dir))
@@ -168,6 +169,10 @@ def load_resume_state(engine, state_dir: Path) -> dict[str, Any] | None:
             f"{state_dir}: resume state unreadable (format {client_state.get('format')!r}, "
             f"expected {STATE_FORMAT}); move the directory away to start the run afresh"
         )
+    # The optimizer's saved state carries the learning rate it ran with; the config's is the one to
+    # use now (a pipeline phase or a resumed run may set another one).
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     rng_states = client_state["rng"]
     if len(rng_states) == world_size:

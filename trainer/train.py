@@ -71,7 +71,7 @@ def train(
     reference = None
     if config.loss.kl_coef > 0:
         reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
-    saved = load_resume_state(engine, state_dir)
+    saved = load_resume_state(engine, state_dir, config.lr)
     step = saved["step"] if saved else 0
     policy_version = saved["policy_version"] if saved else 0  # the newest published step
     # Since the run began: every group read (trained or skipped as stale) and every one trained,

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from environments.arithmetic import Arithmetic
+from environments.compare import Compare
 from environments.conformance import trained_segments
 from environments.guess_number import GuessNumber
 from environments.instant import Instant
@@ -21,6 +22,11 @@ class TestArithmeticConformance(EnvironmentConformance):
     config = {"group_size": 4, "max_tokens": 8}
 
 
+class TestCompareConformance(EnvironmentConformance):
+    environment_class = Compare
+    config = {"group_size": 4, "max_tokens": 4, "which": "smaller", "pool": 3}
+
+
 class TestGuessNumberConformance(EnvironmentConformance):
     environment_class = GuessNumber
     config = {"group_size": 3, "max_tokens": 6, "turns": 3}
@@ -29,6 +35,19 @@ class TestGuessNumberConformance(EnvironmentConformance):
 class TestInstantConformance(EnvironmentConformance):
     environment_class = Instant
     config = {"group_size": 2}
+
+
+async def test_compare_asks_for_one_of_its_two_numbers(policy_server, tiny_model_dir):
+    async with PolicyClient(policy_server.base_url) as client:
+        env = Compare({"pool": 2, "seed": 4}, client=client, tokenizer=str(tiny_model_dir))
+        await env.setup()
+        items = [await env.get_item() for _ in range(4)]
+    assert [i.prompt for i in items[:2]] == [i.prompt for i in items[2:]]  # a pool of two, cycled
+    for item in items:
+        a, b = (int(n) for n in item.prompt[0]["content"].split(", ")[1].split("?")[0].split(" or "))
+        assert a != b and item.answer == max(a, b)
+        assert env.reward(item, [{"role": "assistant", "content": f"{item.answer}"}]) == 1.0
+        assert env.reward(item, [{"role": "assistant", "content": f"{min(a, b)}"}]) == 0.0
 
 
 class RecordingClient(PolicyClient):

@@ -129,6 +129,16 @@ def test_a_run_mixing_four_objectives_lowers_each_loss(tmp_path, tiny_model_dir)
     )
 
 
+def test_a_resumed_run_takes_the_learning_rate_of_its_config(tmp_path, tiny_model_dir):
+    # A pipeline phase resumes the run's optimizer state with its own lr; the saved one must not win.
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=3), groups_per_shard=2)
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_staleness=100"))
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_staleness=100", "lr=2e-4"))
+    history = read_metrics(tmp_path / "run" / "trainer")
+    assert [(row["step"], row["lr"]) for row in history] == [(1, 1e-3), (2, 1e-3), (3, 2e-4), (4, 2e-4)]
+
+
 @pytest.mark.slow
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir):
     """6 steps in one go vs 3 steps, SIGKILL, resume to 6: same shards consumed, same weights.

@@ -41,7 +41,8 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     settings = [f"model={json.dumps(str(model))}", f"run={json.dumps(str(storage / 'demo'))}", *(overrides or [])]
     summary = run_flow(pipeline(config_path=str(DEMO_CONFIG), overrides=settings))
     curve = summary.get("curve", [])
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    verdict = learning_verdict(curve)
+    (workdir / "summary.json").write_text(json.dumps({**summary, "verdict": verdict}, indent=1))
     draw_curve(curve, workdir / "reward-curve.png")
 
     table = Table(title=f"clotho demo: {summary['steps']} steps in {(time.monotonic() - started) / 60:.1f} min")
@@ -50,26 +51,28 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     for row in curve:
         table.add_row(row["phase"], str(row["step"]), f"{row['reward']:.3f}", f"{row['minutes']:.1f}")
     console.print(table)
-    verdict = learning_verdict(curve)
     console.print(verdict["line"])
     console.print(f"summary: {workdir / 'summary.json'}  curve: {workdir / 'reward-curve.png'}")
     return {**summary, "verdict": verdict}
 
 
-def learning_verdict(curve: list[dict[str, Any]]) -> dict[str, Any]:
-    """Start, the SFT phase's plateau (its best), the end, and whether RL added to it."""
+def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0) -> dict[str, Any]:
+    """Start, the SFT phase's plateau (its best), the end (the last evaluation), what RL added
+    to the plateau, and whether the demo's criterion holds: the end >= 0.8 or 0.5 above the start,
+    the RL phase +0.2 over the plateau, within `minutes`."""
     if not curve:
         return {"line": "no evaluation ran"}
     sft = [row["reward"] for row in curve if row["phase"] == "sft"]
-    rl = [row["reward"] for row in curve if row["phase"] != "sft"]
     start, end = curve[0]["reward"], curve[-1]["reward"]
     plateau = max(sft) if sft else start
-    best_rl = max(rl) if rl else end
+    gain = end - plateau
+    met = (end >= 0.8 or end - start >= 0.5) and gain >= 0.2 and curve[-1]["minutes"] <= minutes
     line = (
         f"reward {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
-        f"(best in RL {best_rl:.2f}: RL added {best_rl - plateau:+.2f}) in {curve[-1]['minutes']:.1f} minutes"
+        f"(RL added {gain:+.2f}) in {curve[-1]['minutes']:.1f} minutes: "
+        + ("learned (>= 0.8 or +0.5, and RL +0.2 over SFT, within 15 minutes)" if met else "the learning criterion is not met")
     )
-    return {"start": start, "sft_plateau": plateau, "end": end, "rl_gain": best_rl - plateau, "line": line}
+    return {"start": start, "sft_plateau": plateau, "end": end, "rl_gain": gain, "criterion_met": met, "line": line}
 
 
 def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (720, 400)) -> None:

@@ -18,7 +18,10 @@ class CompareConfig(EnvironmentConfig):
     max_value: int = Field(default=9, ge=1, description="Numbers are drawn from 0..max_value, two different ones.")
     which: Literal["larger", "smaller"] = Field(default="larger", description="Ask for the larger or the smaller number.")
     pool: int | None = Field(
-        default=None, ge=1, description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations; None: fresh problems."
+        default=None,
+        ge=1,
+        description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations, "
+        "with as many different answers as the pool and the range allow; None: fresh problems.",
     )
 
 
@@ -32,7 +35,21 @@ class Compare(Environment):
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)
         self.count = 0
-        self.problems = [self.problem() for _ in range(self.config.pool or 0)]
+        self.problems = self.diverse_pool(self.config.pool or 0)
+
+    def diverse_pool(self, size: int) -> list[tuple[int, int]]:
+        """`size` problems, each with an answer no earlier one has while answers remain: a few
+        demonstrations that show every answer the task can have, not one answer many times."""
+        pick = max if self.config.which == "larger" else min
+        candidates = [(a, b) for a in range(self.config.max_value + 1) for b in range(self.config.max_value + 1) if a != b]
+        self.rng.shuffle(candidates)
+        pool: list[tuple[int, int]] = []
+        for problem in candidates:
+            if len(pool) == size:
+                break
+            if pick(*problem) not in {pick(*p) for p in pool}:
+                pool.append(problem)
+        return pool + [self.problem() for _ in range(size - len(pool))]
 
     def problem(self) -> tuple[int, int]:
         a, b = self.rng.sample(range(self.config.max_value + 1), 2)

@@ -20,6 +20,11 @@ def test_the_verdict_reads_start_plateau_end_and_the_gain_of_rl():
     assert (verdict["start"], verdict["sft_plateau"], verdict["end"]) == (0.0, 0.2, 0.45)
     assert abs(verdict["rl_gain"] - 0.25) < 1e-9
     assert "RL added +0.25" in verdict["line"] and "6.0 minutes" in verdict["line"]
+    assert not verdict["criterion_met"] and "not met" in verdict["line"]  # 0.45 < 0.5 above the start
+    learned = learning_verdict(CURVE + [{"phase": "rl", "step": 150, "reward": 0.82, "minutes": 8.0}])
+    assert learned["criterion_met"] and abs(learned["rl_gain"] - 0.62) < 1e-9
+    late = learning_verdict(CURVE + [{"phase": "rl", "step": 150, "reward": 0.82, "minutes": 16.0}])
+    assert not late["criterion_met"]
     assert learning_verdict([]) == {"line": "no evaluation ran"}
 
 

@@ -49,6 +49,7 @@ bench: setup
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_rollout.py
 	$(VENV)/bin/python bench/bench_reload.py
+	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/report.py --readme
 
 clean-venvs:

@@ -1,7 +1,7 @@
 """The asynchronous pipeline (max_lag k = 1, 2) vs the synchronous loop (k = 0), in one run.
 
     python bench/bench_pipeline.py [--config runs/bench-pipeline.yaml] [--rounds 1] [--lags 1,2]
-                                   [--threshold 0.5] [--window 5] [--memory-groups 2000]
+                                   [--threshold 0.65] [--window 5] [--memory-groups 2000]
 
 Each side is `clotho run CONFIG --set max_lag=K` from a fresh run directory and a fresh copy of the
 model, against one Prefect server the bench starts: its own policy server, reload watcher, rollout
@@ -13,7 +13,8 @@ training reward of the last --window RL steps reaches --threshold, or at the con
 Per side: wall time to the threshold from the moment the first phase started (the trainer's and
 rollout flows' start-up included: the same for every side), the same from the first trained step,
 steps to the threshold, sample utilization (groups trained / groups the samplers committed), the
-trainer's utilization and idle fraction, groups/s. Sides take turns (each round one side later);
+trainer's utilization and idle fraction, groups/s, and seconds per RL step (the loop's pace, apart
+from how many steps a side needed: a stale group teaches less, so async may need more steps). Sides take turns (each round one side later);
 the synchronous loop runs twice per round and its second run over its first is the control: how far
 from 1.0 this machine puts a ratio of two identical sides. Ratios (async time to threshold / sync)
 per round, and their geometric mean with a 95% interval when --rounds >= 2.
@@ -175,6 +176,8 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     last = rows[-1]
     sampled = sum(p.committed for p in read_sampler_positions(storage, run))
     reloads = [e["reload_s"] for e in events if e["event"] == "reload"]
+    rl_rows = [r for r in rows if "score_mean" in r]  # the loop's pace, apart from how many steps it needed
+    rl_pace = (rl_rows[-1]["time"] - rl_rows[0]["time"]) / (len(rl_rows) - 1) if len(rl_rows) > 1 else None
     result = {
         "max_lag": lag, "steps": int(last["step"]), "reached_threshold": reached is not None,
         "steps_to_threshold": int(reached["step"]) if reached else None,
@@ -185,6 +188,7 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
         "groups_sampled": sampled, "groups_trained": last.get("groups_trained"),
         "groups_per_s": round(last.get("groups_consumed", 0) / max(last["time"] - first_step, 1e-9), 3),
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
+        "rl_seconds_per_step": round(rl_pace, 3) if rl_pace else None,
         "reload_s_median": round(statistics.median(reloads), 3) if reloads else None,
         "wall_s": round(time.time() - started, 1), "log": str(log_path),
     }  # fmt: skip
@@ -198,7 +202,7 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "runs" / "bench-pipeline.yaml"))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--lags", default="1,2", help="the asynchronous sides, compared with max_lag=0")
-    parser.add_argument("--threshold", type=float, default=0.5, help="mean training reward of the last --window RL steps")
+    parser.add_argument("--threshold", type=float, default=0.65, help="mean training reward of the last --window RL steps")
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--memory-groups", type=int, default=2000, help="groups of the memory run (0: none)")
     parser.add_argument("--memory-lag", type=int, default=1)
@@ -234,6 +238,9 @@ def main() -> None:
             report[f"ratio_time_to_threshold_{side}_interval"] = interval(per_round)
             from_first = ratios(side, key="wall_to_threshold_from_first_step_s")
             report[f"ratio_time_to_threshold_from_first_step_{side}"] = round(statistics.fmean(from_first), 3) if from_first else None
+        for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
+            pace = ratios(side, key="rl_seconds_per_step")
+            report[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
         for side in sides:
             values = [r[side]["sample_utilization"] for r in rounds if r[side]["sample_utilization"] is not None]
             report[f"sample_utilization_{side}"] = round(statistics.fmean(values), 4) if values else None

@@ -50,6 +50,16 @@ def rows() -> list[list[str]]:
         table.append(["`bench_reload.py`", "publish + hot reload vs restarting vLLM on the new weights", ">= 100x",
                       f"{r['speedup_publish_plus_swap']:.0f}x ({r['speedup_publish_to_announce_with_parity']:.0f}x with the parity check)",
                       _measured(reload)])  # fmt: skip
+    if pipeline := _load("pipeline"):
+        r = pipeline["result"]
+        lags = [side for side in ("async_k1", "async_k2") if f"ratio_time_to_threshold_{side}" in r]
+        times = ", ".join(f"k={side[-1]} {r[f'ratio_time_to_threshold_{side}']}x" for side in lags)
+        utilization = ", ".join(f"k={side[-1]} {r.get(f'sample_utilization_{side}')}" for side in lags)
+        growth = r.get("rss_growth_max")
+        memory = f"; RSS growth over {r['memory_run']['groups']:.0f} groups at most {growth:.1%}" if growth is not None else ""
+        table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
+                      "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); utilization {utilization}{memory}",
+                      _measured(pipeline)])  # fmt: skip
     return table
 
 

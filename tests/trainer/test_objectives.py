@@ -59,12 +59,13 @@ def mixed_groups(model_dir) -> list[ScoredGroup]:
     return [rl[0], demonstration("d1", length=9), rl[1], demonstration("d2", length=4)]
 
 
-def step_loss(model, groups, budget: int) -> tuple[float, dict[str, torch.Tensor], dict, object]:
+def step_loss(model, groups, budget: int, config: LossConfig | None = None, reference=None) -> tuple[float, dict[str, torch.Tensor], dict, object]:
+    """One step's loss summed over its micro-batches, the gradients, merged metrics and the step."""
     step = build_step(groups, policy_version=0, token_budget=budget, advantage_config=ADVANTAGES)
     model.zero_grad(set_to_none=True)
     total, micro = 0.0, []
     for batch in step.micro_batches:
-        loss, metrics = micro_batch_loss(model, batch, LossConfig(), objectives=step.objectives)
+        loss, metrics = micro_batch_loss(model, batch, config or LossConfig(), objectives=step.objectives, reference=reference)
         loss.backward()
         total += loss.item()
         micro.append(metrics)

@@ -12,11 +12,11 @@ import torch
 from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import ShardReader
 from tests.trainer.rollouts import sampled_groups, write_shards
+from tests.trainer.test_objectives import step_loss
 from trainer.config import AdvantageConfig, LossConfig
 from trainer.data import group_objective, next_step_groups, objective_problem
 from trainer.losses import dpo, policy_loss
-from trainer.metrics import merge_objective_metrics
-from trainer.model import load_policy, micro_batch_loss
+from trainer.model import load_policy
 from trainer.packing import build_step, training_sequences
 
 ADVANTAGES = AdvantageConfig()
@@ -113,20 +113,6 @@ def demonstrations(count: int) -> list[ScoredGroup]:
         ScoredGroup(env="sft", item_id=f"d{i}", sequences=[ScoredSequence.from_prompt([7, 8, 9], [40 + i, 41, 42, 2], [0.0] * 4, 1.0)])
         for i in range(count)
     ]
-
-
-def step_loss(model, groups, budget: int, config: LossConfig, reference=None):
-    step = build_step(groups, policy_version=0, token_budget=budget, advantage_config=ADVANTAGES)
-    model.zero_grad(set_to_none=True)
-    total, micro = 0.0, []
-    for batch in step.micro_batches:
-        loss, metrics = micro_batch_loss(model, batch, config, objectives=step.objectives, reference=reference)
-        loss.backward()
-        total += loss.item()
-        micro.append(metrics)
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    weights = {name: share.weight for name, share in step.objectives.items()}
-    return total, grads, merge_objective_metrics(micro, weights), step
 
 
 def moved(model_dir, seed: int = 3):

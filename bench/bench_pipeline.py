@@ -21,8 +21,11 @@ per round, and their geometric mean with a 95% interval when --rounds >= 2.
 
 Memory: one more run at k = 1 over --memory-groups groups (at least 2000), sampling the RSS of every
 process of the pipeline (the flow process with its rollout subflows, the trainer, the vLLM server
-and its engine, the Prefect server) every 2 s; growth is the median over the last tenth of the run
-against the median over its second tenth (after the start-up and the first allocations).
+and its engine, the Prefect server) every 2 s; growth is the median over the last tenth of the
+groups against the median over their second tenth (after the start-up and the first allocations).
+Its earlier phases are cut to one step, so the --memory-groups groups are all sampled ones, and
+growth is over them alone. Written to bench/results/pipeline_memory.json (the sides: pipeline.json;
+--rounds 0 runs the memory run alone, --memory-groups 0 the sides alone).
 Target: utilization >= 0.9 at k = 1, 2; async time to threshold <= 0.8x sync; RSS growth < 10%.
 """
 
@@ -73,6 +76,9 @@ def role(process: psutil.Process) -> str:
         return "gone"
     if "trainer.cli" in command:
         return "trainer"
+    parent = process.parent()
+    if parent is not None and role(parent) == "vllm-server":
+        return "vllm-engine"  # vLLM's engine core: a multiprocessing child of the API server
     if "EngineCore" in name or "EngineCore" in command:
         return "vllm-engine"
     if "vllm" in command or "inference.server" in command or "vllm" in name.lower():
@@ -121,12 +127,15 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
 
-    def growth(self, total_groups: float) -> list[dict]:
-        """Per process alive over the run: median RSS over the last tenth vs over the second tenth."""
+    def growth(self, total_groups: float, start_groups: float = 0.0) -> list[dict]:
+        """Per process alive over the groups from `start_groups` (where the sampled phase began) to
+        `total_groups`: median RSS over the last tenth of them vs over the second tenth (after the
+        first sampling's allocations)."""
         report = []
+        span = total_groups - start_groups
         for pid, entry in self.samples.items():
-            early = [rss for groups, rss in entry["points"] if 0.1 * total_groups <= groups < 0.2 * total_groups]
-            late = [rss for groups, rss in entry["points"] if groups >= 0.9 * total_groups]
+            early = [rss for groups, rss in entry["points"] if start_groups + 0.1 * span <= groups < start_groups + 0.2 * span]
+            late = [rss for groups, rss in entry["points"] if groups >= start_groups + 0.9 * span]
             if not early or not late:
                 continue  # a helper process that did not live through the run
             before, after = statistics.median(early), statistics.median(late)
@@ -138,7 +147,7 @@ class MemorySampler:
 
 
 def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args, env: dict, stop_at_threshold: bool = True,
-             overrides: list[str] = ()) -> dict:
+             overrides: list[str] = (), memory_from_groups: float = 0.0) -> dict:
     """One `clotho run` at max_lag=lag; returns what the bench compares."""
     run_dir = workdir / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -192,7 +201,7 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
         "reload_s_median": round(statistics.median(reloads), 3) if reloads else None,
         "wall_s": round(time.time() - started, 1), "log": str(log_path),
     }  # fmt: skip
-    result["memory"] = sampler.growth(last.get("groups_consumed", 0.0))
+    result["memory"] = sampler.growth(last.get("groups_consumed", 0.0), memory_from_groups)
     print(json.dumps({"side": name, **{k: v for k, v in result.items() if k != "memory"}}), flush=True)
     return result
 
@@ -221,45 +230,50 @@ def main() -> None:
     try:
         sides = ["sync", *[f"async_k{k}" for k in lags], "sync_again"]
         lag_of = {"sync": 0, "sync_again": 0, **{f"async_k{k}": k for k in lags}}
-        rounds: list[dict[str, dict]] = []
+        rounds: list[dict[str, dict]] = []  # --rounds 0: the memory run alone
         for index in range(args.rounds):
             order = sides[index % len(sides) :] + sides[: index % len(sides)]
             measured = {side: run_side(config, model, workdir, f"r{index}-{side}", lag_of[side], args, env) for side in order}
             rounds.append(measured)
 
-        def ratios(side: str, against: str = "sync", key: str = "wall_to_threshold_s") -> list[float]:
-            return [r[side][key] / r[against][key] for r in rounds if r[side][key] and r[against][key]]
+        if rounds:
+            def ratios(side: str, against: str = "sync", key: str = "wall_to_threshold_s") -> list[float]:
+                return [r[side][key] / r[against][key] for r in rounds if r[side][key] and r[against][key]]
 
-        report: dict = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
-                        "threshold": args.threshold, "window": args.window, "rounds": rounds}  # fmt: skip
-        for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
-            per_round = ratios(side)
-            report[f"ratio_time_to_threshold_{side}"] = round(statistics.fmean(per_round), 3) if per_round else None
-            report[f"ratio_time_to_threshold_{side}_interval"] = interval(per_round)
-            from_first = ratios(side, key="wall_to_threshold_from_first_step_s")
-            report[f"ratio_time_to_threshold_from_first_step_{side}"] = round(statistics.fmean(from_first), 3) if from_first else None
-        for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
-            pace = ratios(side, key="rl_seconds_per_step")
-            report[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
-        for side in sides:
-            values = [r[side]["sample_utilization"] for r in rounds if r[side]["sample_utilization"] is not None]
-            report[f"sample_utilization_{side}"] = round(statistics.fmean(values), 4) if values else None
-            report[f"idle_fraction_{side}"] = round(statistics.fmean(r[side]["idle_fraction"] for r in rounds), 4)
+            report: dict = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+                            "threshold": args.threshold, "window": args.window, "rounds": rounds}  # fmt: skip
+            for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
+                per_round = ratios(side)
+                report[f"ratio_time_to_threshold_{side}"] = round(statistics.fmean(per_round), 3) if per_round else None
+                report[f"ratio_time_to_threshold_{side}_interval"] = interval(per_round)
+                from_first = ratios(side, key="wall_to_threshold_from_first_step_s")
+                report[f"ratio_time_to_threshold_from_first_step_{side}"] = round(statistics.fmean(from_first), 3) if from_first else None
+            for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
+                pace = ratios(side, key="rl_seconds_per_step")
+                report[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
+            for side in sides:
+                values = [r[side]["sample_utilization"] for r in rounds if r[side]["sample_utilization"] is not None]
+                report[f"sample_utilization_{side}"] = round(statistics.fmean(values), 4) if values else None
+                report[f"idle_fraction_{side}"] = round(statistics.fmean(r[side]["idle_fraction"] for r in rounds), 4)
+            print(json.dumps(report, indent=1))
+            targets = {"sample_utilization_k1_k2": ">= 0.9", "ratio_time_to_threshold_async": "<= 0.8"}
+            write_result("pipeline", {"targets": targets, **report})
         if args.memory_groups:
-            # Enough steps for the groups, the threshold ignored: the run goes to its end.
+            # The earlier phases cut to one step each (an sft step samples nothing); the last one,
+            # the sampled one, long enough for the groups; the threshold ignored: it runs to its end.
             def groups_per_step(phase: dict) -> int:
                 return phase.get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get("groups_per_step", 8)
 
-            earlier = sum(p["steps"] * groups_per_step(p) for p in base["phases"][:-1])
-            steps = max(1, -(-(args.memory_groups - earlier) // groups_per_step(base["phases"][-1])))
+            earlier = base["phases"][:-1]
+            steps = -(-args.memory_groups // groups_per_step(base["phases"][-1]))
+            overrides = [f"phases.{i}.steps=1" for i in range(len(earlier))] + [f"phases.{len(earlier)}.steps={steps}"]
             memory = run_side(config, model, workdir, "memory", args.memory_lag, args, env, stop_at_threshold=False,
-                              overrides=[f"phases.{len(base['phases']) - 1}.steps={steps}"])  # fmt: skip
-            report["memory_run"] = {k: v for k, v in memory.items() if k != "memory"} | {"groups": memory["groups_trained"]}
-            report["memory"] = memory["memory"]
-            report["rss_growth_max"] = max((p["growth"] for p in memory["memory"]), default=None)
-        print(json.dumps(report, indent=1))
-        targets = {"sample_utilization_k1_k2": ">= 0.9", "ratio_time_to_threshold_async": "<= 0.8", "rss_growth_max": "< 0.10"}
-        write_result("pipeline", {"targets": targets, **report})
+                              overrides=overrides, memory_from_groups=sum(groups_per_step(p) for p in earlier))  # fmt: skip
+            result = {"run": {k: v for k, v in memory.items() if k != "memory"}, "processes": memory["memory"]}
+            result["rss_growth_max"] = max((p["growth"] for p in memory["memory"]), default=None)
+            result["groups"] = memory["groups_trained"] - sum(groups_per_step(p) for p in earlier)
+            print(json.dumps(result, indent=1))
+            write_result("pipeline_memory", {"targets": {"rss_growth_max": "< 0.10"}, **result})
     finally:
         prefect.stop()
 

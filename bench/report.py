@@ -54,11 +54,14 @@ def rows() -> list[list[str]]:
         r = pipeline["result"]
         lags = [side for side in ("async_k1", "async_k2") if f"ratio_time_to_threshold_{side}" in r]
         times = ", ".join(f"k={side[-1]} {r[f'ratio_time_to_threshold_{side}']}x" for side in lags)
+        paces = ", ".join(f"k={side[-1]} {r.get(f'ratio_seconds_per_rl_step_{side}')}x" for side in lags)
         utilization = ", ".join(f"k={side[-1]} {r.get(f'sample_utilization_{side}')}" for side in lags)
-        growth = r.get("rss_growth_max")
-        memory = f"; RSS growth over {r['memory_run']['groups']:.0f} groups at most {growth:.1%}" if growth is not None else ""
+        memory = ""
+        if (measured := _load("pipeline_memory")) and measured["result"].get("rss_growth_max") is not None:
+            m = measured["result"]
+            memory = f"; RSS of every process over {m['groups']:.0f} sampled groups grew at most {m['rss_growth_max']:.1%}"
         table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
-                      "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); utilization {utilization}{memory}",
+                      "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
                       _measured(pipeline)])  # fmt: skip
     return table
 

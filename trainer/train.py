@@ -261,6 +261,8 @@ def step_metrics(
         "step_time_s": step_time_s,
         "data_wait_s": data_wait_s,
         "tokens_per_s": batch.stats["tokens"] / step_time_s if step_time_s > 0 else 0.0,
+        # Groups trained per second of the step's wall time, the wait for them included.
+        "groups_per_s": batch.stats["groups"] / (step_time_s + data_wait_s) if step_time_s + data_wait_s > 0 else 0.0,
     }
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)

@@ -105,14 +105,15 @@ def next_step_groups(
             last_group = time.monotonic()
             wait_logged = False
             version = group.policy_version
-            problem = objective_problem(group, group_objective(group, objective))
+            trained_as = group_objective(group, objective)
+            problem = objective_problem(group, trained_as)
             if problem is not None:
                 if on_reject is not None:
                     on_reject(group, problem)
                 else:
                     log.warning("skipping group %s (env %s): %s", group.group_id, group.env, problem)
                 continue
-            if group_objective(group, objective) in ON_POLICY_OBJECTIVES and is_stale(
+            if trained_as in ON_POLICY_OBJECTIVES and is_stale(
                 version, policy_version=policy_version, max_staleness=max_staleness
             ):
                 stale.append(group)

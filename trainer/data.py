@@ -90,14 +90,15 @@ def next_step_groups(
     A stale on-policy group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
     polling every `poll_s`, until enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
-    it: resume from the last state. Before a wait that follows new stale groups, `on_wait` hears
-    the stale groups consumed so far: the samplers must see them consumed, or they would wait for a
+    it: resume from the last state. Before a wait that follows new stale (or rejected) groups,
+    `on_wait` hears the stale groups consumed so far: the samplers must see them consumed, or they would wait for a
     trainer that waits for them. A group its objective cannot train (`objective_problem`) is
     consumed and skipped too; `on_reject` hears it with the reason (else it is logged).
     """
     fresh: list[ScoredGroup] = []
     stale: list[ScoredGroup] = []
-    stale_told = 0
+    rejected = 0
+    skipped_told = 0
     last_group = time.monotonic()
     wait_logged = False
     while True:
@@ -112,6 +113,7 @@ def next_step_groups(
                     on_reject(group, problem)
                 else:
                     log.warning("skipping group %s (env %s): %s", group.group_id, group.env, problem)
+                rejected += 1
                 continue
             if trained_as in ON_POLICY_OBJECTIVES and is_stale(
                 version, policy_version=policy_version, max_staleness=max_staleness
@@ -131,7 +133,7 @@ def next_step_groups(
         if not wait_logged:
             log.info("waiting for groups in %s (%d of %d so far)", reader.url, len(fresh), count)
             wait_logged = True
-        if on_wait is not None and len(stale) != stale_told:
-            on_wait(stale)
-            stale_told = len(stale)
+        if on_wait is not None and len(stale) + rejected != skipped_told:
+            on_wait(stale)  # rejected groups are consumed too: the caller counts them (on_reject)
+            skipped_told = len(stale) + rejected
         time.sleep(poll_s)

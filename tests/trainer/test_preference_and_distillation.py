@@ -14,7 +14,7 @@ from storage.reader import ShardReader
 from tests.trainer.rollouts import sampled_groups, write_shards
 from tests.trainer.test_objectives import step_loss
 from trainer.config import AdvantageConfig, LossConfig
-from trainer.data import group_objective, next_step_groups, objective_problem
+from trainer.data import DataTimeoutError, group_objective, next_step_groups, objective_problem
 from trainer.losses import dpo, policy_loss
 from trainer.model import load_policy
 from trainer.packing import build_step, training_sequences
@@ -214,3 +214,19 @@ def test_groups_an_objective_cannot_train_are_skipped_with_their_reason(tmp_path
         ScoredSequence.model_construct(tokens=[1, 2, 3], mask=[False, True, True], logprobs=[0.0, -1.0, -1.0], score=0.0,
                                        teacher_logprobs=[0.0, -1.0], advantages=None)])  # fmt: skip
     assert objective_problem(ragged, "distill").startswith("sequences[0].teacher_logprobs: 2 values for 3 tokens")
+
+
+def test_a_trainer_waiting_after_rejected_groups_tells_the_samplers(tmp_path):
+    # Rejected groups are consumed like stale ones: before the trainer waits, on_wait must fire so
+    # it publishes them as consumed (or an admitted sampler could wait for a waiting trainer).
+    root = str(tmp_path)
+    worse = ScoredSequence.from_prompt([1, 2], [3, 5], [-0.5, -0.5], 0.0)
+    tie = ScoredGroup(env="toy", item_id="tie", sequences=[worse, worse])
+    write_shards(root, "run", [tie, tie.model_copy(update={"group_id": "other"})], 2)
+    waits, rejected = [], []
+    with pytest.raises(DataTimeoutError):
+        next_step_groups(
+            ShardReader(root, "run"), 1, policy_version=0, max_staleness=1, timeout_s=0.5, objective="dpo", poll_s=0.05,
+            on_wait=lambda stale: waits.append(len(stale)), on_reject=lambda group, reason: rejected.append(group.item_id),
+        )  # fmt: skip
+    assert rejected == ["tie", "tie"] and waits == [0]

@@ -138,7 +138,7 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
     model = tmp_path / "model"
     subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
-    config = write_config(tmp_path, model, steps=4, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
+    config = write_config(tmp_path, model, steps=8, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
     logs = [tmp_path / f"worker-{name}.log" for name in ("a", "b")]
     workers = [
         subprocess.Popen(
@@ -161,4 +161,4 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
     assert taken == [1, 1], (taken, [log.read_text()[-2000:] for log in logs])
     samplers = list((tmp_path / "store" / "run" / "progress" / "samplers").glob("*.json"))
     assert len(samplers) == 2 and all(json.loads(p.read_text())["committed"] > 0 for p in samplers)
-    assert len(read_metrics(tmp_path / "store" / "run" / "trainer")) == 4
+    assert len(read_metrics(tmp_path / "store" / "run" / "trainer")) == 8

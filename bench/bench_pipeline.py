@@ -19,13 +19,17 @@ the synchronous loop runs twice per round and its second run over its first is t
 from 1.0 this machine puts a ratio of two identical sides. Ratios (async time to threshold / sync)
 per round, and their geometric mean with a 95% interval when --rounds >= 2.
 
-Memory: one more run at k = 1 over --memory-groups groups (at least 2000), sampling the RSS of every
-process of the pipeline (the flow process with its rollout subflows, the trainer, the vLLM server
-and its engine, the Prefect server) every 2 s; growth is the median over the last tenth of the
-groups against the median over their second tenth (after the start-up and the first allocations).
-Its earlier phases are cut to one step, so the --memory-groups groups are all sampled ones, and
-growth is over them alone. Written to bench/results/pipeline_memory.json (the sides: pipeline.json;
---rounds 0 runs the memory run alone, --memory-groups 0 the sides alone).
+Memory: one more run at k = 1 over --memory-warmup + --memory-groups groups (at least 2000
+measured), sampling the RSS of every process of the pipeline (the flow process with its rollout
+subflows, the trainer, the vLLM API server, engine core and worker, the Prefect server) every 2 s.
+Growth is over the measured groups, after the warm-up: the median over their last tenth against the
+median over their first twentieth. The warm-up is there because vLLM's CPU worker writes its
+preallocated KV cache (VLLM_CPU_KVCACHE_SPACE) page by page as the block pool hands out blocks it has
+not used yet, so its RSS rises until every block was written once, then stays: a bound, not a leak;
+`rss_mb_by_tenth` (each process's RSS at every tenth of the whole run, warm-up included) shows where
+it levels off. Its earlier phases are cut to one step, so every group is a sampled one. Written to
+bench/results/pipeline_memory.json (the sides: pipeline.json; --rounds 0 runs the memory run alone,
+--memory-groups 0 the sides alone).
 Target: utilization >= 0.9 at k = 1, 2; async time to threshold <= 0.8x sync; RSS growth < 10%.
 """
 
@@ -76,6 +80,8 @@ def role(process: psutil.Process) -> str:
         return "gone"
     if "trainer.cli" in command:
         return "trainer"
+    if "VLLM::Worker" in command or "VLLM::Worker" in name:
+        return "vllm-worker"  # the model and its KV cache
     parent = process.parent()
     if parent is not None and role(parent) == "vllm-server":
         return "vllm-engine"  # vLLM's engine core: a multiprocessing child of the API server
@@ -116,7 +122,9 @@ class MemorySampler:
                         rss = process.memory_info().rss
                     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                         continue
-                    entry = self.samples.setdefault(process.pid, {"role": role(process), "points": []})
+                    entry = self.samples.setdefault(process.pid, {"role": "python", "points": []})
+                    if entry["role"] == "python":  # vLLM names its processes after they start
+                        entry["role"] = role(process)
                     entry["points"].append((groups, rss))
 
     def __enter__(self) -> MemorySampler:
@@ -127,27 +135,35 @@ class MemorySampler:
         self._stop.set()
         self._thread.join()
 
-    def growth(self, total_groups: float, start_groups: float = 0.0) -> list[dict]:
-        """Per process alive over the groups from `start_groups` (where the sampled phase began) to
-        `total_groups`: median RSS over the last tenth of them vs over the second tenth (after the
-        first sampling's allocations)."""
+    def growth(self, total_groups: float, start_groups: float = 0.0, warmup_groups: float = 0.0) -> list[dict]:
+        """Per process alive through the run: growth over the groups from `start_groups + warmup_groups`
+        to `total_groups` (the median RSS over their last tenth against the median over their first
+        twentieth), and its RSS at every tenth of the groups from `start_groups` on."""
         report = []
-        span = total_groups - start_groups
+        measured_from = start_groups + warmup_groups
+        span = total_groups - measured_from
         for pid, entry in self.samples.items():
-            early = [rss for groups, rss in entry["points"] if start_groups + 0.1 * span <= groups < start_groups + 0.2 * span]
-            late = [rss for groups, rss in entry["points"] if groups >= start_groups + 0.9 * span]
+            points = entry["points"]
+            early = [rss for groups, rss in points if measured_from <= groups < measured_from + 0.05 * span]
+            late = [rss for groups, rss in points if groups >= measured_from + 0.9 * span]
             if not early or not late:
                 continue  # a helper process that did not live through the run
             before, after = statistics.median(early), statistics.median(late)
+            tenths = []
+            for tenth in range(1, 11):
+                at = start_groups + tenth / 10 * (total_groups - start_groups)
+                upto = [rss for groups, rss in points if groups <= at]
+                tenths.append(round(upto[-1] / 2**20, 1) if upto else None)
             report.append({
                 "pid": pid, "role": entry["role"], "rss_mb_early": round(before / 2**20, 1),
                 "rss_mb_late": round(after / 2**20, 1), "growth": round(after / before - 1.0, 4),
+                "rss_mb_by_tenth": tenths,
             })  # fmt: skip
         return sorted(report, key=lambda r: (r["role"], r["pid"]))
 
 
 def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args, env: dict, stop_at_threshold: bool = True,
-             overrides: list[str] = (), memory_from_groups: float = 0.0) -> dict:
+             overrides: list[str] = (), memory_from_groups: float = 0.0, warmup_groups: float = 0.0) -> dict:
     """One `clotho run` at max_lag=lag; returns what the bench compares."""
     run_dir = workdir / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -201,7 +217,7 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
         "reload_s_median": round(statistics.median(reloads), 3) if reloads else None,
         "wall_s": round(time.time() - started, 1), "log": str(log_path),
     }  # fmt: skip
-    result["memory"] = sampler.growth(last.get("groups_consumed", 0.0), memory_from_groups)
+    result["memory"] = sampler.growth(last.get("groups_consumed", 0.0), memory_from_groups, warmup_groups)
     print(json.dumps({"side": name, **{k: v for k, v in result.items() if k != "memory"}}), flush=True)
     return result
 
@@ -213,7 +229,8 @@ def main() -> None:
     parser.add_argument("--lags", default="1,2", help="the asynchronous sides, compared with max_lag=0")
     parser.add_argument("--threshold", type=float, default=0.65, help="mean training reward of the last --window RL steps")
     parser.add_argument("--window", type=int, default=5)
-    parser.add_argument("--memory-groups", type=int, default=2000, help="groups of the memory run (0: none)")
+    parser.add_argument("--memory-groups", type=int, default=2000, help="measured groups of the memory run (0: none)")
+    parser.add_argument("--memory-warmup", type=int, default=2000, help="groups sampled before the measured ones")
     parser.add_argument("--memory-lag", type=int, default=1)
     parser.add_argument("--model-size", default="small", help="the built model (clotho model tiny --size)")
     args = parser.parse_args()
@@ -265,13 +282,15 @@ def main() -> None:
                 return phase.get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get("groups_per_step", 8)
 
             earlier = base["phases"][:-1]
-            steps = -(-args.memory_groups // groups_per_step(base["phases"][-1]))
+            steps = -(-(args.memory_warmup + args.memory_groups) // groups_per_step(base["phases"][-1]))
             overrides = [f"phases.{i}.steps=1" for i in range(len(earlier))] + [f"phases.{len(earlier)}.steps={steps}"]
             memory = run_side(config, model, workdir, "memory", args.memory_lag, args, env, stop_at_threshold=False,
-                              overrides=overrides, memory_from_groups=sum(groups_per_step(p) for p in earlier))  # fmt: skip
+                              overrides=overrides, memory_from_groups=sum(groups_per_step(p) for p in earlier),
+                              warmup_groups=args.memory_warmup)  # fmt: skip
             result = {"run": {k: v for k, v in memory.items() if k != "memory"}, "processes": memory["memory"]}
             result["rss_growth_max"] = max((p["growth"] for p in memory["memory"]), default=None)
             result["groups"] = memory["groups_trained"] - sum(groups_per_step(p) for p in earlier)
+            result["warmup_groups"], result["measured_groups"] = args.memory_warmup, result["groups"] - args.memory_warmup
             print(json.dumps(result, indent=1))
             write_result("pipeline_memory", {"targets": {"rss_growth_max": "< 0.10"}, **result})
     finally:

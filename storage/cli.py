@@ -128,6 +128,21 @@ def compact_command(
     console.print(f"{len(merged)} merged shards written")
 
 
+@shards_app.command("index")
+def index_command(
+    run_url: Annotated[str, typer.Argument(help="The run (STORAGE_URL/RUN).")],
+) -> None:
+    """Index shards copied into a run by hand: trainers find new shards through the run's index."""
+    from storage.index import index_shards
+    from storage.layout import split_run_url
+
+    split_run_url(run_url)  # a run's URL, or the error says what one looks like
+    if not index_shards(run_url):
+        console.print(f"{run_url} holds no shards")
+        raise typer.Exit(1)
+    console.print(f"{run_url}: every shard is indexed")
+
+
 def _decoder(tokenizer: str | None) -> Any:
     if tokenizer is None:
         return lambda tokens: " ".join(map(str, tokens)) + " "

@@ -13,6 +13,7 @@ import fsspec
 import pyarrow as pa
 
 from storage.filesystem import storage_errors
+from storage.index import add_entry, remove_entries
 from storage.layout import TEMPORARY, ShardLocation, join
 from storage.schema import (
     METADATA_COMPACTED_FROM,
@@ -105,7 +106,9 @@ def _merge(fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]) -> Compaction
     file_name = posixpath.basename(location.name)
     path = join(posixpath.dirname(first.path), file_name)
     url = join(posixpath.dirname(first.url), file_name)
+    run_path = first.path.rsplit("/", 4)[0]
     with storage_errors(url):
+        add_entry(fs, run_path, location)  # before the shard, as every writer does (storage.index)
         write_shard(fs, path, merged, _temp_dir(first))
         written = ShardInfo(url, path, location, fs.size(path))
     if read_shard(fs, written).num_rows != merged.num_rows:  # trust only what reads back
@@ -120,6 +123,7 @@ def _merge(fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]) -> Compaction
 def _delete(fs: fsspec.AbstractFileSystem, sources: list[ShardInfo], merged_url: str) -> None:
     with storage_errors(merged_url):
         fs.rm([s.path for s in sources])
+        remove_entries(fs, sources[0].path.rsplit("/", 4)[0], [s.location for s in sources])
 
 
 def _temp_dir(shard: ShardInfo) -> str:

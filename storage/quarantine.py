@@ -8,6 +8,7 @@ import posixpath
 import fsspec
 
 from storage.filesystem import is_local
+from storage.index import remove_entries
 from storage.layout import QUARANTINE
 from storage.shard_file import ShardInfo
 
@@ -33,6 +34,7 @@ def quarantine(fs: fsspec.AbstractFileSystem, shard: ShardInfo, reason: str) -> 
             fs.makedirs(posixpath.dirname(target), exist_ok=True)
         fs.mv(shard.path, target)
         fs.pipe_file(f"{target}.error.txt", reason.encode())
+        remove_entries(fs, shard.path.rsplit("/", 4)[0], [shard.location])  # no longer a shard of the run
     except FileNotFoundError:
         log.warning("corrupt shard %s was already moved by another reader: %s", shard.url, reason)
         return None

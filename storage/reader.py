@@ -13,8 +13,9 @@ import numpy as np
 import pyarrow as pa
 
 from environments.scored_group import ScoredGroup
-from storage.filesystem import resolve
-from storage.layout import rollouts_url
+from storage.filesystem import resolve, storage_errors
+from storage.index import GRACE_S, backfill, id_at, id_seconds, is_complete, list_entries
+from storage.layout import ROLLOUTS, join, rollouts_url, run_url
 from storage.ledger import Ledger
 from storage.quarantine import quarantine
 from storage.schema import METADATA_TOKENIZER, ShardFormatError, compacted_from, table_to_groups
@@ -62,10 +63,19 @@ class RolloutBatch:
 class ShardReader:
     """Reads the shards of `{root}/{run}/rollouts/` that the ledger has not consumed, oldest first.
 
-    Filter: `envs` (names to read, None for all). Staleness is not the reader's to judge: every shard
+    Shards are found through the run's index (storage.index), listed only from the ledger's
+    watermark on, so a poll costs the same at shard 10**3 and 10**6. A shard listed in the index
+    but not readable yet ends the pass (the next one retries it first, keeping the order) until it
+    is `grace_s` old; then its writer is taken to have died before publishing it, and it is passed.
+
+    Filter: `envs` (names to read, None for all; the watermark passes other envs' shards, so a
+    reader resumed from this ledger with another filter does not see them). Staleness is not the reader's to judge: every shard
     is handed out, and the trainer consumes and skips stale groups itself (trainer.data.is_stale), so
     the ledger records them. A corrupt shard is logged and moved to `{run}/_quarantine/`; the pass
     goes on.
+
+    A corrupt shard is consumed when it is quarantined, also when the move fails (it stays where it
+    is, logged), so it never holds the watermark back.
 
     A shard or group counts as consumed once it is handed out: save `reader.ledger.to_dict()` with the
     checkpoint after training on what was handed out, and pass `Ledger.from_dict(...)` on resume.
@@ -80,14 +90,17 @@ class ShardReader:
         envs: Iterable[str] | None = None,
         ledger: Ledger | None = None,
         storage_options: dict[str, Any] | None = None,
+        grace_s: float = GRACE_S,
     ) -> None:
         self.url = rollouts_url(root, run)
+        self.grace_s = grace_s
         self.tokenizer = tokenizer
         self.envs = None if envs is None else set(envs)
         self.ledger = ledger if ledger is not None else Ledger()
         self.storage_options = storage_options
-        self._fs, _ = resolve(self.url, storage_options)
-        self._unmovable: set[str] = set()  # corrupt shards the quarantine could not move
+        self._fs, self._run_path = resolve(run_url(root, run), storage_options)
+        self._rollouts_path = join(self._run_path, ROLLOUTS)
+        self._indexed = False  # whether the run's shards from before the index are indexed
         self._unreadable: dict[
             str, int
         ] = {}  # listed shards whose read found nothing, and how often
@@ -98,12 +111,20 @@ class ShardReader:
 
     def new_shards(self) -> list[ShardInfo]:
         """Shards passing the filters that are not fully consumed yet, oldest id first."""
-        _, shards = find_shards(self.url, storage_options=self.storage_options, envs=self.envs)
-        return [
-            s
-            for s in shards
-            if not self.ledger.is_consumed(s.name) and s.name not in self._unmovable
-        ]
+        with storage_errors(self.url):
+            if not self._indexed:  # once per reader: one HEAD, or one listing of a run from before the index
+                self._indexed = is_complete(self._fs, self._run_path) or backfill(
+                    self._fs, self._run_path, self.url, self.storage_options
+                )
+            listed = list_entries(self._fs, self._run_path, after=self.ledger.watermark)
+        entries = [entry for entry in listed if self.envs is None or entry.env in self.envs]
+        self.ledger.advance([entry.shard_id for entry in entries], before=id_at(time.time() - self.grace_s))
+        shards = []
+        for entry in entries:
+            name = entry.location.name
+            if not self.ledger.is_consumed(name):
+                shards.append(ShardInfo(join(self.url, name), join(self._rollouts_path, name), entry.location, None))
+        return shards
 
     def batches(self) -> Iterator[RolloutBatch]:
         """One pass over the new shards: each shard's remaining rows as one batch, then consumed."""
@@ -164,9 +185,14 @@ class ShardReader:
             try:
                 batch = self._load(shard, reading)
             except FileNotFoundError:
-                # Listed but not readable: gone (another reader quarantined it) or, on stores whose
-                # listings run ahead of reads, not there yet. End the pass so the next one retries
-                # it before anything newer, keeping the order; say so louder if it persists.
+                if time.time() - id_seconds(shard.location.shard_id) > self.grace_s:
+                    # Indexed, never published: its writer died between the entry and the shard.
+                    log.warning("shard %s is indexed but was never written (its writer died first); passed", shard.url)
+                    self.ledger.mark_consumed(shard.name)
+                    continue
+                # Indexed but not readable yet: being written, or, on stores whose listings run
+                # ahead of reads, not there yet. End the pass so the next one retries it before
+                # anything newer, keeping the order; say so louder if it persists.
                 self._unreadable[shard.name] = tries = self._unreadable.get(shard.name, 0) + 1
                 level = logging.INFO if tries < 3 else logging.WARNING
                 log.log(level, "shard %s is listed but not readable (%d tries)", shard.url, tries)
@@ -184,8 +210,8 @@ class ShardReader:
         try:
             table = reading.result()
         except ShardFormatError as error:
-            if quarantine(self._fs, shard, str(error)) is None:
-                self._unmovable.add(shard.name)
+            quarantine(self._fs, shard, str(error))  # logged, moved or not
+            self.ledger.mark_consumed(shard.name)
             return None
         tokenizer = table.schema.metadata[METADATA_TOKENIZER].decode()
         if self.tokenizer is not None and tokenizer != self.tokenizer:

@@ -32,12 +32,13 @@ _STATISTICS_COLUMNS = ["env", "policy_version", "group_id", "item_id", "score", 
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """A shard found in storage: where it is, its partition, and its size in bytes."""
+    """A shard found in storage: where it is, its partition, and its size in bytes (None when it was
+    found through the index, which does not list sizes)."""
 
     url: str
     path: str  # the fsspec path (no protocol) of the same file
     location: ShardLocation
-    size: int
+    size: int | None
 
     @property
     def name(self) -> str:

@@ -22,6 +22,7 @@ from storage.layout import (
     run_url,
 )
 from storage.schema import check_serializable, groups_to_table
+from storage.index import GRACE_S, add_entry, check_clock, id_seconds
 from storage.shard_file import write_shard
 
 log = logging.getLogger(__name__)
@@ -78,9 +79,11 @@ class ShardWriter:
         self.max_groups = max_groups
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
-        self._fs, run_path = resolve(self.url, storage_options)
-        self._rollouts_path = join(run_path, ROLLOUTS)
-        self._temp_path = join(run_path, TEMPORARY)
+        self._fs, self._run_path = resolve(self.url, storage_options)
+        self._rollouts_path = join(self._run_path, ROLLOUTS)
+        self._temp_path = join(self._run_path, TEMPORARY)
+        with storage_errors(self.url):
+            check_clock(self._fs, self._temp_path)  # shard ids carry this machine's time
         self._buffer: list[ScoredGroup] = []
         self._buffered_bytes = 0
         self._oldest: float | None = None
@@ -157,12 +160,15 @@ class ShardWriter:
             location = ShardLocation(env, policy_version, new_shard_id())
             url = join(self.url, ROLLOUTS, location.name)
             with storage_errors(url):
+                add_entry(self._fs, self._run_path, location)  # first: see storage.index
                 write_shard(
                     self._fs,
                     join(self._rollouts_path, location.name),
                     groups_to_table(groups, self.tokenizer),
                     self._temp_path,
                 )
+            if (late := time.time() - id_seconds(location.shard_id)) > GRACE_S / 2:
+                log.warning("%s took %.0f s to publish; readers pass shards %.0f s after their id", url, late, GRACE_S)
             # Drop only what is stored, so a failed partition stays buffered for the next flush.
             written_ids = {id(group) for group in groups}
             self._buffer = [group for group in self._buffer if id(group) not in written_ids]

@@ -13,6 +13,7 @@ import pytest
 
 from environments.scored_group import SCHEMA_VERSION
 from storage.inspection import verify
+from storage.index import index_shards
 from storage.reader import ShardReader
 from storage.schema import SchemaVersionError, groups_to_table
 from storage.writer import ShardWriter
@@ -101,7 +102,8 @@ def test_truncated_shard_is_quarantined_and_logged(root: str, caplog) -> None:
     reason = fs.cat_file(fsspec.core.url_to_fs(f"{moved}.error.txt")[1]).decode()
     assert "not a readable Parquet file" in reason
     assert any(first in r.getMessage() and "moved to" in r.getMessage() for r in caplog.records)
-    assert reader.ledger.consumed == {second.split("/rollouts/")[1]}  # not marked consumed
+    # Consumed (so it never holds the watermark back) and out of the index: a new reader sees the other.
+    assert all(reader.ledger.is_consumed(url.split("/rollouts/")[1]) for url in (first, second))
     assert [s.url for s in ShardReader(root, "run").new_shards()] == [second]
 
 
@@ -119,6 +121,7 @@ def test_shard_breaking_invariants_is_quarantined(root: str, caplog) -> None:
     url = good_url.rsplit("/", 1)[0] + "/20000101T000000.000000000Z-000000000000.parquet"
     with fsspec.open(url, "wb") as file:
         pq.write_table(broken, file)
+    index_shards(f"{root}/run")  # a shard copied in by hand reaches readers once indexed
 
     assert [c.problems != [] for c in verify(f"{root}/run")] == [True, False]
     with caplog.at_level(logging.ERROR, logger="storage"):
@@ -129,14 +132,17 @@ def test_shard_breaking_invariants_is_quarantined(root: str, caplog) -> None:
 
 
 def test_shard_in_the_wrong_partition_is_quarantined(root: str, caplog) -> None:
+    groups = make_groups(2, seed=15)
     with ShardWriter(root, "run", tokenizer="tok") as writer:
-        [url] = writer.add_many(make_groups(2, seed=15)) + writer.flush()
-    moved = url.replace("env=gsm8k", "env=chess")
+        [url] = writer.add_many(groups) + writer.flush()
+    # A copy of its bytes under another env's partition (and id), copied in by hand and indexed.
+    misplaced = url.replace("env=gsm8k", "env=chess").rsplit("/", 1)[0] + "/20000101T000000.000000000Z-000000000000.parquet"
     fs, path = fsspec.core.url_to_fs(url)
-    fs.makedirs(fsspec.core.url_to_fs(moved)[1].rsplit("/", 1)[0], exist_ok=True)
-    fs.mv(path, fsspec.core.url_to_fs(moved)[1])
+    fs.makedirs(fsspec.core.url_to_fs(misplaced)[1].rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe_file(fsspec.core.url_to_fs(misplaced)[1], fs.cat_file(path))
+    index_shards(f"{root}/run")
     with caplog.at_level(logging.ERROR, logger="storage"):
-        assert list(ShardReader(root, "run").groups()) == []
+        assert list(ShardReader(root, "run").groups()) == groups
     assert "column env holds values other than 'chess'" in caplog.text
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import json
 
 import pytest
@@ -11,6 +13,7 @@ from typer.testing import CliRunner
 from environments.scored_group import ScoredGroup, ScoredSequence
 from storage import cli
 from storage.reader import ShardReader
+from storage.shard_file import find_shards
 from storage.writer import ShardWriter
 from tests.storage.factory import make_groups
 
@@ -37,7 +40,7 @@ def invoke(*args: str):
 def test_ls_lists_shards_with_counts_and_bytes(run_url: str) -> None:
     result = invoke("ls", run_url)
     assert result.exit_code == 0, result.output
-    shards = ShardReader(run_url.rsplit("/", 1)[0], "run").new_shards()
+    _, shards = find_shards(run_url)
     for shard in shards:
         assert shard.name in result.output and f"{shard.size:,}" in result.output
     assert "3 shards" in result.output and "│ 5 " in result.output and "│ 20 " in result.output
@@ -81,7 +84,7 @@ def test_verify_passes_good_shards_and_fails_a_bad_one(run_url: str, tmp_path) -
     result = invoke("verify", run_url)
     assert result.exit_code == 0, result.output
     assert "3 shards checked, 0 with problems" in result.output
-    shard = ShardReader(run_url.rsplit("/", 1)[0], "run").new_shards()[1]
+    shard = find_shards(run_url)[1][1]
     with open(shard.path, "r+b") as file:
         file.truncate(shard.size - 10)
     result = invoke("verify", run_url)
@@ -95,3 +98,17 @@ def test_compact_merges_and_keeps_rows(run_url: str) -> None:
     assert "1 merged shards written" in result.output
     assert json.loads(json.dumps(invoke("ls", run_url).output.count("parquet"))) == 1
     assert len(list(ShardReader(run_url.rsplit("/", 1)[0], "run").groups())) == 5
+
+
+def test_index_makes_shards_copied_in_by_hand_readable(run_url: str, tmp_path) -> None:
+    copy = tmp_path / "copy" / "run"
+    (copy / "rollouts").parent.mkdir(parents=True)
+    shutil.copytree(run_url.removeprefix("file://") + "/rollouts", copy / "rollouts")  # not its _index
+    reader = ShardReader(f"file://{tmp_path}/copy", "run")
+    assert len(list(reader.groups())) == 5  # a run without an index is indexed by its first reader
+    shutil.copy(sorted((copy / "rollouts").rglob("*.parquet"))[0],  # the oldest: 2 groups
+                 copy / "rollouts" / "env=gsm8k" / "policy_version=0" / "20000101T000000.000000000Z-000000000000.parquet")
+    assert len(list(ShardReader(f"file://{tmp_path}/copy", "run").groups())) == 5  # not indexed yet
+    result = invoke("index", f"file://{copy}")
+    assert result.exit_code == 0 and "every shard is indexed" in result.output, result.output
+    assert len(list(ShardReader(f"file://{tmp_path}/copy", "run").groups())) == 5 + 2

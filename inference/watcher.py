@@ -22,7 +22,16 @@ from inference.reload import (
     restore_server,
 )
 from inference.weights import reload_dir_for
-from storage.checkpoints import CheckpointInfo, checkpoint_url, fetch_checkpoint, latest_checkpoint, read_checkpoint
+from storage.checkpoints import (
+    PIN_TTL_S,
+    CheckpointError,
+    CheckpointInfo,
+    checkpoint_url,
+    fetch_checkpoint,
+    latest_checkpoint,
+    pin_steps,
+    read_checkpoint,
+)
 from storage.layout import split_run_url
 
 log = logging.getLogger(__name__)
@@ -48,7 +57,8 @@ class ReloadWatcher:
     serves any more are deleted. A server that fails is reported, restored to its verified weights
     when possible, and tried again (next poll if restored, else with backoff up to a minute); a
     version that fails parity or the preflight on a server is not retried there (the next
-    checkpoint is).
+    checkpoint is). Each server pins the step it serves and the one it is loading
+    (storage.checkpoints.pin_steps), so the trainer's checkpoint retention leaves them alone.
     """
 
     def __init__(
@@ -76,6 +86,15 @@ class ReloadWatcher:
         self.history: list[ReloadOutcome] = []
         self._newest: Path | None = None
         self._retry: dict[str, tuple[int, float]] = {}  # unhealthy server -> (failures, next try)
+        self._pins: dict[str, tuple[frozenset[int], float]] = {}  # server -> (pinned steps, when)
+
+    def pin(self, target: ServedPolicy, *loading: int) -> None:
+        """Pin the server's served step and `loading`; renewed well within the pins' lifetime."""
+        steps = frozenset(step for step in (target.version, *loading) if step > 0)
+        pinned, when = self._pins.get(target.base_url, (frozenset(), 0.0))
+        if steps != pinned or time.time() - when > PIN_TTL_S / 4:
+            pin_steps(self.root, self.run_name, target.base_url, set(steps), storage_options=self.storage_options)
+            self._pins[target.base_url] = (steps, time.time())
 
     async def local_copy(self, info: CheckpointInfo) -> Path:
         options = self.storage_options
@@ -106,6 +125,14 @@ class ReloadWatcher:
         due = [t for t in self.servers if self._retry.get(t.base_url, (0, 0.0))[1] <= time.monotonic()]
         behind = [t for t in due if info is not None and info.step > t.version and info.step not in t.rejected]
         unhealthy = [t for t in due if not t.healthy and t not in behind]
+        for target in self.servers:
+            await asyncio.to_thread(self.pin, target, *([info.step] if target in behind else []))
+        if behind:
+            try:  # pinned, then still STABLE: retention will not delete it under the reload
+                await asyncio.to_thread(read_checkpoint, info.url, storage_options=options)
+            except CheckpointError as error:
+                log.info("checkpoint %d went away before its reload (%s); taking the newest next poll", info.step, error)
+                behind = []
         checkpoint_dir: Path | Exception | None = None
         if behind:
             try:  # fetched once for every server
@@ -117,6 +144,7 @@ class ReloadWatcher:
         outcomes = list(await asyncio.gather(*jobs))
         for target in behind + unhealthy:
             self._back_off_if_down(target)
+            await asyncio.to_thread(self.pin, target)  # the step it serves now
         self.history = (self.history + outcomes)[-100:]  # bounded: the watcher may run for weeks
         if outcomes:
             await asyncio.to_thread(self.prune_cache)

@@ -6,11 +6,20 @@
 
 A reader trusts a step directory only once its STABLE exists, and STABLE lists every file with its
 size, so a half-uploaded checkpoint is never loaded. The policy version of step N is N.
+
+Retention (`apply_retention`, run by the trainer after each publish) keeps the last K published
+steps, every N-th one, the one LATEST names and every step a server pins (serves, or is loading:
+`{run}/progress/pins/{server}.json`, written by the reload watcher). It deletes STABLE first, so a
+reader never trusts a half-deleted step, then looks at the pins once more (a watcher pins, then
+checks STABLE: one of the two sees the other) and puts STABLE back if a server pinned the step
+meanwhile; the next pass finishes steps a killed deletion left without STABLE.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -19,6 +28,9 @@ from typing import Any
 
 from storage.filesystem import resolve, storage_errors
 from storage.layout import join, run_url
+from storage.progress import PROGRESS, replace_json
+
+log = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
 STABLE = "STABLE"
@@ -118,21 +130,134 @@ def read_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) 
 
 
 def latest_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
-    """The newest STABLE step (LATEST is a pointer for people and tools; a trainer killed between
-    STABLE and LATEST leaves it one behind, so readers list the steps instead); None if none yet."""
+    """The newest STABLE step; None if none yet. Reads LATEST and looks one step past it (a trainer
+    killed between STABLE and LATEST leaves it one behind), so a poll costs the same at step 10 and
+    10**6; lists the steps only when LATEST is missing or names a step without STABLE."""
     base = checkpoints_url(root, run)
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
+        try:
+            pointer = fs.cat_file(join(path, LATEST)).decode().strip()
+        except FileNotFoundError:
+            pointer = ""
+        if (match := _STEP.fullmatch(pointer)) and fs.exists(join(path, pointer, STABLE)):
+            step = int(match.group(1))
+            while fs.exists(join(path, step_name(step + 1), STABLE)):
+                step += 1
+        else:
+            steps = published_steps(root, run, storage_options=storage_options)
+            if not steps:
+                return None
+            step = steps[-1]
+    return read_checkpoint(checkpoint_url(root, run, step), storage_options=storage_options)
+
+
+def published_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
+    """Every STABLE step of the run, oldest first (lists the checkpoints directory)."""
+    return sorted(step for step, stable in _step_dirs(root, run, storage_options) if stable)
+
+
+def _step_dirs(root: str, run: str, storage_options: dict[str, Any] | None) -> list[tuple[int, bool]]:
+    """(step, has STABLE) for every step directory."""
+    base = checkpoints_url(root, run)
+    fs, path = resolve(base, storage_options)
+    with storage_errors(base):
+        fs.invalidate_cache(path)
         if not fs.exists(path):
-            return None
-        steps = sorted(
-            int(m.group(1))
+            return []
+        return [
+            (int(m.group(1)), fs.exists(join(entry, STABLE)))
             for entry in fs.ls(path, detail=False)
-            if (m := _STEP.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1])) and fs.exists(join(entry, STABLE))
-        )
-    if not steps:
-        return None
-    return read_checkpoint(checkpoint_url(root, run, steps[-1]), storage_options=storage_options)
+            if (m := _STEP.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]))
+        ]
+
+
+PINS = f"{PROGRESS}/pins"
+PIN_TTL_S = 3600.0  # a pin its server has not renewed for this long is a dead server's
+
+
+def pin_steps(root: str, run: str, server: str, steps: set[int], *, storage_options: dict[str, Any] | None = None) -> None:
+    """Tell retention that `server` serves or is loading `steps` (replaces its previous pin)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", server)
+    replace_json(join(run_url(root, run), PINS, f"{name}.json"), {"server": server, "steps": sorted(steps), "updated_at": time.time()}, storage_options)
+
+
+def pinned_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> set[int]:
+    """Steps some live server pins (pins older than PIN_TTL_S are ignored)."""
+    url = join(run_url(root, run), PINS)
+    fs, path = resolve(url, storage_options)
+    steps: set[int] = set()
+    with storage_errors(url):
+        fs.invalidate_cache(path)
+        try:
+            names = fs.ls(path, detail=False)
+        except FileNotFoundError:
+            return steps
+        for name in names:
+            try:
+                pin = json.loads(fs.cat_file(name))
+            except (FileNotFoundError, ValueError):
+                continue
+            if time.time() - float(pin.get("updated_at", 0)) < PIN_TTL_S:
+                steps.update(int(step) for step in pin.get("steps", []))
+    return steps
+
+
+def retained(steps: list[int], keep_last: int, keep_every: int | None) -> set[int]:
+    """The steps retention keeps of `steps` (published, oldest first): the last `keep_last` and
+    every `keep_every`-th."""
+    keep = set(steps[-keep_last:]) if keep_last > 0 else set()
+    if keep_every:
+        keep.update(step for step in steps if step % keep_every == 0)
+    return keep
+
+
+def apply_retention(
+    root: str, run: str, *, keep_last: int, keep_every: int | None = None, storage_options: dict[str, Any] | None = None
+) -> list[int]:
+    """Delete the published steps retention does not keep (see the module's doc); returns them."""
+    if keep_last < 1:
+        raise ValueError(f"keep_last is {keep_last}; keep at least the newest step (1)")
+    base = checkpoints_url(root, run)
+    fs, path = resolve(base, storage_options)
+    dirs = _step_dirs(root, run, storage_options)
+    published = sorted(step for step, stable in dirs if stable)
+    if not published:
+        return []
+    with storage_errors(base):
+        try:
+            pointer = fs.cat_file(join(path, LATEST)).decode().strip()
+        except FileNotFoundError:
+            pointer = ""
+    keep = retained(published, keep_last, keep_every) | {published[-1]}
+    if match := _STEP.fullmatch(pointer):
+        keep.add(int(match.group(1)))
+    pinned = pinned_steps(root, run, storage_options=storage_options)
+    deleted = []
+    for step in published:
+        if step in keep or step in pinned:
+            continue
+        step_path = join(path, step_name(step))
+        with storage_errors(join(base, step_name(step))):
+            manifest = fs.cat_file(join(step_path, STABLE))
+            fs.rm(join(step_path, STABLE))  # first: from here on no reader trusts the step
+            if step in pinned_steps(root, run, storage_options=storage_options):
+                fs.pipe_file(join(step_path, STABLE), manifest)  # a server pinned it meanwhile
+                continue
+            fs.rm(step_path, recursive=True)
+        deleted.append(step)
+    # Steps a killed deletion left without STABLE (never ones past the newest: those may be uploading).
+    for step, stable in dirs:
+        if not stable and step < published[-1]:
+            with contextlib.suppress(FileNotFoundError), storage_errors(join(base, step_name(step))):
+                fs.rm(join(path, step_name(step)), recursive=True)
+    if deleted:
+        log.info("retention deleted checkpoint steps %s of %s", _ranges(deleted), base)
+    return deleted
+
+
+def _ranges(steps: list[int]) -> str:
+    return ", ".join(str(s) for s in steps) if len(steps) <= 6 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
 
 
 def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_options: dict[str, Any] | None = None) -> Path:

@@ -66,7 +66,7 @@ def sampler_position_url(root: str, run: str, sampler: str) -> str:
 def write_trainer_position(
     root: str, run: str, position: TrainerPosition, *, storage_options: dict[str, Any] | None = None
 ) -> None:
-    _replace(trainer_position_url(root, run), asdict(position), storage_options)
+    replace_json(trainer_position_url(root, run), asdict(position), storage_options)
 
 
 def read_trainer_position(
@@ -80,7 +80,7 @@ def read_trainer_position(
 def write_sampler_position(
     root: str, run: str, position: SamplerPosition, *, storage_options: dict[str, Any] | None = None
 ) -> None:
-    _replace(sampler_position_url(root, run, position.sampler), asdict(position), storage_options)
+    replace_json(sampler_position_url(root, run, position.sampler), asdict(position), storage_options)
 
 
 def read_sampler_positions(
@@ -112,7 +112,8 @@ def _load(cls, data: dict[str, Any], where: str):
         raise ValueError(f"{where}: not a {cls.__name__} ({error}); delete it to start over") from None
 
 
-def _replace(url: str, data: dict[str, Any], storage_options: dict[str, Any] | None) -> None:
+def replace_json(url: str, data: dict[str, Any], storage_options: dict[str, Any] | None) -> None:
+    """Replace the small JSON document at `url` whole: readers see the old or the new one."""
     fs, path = resolve(url, storage_options)
     body = json.dumps(data).encode()
     with storage_errors(url):

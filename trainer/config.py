@@ -231,6 +231,14 @@ class TrainerConfig(BaseModel):
     save_every: int = Field(
         default=10, gt=0, description="Publish a checkpoint every this many steps."
     )
+    keep_last: int | None = Field(
+        default=None, ge=1,
+        description="Keep only the last this many published checkpoints (plus every keep_every-th, the "
+        "one LATEST names and any a server still serves or loads); None keeps every one.",
+    )  # fmt: skip
+    keep_every: int | None = Field(
+        default=None, gt=0, description="With keep_last: also keep every step divisible by this."
+    )
     seed: int = Field(default=0, description="Seeds torch and the data order.")
     loss: LossConfig = Field(default_factory=LossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from storage.checkpoints import apply_retention
 from storage.filesystem import is_local, resolve
 from storage.layout import run_url
 from storage.ledger import Ledger
@@ -169,6 +170,9 @@ def train(
                 )
                 if url is not None:
                     log.info("step %d: published %s", step, url)
+                    if config.keep_last is not None:
+                        apply_retention(storage, run, keep_last=config.keep_last, keep_every=config.keep_every,
+                                        storage_options=storage_options)  # fmt: skip
             if metrics_log is not None:
                 metrics_log.write(step, metrics)
                 log.info("step %d: %s", step, format_metrics(metrics))

@@ -1,10 +1,9 @@
-"""`clotho shards ls|show|verify|compact` against real shards on disk."""
+"""`clotho shards ls|show|verify|compact|index` against real shards on disk."""
 
 from __future__ import annotations
 
-import shutil
-
 import json
+import shutil
 
 import pytest
 from rich.console import Console

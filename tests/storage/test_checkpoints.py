@@ -1,0 +1,98 @@
+"""Checkpoint discovery and retention on every backend: LATEST at constant cost, the last K plus
+every N-th kept, never LATEST or a pinned step, and a deletion killed half way never looks published."""
+
+from __future__ import annotations
+
+import fsspec
+import pytest
+
+import storage.checkpoints as checkpoints
+from storage.checkpoints import (
+    CheckpointError,
+    apply_retention,
+    latest_checkpoint,
+    pin_steps,
+    publish_checkpoint,
+    published_steps,
+    read_checkpoint,
+    retained,
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"weights" * 10)
+    return model
+
+
+def publish(root: str, model_dir, steps) -> None:
+    for step in steps:
+        publish_checkpoint(model_dir, root, "run", step)
+
+
+def test_latest_reads_the_pointer_and_looks_one_step_past_it(root: str, model_dir, monkeypatch) -> None:
+    assert latest_checkpoint(root, "run") is None
+    publish(root, model_dir, range(1, 6))
+    fs, path = fsspec.core.url_to_fs(f"{root}/run/checkpoints")
+    fs.pipe_file(f"{path}/LATEST", b"step-00000004")  # a trainer killed between STABLE and LATEST
+    monkeypatch.setattr(checkpoints, "_step_dirs", lambda *a: pytest.fail("listed the steps"))
+    assert latest_checkpoint(root, "run").step == 5
+    monkeypatch.undo()
+    fs.rm(f"{path}/LATEST")
+    assert latest_checkpoint(root, "run").step == 5  # no pointer: the steps are listed
+
+
+def test_retention_keeps_the_last_k_every_nth_latest_and_pinned(root: str, model_dir) -> None:
+    assert retained(list(range(1, 11)), 3, 4) == {4, 8, 9, 10}
+    publish(root, model_dir, range(1, 11))
+    pin_steps(root, "run", "http://127.0.0.1:8000", {2})  # a server still serves step 2
+    deleted = apply_retention(root, "run", keep_last=3, keep_every=4)
+    assert deleted == [1, 3, 5, 6, 7]
+    assert published_steps(root, "run") == [2, 4, 8, 9, 10]
+    fs, path = fsspec.core.url_to_fs(f"{root}/run/checkpoints")
+    assert not fs.exists(f"{path}/step-00000001")
+    pin_steps(root, "run", "http://127.0.0.1:8000", set())  # it moved on
+    assert apply_retention(root, "run", keep_last=1) == [2, 4, 8, 9]
+    assert latest_checkpoint(root, "run").step == 10
+    with pytest.raises(ValueError, match="keep at least the newest step"):
+        apply_retention(root, "run", keep_last=0)
+
+
+def test_a_step_pinned_during_its_deletion_is_put_back(root: str, model_dir, monkeypatch) -> None:
+    publish(root, model_dir, range(1, 4))
+    real = checkpoints.pinned_steps
+    calls = []
+
+    def pinned_after_the_first_look(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs) if len(calls) == 1 else {1}  # a watcher pinned 1 meanwhile
+
+    monkeypatch.setattr(checkpoints, "pinned_steps", pinned_after_the_first_look)
+    assert apply_retention(root, "run", keep_last=1) == [2]
+    assert read_checkpoint(f"{root}/run/checkpoints/step-00000001").step == 1  # whole, STABLE again
+
+
+def test_a_deletion_killed_half_way_leaves_no_published_looking_step(root: str, model_dir, monkeypatch) -> None:
+    publish(root, model_dir, range(1, 4))
+    fs, _ = fsspec.core.url_to_fs(root)  # the instance storage uses too (fsspec caches them)
+    real_rm = fs.rm
+
+    def killed_after_stable(path, *args, **kwargs):
+        if kwargs.get("recursive"):
+            raise KeyboardInterrupt  # killed between removing STABLE and the files
+        return real_rm(path, *args, **kwargs)
+
+    monkeypatch.setattr(fs, "rm", killed_after_stable)
+    with pytest.raises(KeyboardInterrupt):
+        apply_retention(root, "run", keep_last=1)
+    monkeypatch.undo()
+    with pytest.raises(CheckpointError, match="no STABLE"):
+        read_checkpoint(f"{root}/run/checkpoints/step-00000001")
+    assert published_steps(root, "run") == [2, 3]
+    assert latest_checkpoint(root, "run").step == 3
+    assert apply_retention(root, "run", keep_last=1) == [2]  # and the next pass clears the rest
+    _, path = fsspec.core.url_to_fs(f"{root}/run/checkpoints")
+    assert not fs.exists(f"{path}/step-00000001")

@@ -63,6 +63,18 @@ def rows() -> list[list[str]]:
         table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
                       "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
                       _measured(pipeline)])  # fmt: skip
+    if run_length := _load("run_length"):
+        r = run_length["result"]
+        local = r["local"]
+        largest = max((side for side in local if side.isdigit()), key=int)
+        s3 = r.get("s3", {})
+        s3_sizes = sorted((side for side in s3 if side.isdigit()), key=int)
+        lists = ", ".join(f"{int(size):,}: {s3[size]['list_requests_per_poll']:g}" for size in s3_sizes)
+        table.append(["`bench_run_length.py`", "the trainer's poll (list new shards, filter by the ledger) at 1k..100k shards vs at 1k (control: 1k again); ledger bytes; S3 LIST requests per poll",
+                      "<= 2x, < 64 KB, <= 2x",
+                      f"{int(largest):,} shards {local[largest]['ratio_poll_to_1000']}x (control {local['control_1000']['ratio_poll_to_1000']}x, "
+                      f"full listing {local[largest]['full_listing_s']} s vs poll {local[largest]['poll_s_median'] * 1e3:.1f} ms); ledger at most {r['ledger_bytes_max'] / 1024:.1f} KB; "
+                      f"LIST per poll {lists}", _measured(run_length)])  # fmt: skip
     return table
 
 

@@ -137,9 +137,13 @@ def preference_pair(group: ScoredGroup) -> tuple[int, int] | None:
     return scores.index(best), scores.index(worst)
 
 
-def objective_problems(group: ScoredGroup) -> list[str]:
-    """What a group marked with an objective lacks for it, as 'field: what; fix' lines."""
-    if group.objective == "dpo":
+def objective_problems(group: ScoredGroup, objective: str | None = None) -> list[str]:
+    """What `group` lacks to be trained with `objective` (by default the one it is marked with), as
+    'field: what; fix' lines. The one rule: ScoredGroup validation, the trainer (which may train an
+    unmarked group as dpo or distill by its own setting) and the packing of pairs all ask it;
+    storage.schema checks the same on Arrow columns."""
+    objective = objective or group.objective
+    if objective == "dpo":
         if len(group.sequences) != 2:
             return [
                 f"objective: dpo needs a pair, this group has {len(group.sequences)} sequences; return "
@@ -150,13 +154,15 @@ def objective_problems(group: ScoredGroup) -> list[str]:
                 f"objective: dpo pair with tied scores ({group.sequences[0].score}); the chosen sequence "
                 "needs the higher score: score them apart or drop the pair"
             ]
-    if group.objective == "distill":
-        missing = [i for i, s in enumerate(group.sequences) if s.teacher_logprobs is None]
-        if missing:
-            return [
-                f"sequences{missing}.teacher_logprobs: unset in a distill group; fill them with the "
-                "teacher's logprobs (environments.distill.teacher_logprobs) or leave objective unset"
-            ]
+    if objective == "distill":
+        for index, sequence in enumerate(group.sequences):
+            teacher = sequence.teacher_logprobs
+            if teacher is None or len(teacher) != len(sequence.tokens):
+                given = "unset" if teacher is None else f"{len(teacher)} values for {len(sequence.tokens)} tokens"
+                return [
+                    f"sequences[{index}].teacher_logprobs: {given} in a distill group; give one teacher "
+                    "logprob per token (environments.distill.teacher_logprobs) or leave objective unset"
+                ]
     return []
 
 

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from environments.scored_group import ScoredGroup
+from environments.scored_group import ScoredGroup, objective_problems
 from storage.reader import ShardReader
 
 log = logging.getLogger(__name__)
@@ -48,22 +48,8 @@ def objective_problem(group: ScoredGroup, objective: str) -> str | None:
                 f"sequences[{index}].mask: no trained token after the first (nothing predicts a "
                 "sequence's first token); put the prompt before the trained completion"
             )
-    if objective == "dpo":
-        if len(group.sequences) != 2 or group.sequences[0].score == group.sequences[1].score:
-            return (
-                f"objective dpo: needs two sequences with different scores, has scores {group.scores}; "
-                "score the pair apart, or mark such groups objective='rl' (trainer objective=auto)"
-            )
-    if objective == "distill":
-        for index, sequence in enumerate(group.sequences):
-            teacher = sequence.teacher_logprobs
-            if teacher is None or len(teacher) != len(sequence.tokens):
-                given = "unset" if teacher is None else f"{len(teacher)} values for {len(sequence.tokens)} tokens"
-                return (
-                    f"sequences[{index}].teacher_logprobs: {given} in a distill group; give one "
-                    "teacher logprob per token (environments.distill fills them)"
-                )
-    return None
+    problems = objective_problems(group, objective)
+    return problems[0] if problems else None
 
 
 def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:

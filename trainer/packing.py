@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from environments.scored_group import ScoredGroup, preference_pair
+from environments.scored_group import ScoredGroup, objective_problems, preference_pair
 from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
 from trainer.data import group_objective
@@ -196,25 +196,17 @@ def training_sequences(
 
 def dpo_pair(group: ScoredGroup) -> tuple[int, int]:
     """(chosen, rejected) of a dpo group (environments.scored_group.preference_pair), or a clear
-    error for a group that is no pair (one the trainer's objective=dpo made dpo)."""
-    pair = preference_pair(group) if len(group.sequences) == 2 else None
-    if pair is None:
-        raise ValueError(
-            f"group {group.group_id} (env {group.env}): trained as dpo but it is not a pair with two "
-            f"different scores (scores {group.scores}); with trainer objective=dpo every group must be "
-            "one: use objective=auto and mark the pairs objective='dpo' in the environment"
-        )
-    return pair
+    error for a group that is no pair (the trainer rejects those before packing)."""
+    if problems := objective_problems(group, "dpo"):
+        raise ValueError(f"group {group.group_id} (env {group.env}) trained as dpo: {problems[0]}")
+    return preference_pair(group)
 
 
 def distillation_advantages(group: ScoredGroup, index: int) -> list[float]:
     """A distill sequence's per-token advantage: teacher minus sampler logprob where trained."""
+    if problems := objective_problems(group, "distill"):
+        raise ValueError(f"group {group.group_id} (env {group.env}) trained as distill: {problems[0]}")
     sequence = group.sequences[index]
-    if sequence.teacher_logprobs is None:
-        raise ValueError(
-            f"group {group.group_id} (env {group.env}) sequences[{index}]: trained as distill without "
-            "teacher_logprobs; fill them (environments.distill) or train the group with another objective"
-        )
     return [
         teacher - sampled if trained else 0.0
         for teacher, sampled, trained in zip(sequence.teacher_logprobs, sequence.logprobs, sequence.mask, strict=True)

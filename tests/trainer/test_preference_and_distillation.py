@@ -207,7 +207,7 @@ def test_groups_an_objective_cannot_train_are_skipped_with_their_reason(tmp_path
     )  # fmt: skip
     assert [g.item_id for g in fresh] == ["pair", "pair-2"] and stale == []
     assert [item for item, _ in rejected] == ["tie", "first-token-only"]
-    assert "needs two sequences with different scores, has scores [0.0, 0.0]" in rejected[0][1]
+    assert rejected[0][1].startswith("objective: dpo pair with tied scores (0.0)")
     assert rejected[1][1].startswith("sequences[0].mask: no trained token after the first")
     # Ragged teacher logprobs (a group that skipped validation): named with the fix.
     ragged = ScoredGroup.model_construct(env="toy", item_id="r", group_id="g", objective="distill", sequences=[

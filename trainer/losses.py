@@ -23,7 +23,8 @@ unless a float is wrapped as trainer.metrics.Total (adds up), Maximum or Minimum
 that wants other defaults than clip 0.2 / 0.2 and grpo advantages declares them next to itself,
 `my_loss.loss_defaults = LossDefaults(clip_high=0.28)` (trainer.config). The public helpers below
 (clipped_token_loss, clipped_objective, kl_to_reference, ratio_metrics, sequence_mean, token_mean,
-constant_normalized, segment_mean) are there to reuse: dapo is three lines of them.
+constant_normalized, segment_mean; in trainer.loss_terms, importable from here) are there to reuse:
+dapo is three lines of them.
 
 Notation, per trained token t of sequence i:
     logp_t  the trainer's logprob of the token under the current weights (carries the gradient)
@@ -65,7 +66,6 @@ gradients are averaged, pass the global counts divided by the world size.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -73,7 +73,17 @@ from typing import Any
 import torch
 
 from trainer.config import LossConfig, LossDefaults
-from trainer.metrics import Maximum, Minimum, Total
+from trainer.loss_terms import (  # noqa: F401 - public here too, for custom losses
+    clipped_objective,
+    clipped_token_loss,
+    constant_normalized,
+    kl_to_reference,
+    ratio_metrics,
+    segment_mean,
+    sequence_mean,
+    token_mean,
+)
+from trainer.metrics import Total
 
 
 @dataclass(frozen=True)
@@ -264,116 +274,6 @@ def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str,
 dr_grpo.loss_defaults = LossDefaults(advantage_mode="mean_only")
 dapo.loss_defaults = LossDefaults(clip_high=0.28)
 gspo.loss_defaults = LossDefaults(clip_low=3e-4, clip_high=4e-4)
-
-
-# --- pieces to build losses from -----------------------------------------------------------------
-
-
-def clipped_token_loss(
-    inputs: LossInputs, log_ratio: torch.Tensor, config: LossConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """-J_t, plus the KL penalty when there are reference logprobs: [tokens]; and ratio_metrics.
-
-    log_ratio [tokens] is the log of the ratio to clip: inputs.log_ratio per token, or another
-    (gspo's sequence ratio) carrying the gradient of inputs.logprobs.
-    """
-    token_loss = -clipped_objective(log_ratio, inputs.advantages, config)
-    kl = kl_to_reference(inputs)
-    if kl is not None:
-        token_loss = token_loss + config.kl_coef * kl
-    return token_loss, ratio_metrics(log_ratio.detach(), inputs, config, kl=kl)
-
-
-def clipped_objective(
-    log_ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
-    """J_t = min(w A, clip(r) A) per token, [tokens] -> [tokens]; w is r truncated at the cap."""
-    if config.importance_cap is None:
-        weight = torch.exp(log_ratio)
-    else:
-        # Value min(r, C) with the ratio's own gradient direction; in log space so a huge ratio
-        # never overflows (inf times the zero gradient of a clamp is NaN).
-        excess = torch.relu(log_ratio - math.log(config.importance_cap)).detach()
-        weight = torch.exp(log_ratio - excess)
-    low, high = math.log(1.0 - config.clip_low), math.log1p(config.clip_high)
-    clipped_ratio = torch.exp(log_ratio.clamp(low, high))
-    return torch.minimum(weight * advantage, clipped_ratio * advantage)
-
-
-def kl_to_reference(inputs: LossInputs) -> torch.Tensor | None:
-    """k3 = exp(ref - logp) - (ref - logp) - 1 per token, [tokens]; None without ref_logprobs."""
-    if inputs.ref_logprobs is None:
-        return None
-    ref_minus_logp = inputs.ref_logprobs - inputs.logprobs
-    return torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
-
-
-def sequence_mean(token_loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    """(sum over sequences of each one's mean token loss) / step_num_sequences: [tokens] -> []."""
-    total = segment_mean(token_loss, inputs.sequence, inputs.num_sequences).sum()
-    return total / inputs.step_num_sequences
-
-
-def token_mean(token_loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
-    """(sum of token losses) / step_num_tokens: [tokens] -> []."""
-    return token_loss.sum() / inputs.step_num_tokens
-
-
-def constant_normalized(
-    token_loss: torch.Tensor, inputs: LossInputs, constant: float
-) -> torch.Tensor:
-    """(sum of token losses) / (step_num_sequences * constant): [tokens] -> []."""
-    return token_loss.sum() / (inputs.step_num_sequences * constant)
-
-
-def segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Mean of `values` [tokens] within each segment that `segment` [tokens] names -> [segments]."""
-    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device).index_add(
-        0, segment, values
-    )
-    counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
-    return sums / counts
-
-
-@torch.no_grad()
-def ratio_metrics(
-    log_ratio: torch.Tensor,
-    inputs: LossInputs,
-    config: LossConfig,
-    *,
-    kl: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Metrics of a clipped loss over the trained tokens, log_ratio [tokens] the one it clipped.
-
-    clip_fraction (gradient zeroed by the clip); capped_fraction (weight truncated by
-    importance_cap); importance_weight_mean/max/min (the ratio the loss used: per token, or the
-    sequence's for gspo); sampler_kl (mean of r - 1 - log r, an estimate of KL(sampler || policy):
-    staleness plus numeric mismatch); kl (the mean of `kl`, to the reference, when given).
-    """
-    ratio = torch.exp(log_ratio)
-    token_log_ratio = inputs.log_ratio
-    advantage = inputs.advantages
-    clip_active = ((advantage > 0) & (ratio > 1.0 + config.clip_high)) | (
-        (advantage < 0) & (ratio < 1.0 - config.clip_low)
-    )
-    capped = torch.zeros_like(clip_active)
-    if config.importance_cap is not None:
-        capped = ~clip_active & (ratio > config.importance_cap)
-    values = {
-        "clip_fraction": clip_active.float().mean(),
-        "capped_fraction": capped.float().mean(),
-        "importance_weight_mean": ratio.mean(),
-        "importance_weight_max": ratio.max(),
-        "importance_weight_min": ratio.min(),
-        "sampler_kl": (torch.exp(token_log_ratio) - 1.0 - token_log_ratio).mean(),
-    }
-    if kl is not None:
-        values["kl"] = kl.mean()
-    # One stacked transfer instead of a device sync per metric.
-    floats = dict(zip(values, torch.stack([v.float() for v in values.values()]).tolist()))
-    floats["importance_weight_max"] = Maximum(floats["importance_weight_max"])
-    floats["importance_weight_min"] = Minimum(floats["importance_weight_min"])
-    return floats
 
 
 # --- the micro-batch plumbing --------------------------------------------------------------------

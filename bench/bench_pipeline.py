@@ -56,7 +56,7 @@ import yaml  # noqa: E402
 
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
-from storage.progress import read_sampler_positions  # noqa: E402
+from storage.progress import groups_committed  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
 from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
@@ -199,7 +199,7 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     phase_start = min((e["time"] for e in events if e["event"] == "phase"), default=started)
     first_step = rows[0]["time"] - rows[0].get("step_time_s", 0.0) - rows[0].get("data_wait_s", 0.0)
     last = rows[-1]
-    sampled = sum(p.committed for p in read_sampler_positions(storage, run))
+    sampled = groups_committed(storage, run)
     reloads = [e["reload_s"] for e in events if e["event"] == "reload"]
     rl_rows = [r for r in rows if "score_mean" in r]  # the loop's pace, apart from how many steps it needed
     rl_pace = (rl_rows[-1]["time"] - rl_rows[0]["time"]) / (len(rl_rows) - 1) if len(rl_rows) > 1 else None

@@ -172,9 +172,9 @@ class Admission:
 
     async def close(self) -> None:
         """Publish the final counts once the flow's writer is closed (its last flush wrote every
-        stored group): nothing of this sampler is in flight any more."""
+        stored group): nothing of this sampler is in flight any more, and it writes no more."""
         self.sampling = 0
-        await self._write(force=True)
+        await self._write(force=True, closed=True)
 
     def _why_blocked(self) -> str:
         if self.trainer is None:
@@ -191,28 +191,32 @@ class Admission:
             return
         self.refreshed_at = now
         self.version = await self.served_version()
-        self.trainer, samplers = await asyncio.to_thread(self._read_positions)
+        self.trainer, samplers, retired = await asyncio.to_thread(self._read_positions)
         wall = time.time()
-        self.others = sum(
+        self.others = retired + sum(
             s.committed + (s.in_flight if wall - s.updated_at < self.DEAD_AFTER_S else 0)
             for s in samplers
             if s.sampler != self.sampler
         )
         await self._write(force=False)
 
-    def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition]]:
+    def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition], int]:
+        """The trainer's position, the samplers', then the trainer's retired count read again: the
+        trainer publishes a retirement before it removes the files, so read in this order a
+        retired sampler is counted once or (for a moment) twice, never not at all; and
+        `groups_consumed` from the first read is never newer than the samplers' counts."""
         options = dict(storage_options=self.storage_options)
-        return (
-            read_trainer_position(self.storage, self.run, **options),
-            read_sampler_positions(self.storage, self.run, **options),
-        )
+        trainer = read_trainer_position(self.storage, self.run, **options)
+        samplers = read_sampler_positions(self.storage, self.run, **options)
+        again = read_trainer_position(self.storage, self.run, **options) if trainer is not None else None
+        return trainer, samplers, again.retired_committed if again is not None else 0
 
-    async def _write(self, force: bool) -> None:
+    async def _write(self, force: bool, closed: bool = False) -> None:
         counts = (self.committed, self.in_flight)
         now = time.monotonic()
         if not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S:
             return
-        position = SamplerPosition(self.sampler, committed=counts[0], in_flight=counts[1])
+        position = SamplerPosition(self.sampler, committed=counts[0], in_flight=counts[1], closed=closed)
         await asyncio.to_thread(
             write_sampler_position, self.storage, self.run, position, storage_options=self.storage_options
         )

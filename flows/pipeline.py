@@ -39,7 +39,7 @@ from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.layout import split_run_url
-from storage.progress import TrainerPosition, read_sampler_positions, read_trainer_position, write_trainer_position
+from storage.progress import TrainerPosition, groups_committed, read_trainer_position, write_trainer_position
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
@@ -181,6 +181,7 @@ def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run
         steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
         policy_version=known.policy_version if known else 0, groups_per_step=settings.groups_per_step,
         save_every=settings.save_every, max_staleness=config.max_lag,
+        retired_committed=known.retired_committed if known else 0,
     )  # fmt: skip
     write_trainer_position(storage, run, position)
 
@@ -290,7 +291,7 @@ async def wait_until_served(urls: list[str], api_key: str | None, version: int, 
 def sample_utilization(storage: str, run: str, steps: StepLog) -> dict[str, float]:
     """Groups trained / groups the samplers committed, over the run (the trainer's utilization
     counts what it read; this also counts what was sampled and never read)."""
-    sampled = sum(position.committed for position in read_sampler_positions(storage, run))
+    sampled = groups_committed(storage, run)
     trained = steps.rows[-1].get("groups_trained") if steps.rows else None
     if not sampled or trained is None:
         return {}

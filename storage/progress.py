@@ -5,13 +5,17 @@ sampler's counts (groups committed to shards, groups in flight).
     {root}/{run}/progress/trainer.json             written by the trainer after every read and publish
     {root}/{run}/progress/samplers/{sampler}.json  written by each rollout flow as its counts change
 
-Small JSON documents, each with one writer, replaced whole (a PUT on object stores, a rename on
+A sampler's file stays until its flow closes and the trainer folds its count into its own
+(`retired_committed`), so the samplers' directory holds the live samplers, not every flow run the
+run ever had. Small JSON documents, each with one writer (the trainer also removes closed
+samplers' files), replaced whole (a PUT on object stores, a rename on
 local disks), so a reader sees the old or the new one, never half. Reading them costs the same at
 step 10 and at step 10**6: none grows with the run's history.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -38,6 +42,9 @@ class TrainerPosition:
     groups_per_step: int
     save_every: int
     max_staleness: int
+    # Groups committed by samplers that closed and whose files the trainer removed (folded here so
+    # the samplers' directory holds the live ones only: a poll reads it whole).
+    retired_committed: int = 0
     updated_at: float = field(default_factory=time.time)
 
 
@@ -45,11 +52,13 @@ class TrainerPosition:
 class SamplerPosition:
     """One rollout flow's groups: `committed` to shards since it started, `in_flight` admitted and
     not yet in a shard (sampling, or buffered in its writer). A sampler that stopped updating is
-    dead: its in-flight groups will never arrive, its committed ones did."""
+    dead: its in-flight groups will never arrive, its committed ones did. A closed one is folded
+    into the trainer's `retired_committed` and its file removed (`retire_closed_samplers`)."""
 
     sampler: str
     committed: int
     in_flight: int
+    closed: bool = False  # its flow ended: it never writes again, so the trainer may retire it
     updated_at: float = field(default_factory=time.time)
 
 
@@ -103,6 +112,32 @@ def read_sampler_positions(
                 continue
             positions.append(_load(SamplerPosition, data, name))
     return positions
+
+
+def groups_committed(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> int:
+    """Every group the run's samplers committed to shards: the live ones' and the retired ones'."""
+    live = sum(position.committed for position in read_sampler_positions(root, run, storage_options=storage_options))
+    trainer = read_trainer_position(root, run, storage_options=storage_options)
+    return live + (trainer.retired_committed if trainer is not None else 0)
+
+
+def retire_closed_samplers(
+    root: str, run: str, *, storage_options: dict[str, Any] | None = None
+) -> list[SamplerPosition]:
+    """The closed samplers' positions, to fold into the trainer's `retired_committed`; the trainer
+    saves that, publishes its position, and only then calls `remove_sampler_positions` on them
+    (a sampler reading in between counts them twice: it admits less for a moment, never more)."""
+    return [position for position in read_sampler_positions(root, run, storage_options=storage_options) if position.closed]
+
+
+def remove_sampler_positions(
+    root: str, run: str, samplers: list[str], *, storage_options: dict[str, Any] | None = None
+) -> None:
+    for sampler in samplers:
+        url = sampler_position_url(root, run, sampler)
+        fs, path = resolve(url, storage_options)
+        with storage_errors(url), contextlib.suppress(FileNotFoundError):
+            fs.rm(path)
 
 
 def _load(cls, data: dict[str, Any], where: str):

@@ -24,7 +24,7 @@ from storage.checkpoints import apply_retention
 from storage.filesystem import is_local, resolve
 from storage.layout import run_url
 from storage.ledger import Ledger
-from storage.progress import TrainerPosition, write_trainer_position
+from storage.progress import TrainerPosition, remove_sampler_positions, retire_closed_samplers, write_trainer_position
 from storage.reader import ShardReader
 from trainer.checkpointing import load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
@@ -77,15 +77,18 @@ def train(
     policy_version = saved["policy_version"] if saved else 0  # the newest published step
     # Since the run began: every group read (trained or skipped as stale) and every one trained,
     # in sequences too, and the seconds spent waiting for data and training.
-    totals = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0)
+    totals = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0,
+                  retired_committed=0)  # fmt: skip
     totals |= (saved or {}).get("totals", {})
     reader = metrics_log = None
-    where = dict(config=config, storage=storage, run=run, storage_options=storage_options)
+    where = dict(config=config, storage=storage, run=run, storage_options=storage_options, totals=totals)
     if rank == 0:
         ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
         reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
         metrics_log = MetricsLog(work_dir)
         publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
+        # Samplers retired by the saved state whose files a kill left behind (see storage.progress).
+        remove_sampler_positions(storage, run, (saved or {}).get("retired_samplers", []), storage_options=storage_options)
         log.info(
             "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
             config.model, reader.url, "resuming" if saved else "starting", step, config.steps,
@@ -160,14 +163,22 @@ def train(
                     extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
                 )  # fmt: skip
                 policy_version = step
+                retiring = []
                 if rank == 0:
                     publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
+                    # Closed samplers fold into the trainer's count: saved, published, then removed.
+                    retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
+                    totals["retired_committed"] += sum(position.committed for position in retiring)
                 trainer_state = {
-                    "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals
+                    "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
+                    "retired_samplers": [position.sampler for position in retiring],
                 }  # fmt: skip
                 save_resume_state(
                     engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
                 )
+                if retiring:
+                    publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
+                    remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
                 if url is not None:
                     log.info("step %d: published %s", step, url)
                     if config.keep_last is not None:
@@ -193,13 +204,14 @@ def publish_position(
     policy_version: int,
     groups_consumed: int,
     storage_options: dict[str, Any] | None,
+    totals: dict[str, Any],
 ) -> None:
     """Where the trainer is, written for the samplers' admission (flows.admission) after each read
     and each publish, so they can tell a pending group from a consumed one at every step."""
     position = TrainerPosition(
         steps=step, groups_consumed=int(groups_consumed), policy_version=policy_version,
         groups_per_step=config.groups_per_step, save_every=config.save_every,
-        max_staleness=config.max_staleness,
+        max_staleness=config.max_staleness, retired_committed=int(totals.get("retired_committed", 0)),
     )  # fmt: skip
     write_trainer_position(storage, run, position, storage_options=storage_options)
 

@@ -5,6 +5,7 @@ about (k + 1) steps of groups waiting), and the Admission controller on real pro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import random
 from collections import deque
@@ -16,8 +17,11 @@ from flows.admission import Admission, admits
 from storage.progress import (
     SamplerPosition,
     TrainerPosition,
+    groups_committed,
     read_sampler_positions,
     read_trainer_position,
+    remove_sampler_positions,
+    retire_closed_samplers,
     write_sampler_position,
     write_trainer_position,
 )
@@ -243,3 +247,36 @@ async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(
     mine = {p.sampler: p for p in read_sampler_positions(root, "run")}["me"]
     assert (mine.committed, mine.in_flight) == (0, 0)
     assert read_trainer_position(root, "run").groups_per_step == 4
+
+
+async def test_a_closed_sampler_retired_by_the_trainer_still_counts_once(tmp_path):
+    # Closed samplers' files are folded into the trainer's retired_committed and removed, so a poll
+    # reads the live samplers only; pending must be the same before, during and after.
+    root = str(tmp_path)
+    write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=8))
+
+    async def flush():
+        pass
+
+    ended = Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="ended")
+    for _ in range(3):
+        assert await ended.acquire()
+        ended.finished(stored=True)
+    await ended.close()
+    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=0))
+    me = Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="me")
+
+    async def pending() -> int:
+        await me._refresh(force=True)
+        return me.pending()
+
+    assert await pending() == 4 and groups_committed(root, "run") == 4
+    retiring = retire_closed_samplers(root, "run")
+    assert [p.sampler for p in retiring] == ["ended"]
+    # What the trainer does at a save: publish the fold, then remove the files.
+    folded = dataclasses.replace(read_trainer_position(root, "run"), retired_committed=3)
+    write_trainer_position(root, "run", folded)
+    assert await pending() == 4 + 3  # for a moment counted twice: it admits less, never more
+    remove_sampler_positions(root, "run", ["ended"])
+    assert await pending() == 4 and groups_committed(root, "run") == 4
+    assert [p.sampler for p in read_sampler_positions(root, "run")] == ["live", "me"]

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from environments.scored_group import ScoredGroup, ScoredSequence, new_group_id
 from storage.checkpoints import latest_checkpoint, published_steps
 from storage.ledger import Ledger
+from storage.progress import SamplerPosition, read_sampler_positions, read_trainer_position, write_sampler_position
 from storage.shard_file import find_shards
 from tests.trainer.rollouts import sampled_groups, write_shards
 from trainer.metrics import read_metrics
@@ -65,8 +66,11 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     later[1].extras.update(WINDOW)
     write_shards(root, "run", later, groups_per_shard=2)
 
+    # A rollout flow that ended: the trainer folds it into its own count at its first save.
+    write_sampler_position(root, "run", SamplerPosition("ended-flow", committed=5, in_flight=0, closed=True))
     settings = ("save_every=1", "max_staleness=0", "loss.kl_coef=0.01", "keep_last=1")
     run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))
+    assert read_sampler_positions(root, "run") == [] and read_trainer_position(root, "run").retired_committed == 5
 
     first, second = read_metrics(tmp_path / "run" / "trainer")
     assert (first["step"], first["stale_groups_skipped"], first["groups"]) == (1, 0, 2)

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #   1: the first wave's fields
 #   2: ScoredGroup.objective
 #   3: ScoredSequence.ref_logprobs and teacher_logprobs; objectives "dpo" and "distill"
-SCHEMA_VERSION = 3
+#   4: ScoredSequence.previous_score (kept by `clotho reprocess ... rescore`)
+SCHEMA_VERSION = 4
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -65,6 +66,9 @@ class ScoredSequence(BaseModel):
         default=None,
         description="A teacher's logprob of each token (0.0 where not trained), for on-policy "
         "distillation (environments.distill fills them from a teacher server).",
+    )
+    previous_score: float | None = Field(
+        default=None, description="The score before a rescore (clotho reprocess ... rescore); None if never rescored."
     )
     finish_reason: str = Field(default="stop", description=f"One of {FINISH_REASONS}.")
     messages: list[dict[str, Any]] | None = Field(

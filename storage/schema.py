@@ -42,6 +42,7 @@ SHARD_SCHEMA = pa.schema(
         pa.field("objective", pa.string(), nullable=True),  # since version 2
         pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
         pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
+        pa.field("previous_score", pa.float64(), nullable=True),  # since version 4
     ]
 )
 GROUP_COLUMNS = (
@@ -55,7 +56,7 @@ GROUP_COLUMNS = (
     "objective",
 )
 # The columns each older schema version lacks; all are nullable and null means "not set".
-ADDED_IN_VERSION = {2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs")}
+ADDED_IN_VERSION = {2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs"), 4: ("previous_score",)}
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
 METADATA_TOKENIZER = b"clotho.tokenizer"
@@ -148,6 +149,7 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
         "objective": per_group([g.objective for g in groups], pa.string()),
         "ref_logprobs": pa.array([s.ref_logprobs for s in sequences], pa.list_(pa.float32())),
         "teacher_logprobs": pa.array([s.teacher_logprobs for s in sequences], pa.list_(pa.float32())),
+        "previous_score": pa.array([s.previous_score for s in sequences], pa.float64()),
     }
     metadata = {
         METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
@@ -347,6 +349,7 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 advantages=rows["advantages"][i],
                 ref_logprobs=rows["ref_logprobs"][i],
                 teacher_logprobs=rows["teacher_logprobs"][i],
+                previous_score=rows["previous_score"][i],
                 finish_reason=rows["finish_reason"][i],
                 messages=None if rows["messages"][i] is None else json.loads(rows["messages"][i]),
                 extras=json.loads(rows["extras"][i]),

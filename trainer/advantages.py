@@ -12,8 +12,9 @@ from trainer.config import AdvantageConfig
 def group_advantages(scores: Sequence[float], config: AdvantageConfig) -> list[float]:
     """One advantage per score, relative to the group.
 
-    grpo:      (score - mean) / (std + eps)
-    mean_only: score - mean
+    grpo:          (score - mean) / (std + eps)
+    mean_only:     score - mean
+    leave_one_out: score - mean of the other n - 1 scores = n / (n - 1) * (score - mean) (RLOO)
 
     std is the population std (divide by n, not n - 1) so a group of one gets 0, not NaN, and a
     group whose scores are all equal gets all zeros: it says nothing about which answer is better.
@@ -26,6 +27,8 @@ def group_advantages(scores: Sequence[float], config: AdvantageConfig) -> list[f
     centered = [s - mean for s in scores]
     if config.mode == "mean_only":
         return centered
+    if config.mode == "leave_one_out":
+        return [c * n / (n - 1) for c in centered]  # n > 1: a group of one has equal scores
     std = math.sqrt(sum(c * c for c in centered) / n)
     return [c / (std + config.eps) for c in centered]
 

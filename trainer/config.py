@@ -29,7 +29,7 @@ class LossDefaults:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
-    advantage_mode: Literal["grpo", "mean_only"] = "grpo"
+    advantage_mode: Literal["grpo", "mean_only", "leave_one_out"] = "grpo"
 
 
 class LossConfig(BaseModel):
@@ -172,11 +172,11 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["grpo", "mean_only"] = Field(
+    mode: Literal["grpo", "mean_only", "leave_one_out"] = Field(
         default="grpo",
         description="grpo: (score - group mean) / (group std + eps). mean_only: score - group mean "
-        "(Dr. GRPO; no up-weighting of groups whose scores barely differ). Unset: the loss's "
-        "default, mean_only for dr_grpo.",
+        "(Dr. GRPO; no up-weighting of groups whose scores barely differ). leave_one_out: score - "
+        "mean of the other scores (RLOO). Unset: the loss's default, mean_only for dr_grpo.",
     )
     eps: float = Field(default=1e-6, gt=0.0, description="Added to the std so equal scores give 0.")
 

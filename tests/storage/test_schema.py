@@ -192,6 +192,17 @@ def test_a_version_2_shard_still_reads_with_its_groups_unchanged() -> None:
     assert table_to_groups(decode(encode(table), "test://again")) == expected
 
 
+def test_a_version_3_shard_still_reads_with_its_groups_unchanged() -> None:
+    # Written by clotho at schema version 3 (commit 04a5e6a), before previous_score.
+    table = decode((DATA / "schema-v3.parquet").read_bytes(), "test://v3")
+    groups = table_to_groups(table)
+    expected = [ScoredGroup(**fields) for fields in json.loads((DATA / "schema-v3.json").read_text())]
+    assert groups == expected and [g.objective for g in groups] == ["dpo", "distill", None]
+    assert groups[0].sequences[0].ref_logprobs is not None and groups[1].sequences[0].teacher_logprobs is not None
+    assert all(s.previous_score is None for g in groups for s in g.sequences)
+    assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
 def _pair(scores=(1.0, 0.0), **fields) -> ScoredGroup:
     sequences = [ScoredSequence.from_prompt([1, 2], [3, 4], [-0.5, -0.25], score=score, **fields) for score in scores]
     return ScoredGroup(env="e", item_id="i", sequences=sequences, objective="dpo")

@@ -30,7 +30,12 @@ def test_mean_only_just_centers():
     )
 
 
-@pytest.mark.parametrize("mode", ["grpo", "mean_only"])
+def test_leave_one_out_subtracts_the_mean_of_the_others():
+    # 3 - (1 + 2) / 2 = 1.5, 1 - (3 + 2) / 2 = -1.5, 2 - (3 + 1) / 2 = 0
+    assert group_advantages([3.0, 1.0, 2.0], AdvantageConfig(mode="leave_one_out")) == pytest.approx([1.5, -1.5, 0.0])
+
+
+@pytest.mark.parametrize("mode", ["grpo", "mean_only", "leave_one_out"])
 def test_no_signal_gives_zeros(mode):
     config = AdvantageConfig(mode=mode)
     assert group_advantages([0.7, 0.7, 0.7], config) == [0.0, 0.0, 0.0]

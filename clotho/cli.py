@@ -326,6 +326,34 @@ def run_pipeline(
 
 
 @app.command()
+def reprocess(
+    input_run: str = typer.Argument(..., help="The run to read, STORAGE_URL/RUN; it is never changed."),
+    output: str = typer.Argument(..., help="A new run URL, or a dataset directory for export-sft / export-dpo."),
+    operations: list[str] = typer.Argument(..., help="OP or OP:key=value,...: filter, advantages, dedupe, rescore, "
+                                           "compact, export-sft, export-dpo, applied in order (tasks/reprocess.py)."),
+) -> None:
+    """Reprocess stored shards offline into a new dataset: rescore, recompute advantages, filter,
+    dedupe, compact, or export SFT / DPO sets (a Prefect flow; lineage in OUTPUT/lineage.json)."""
+    from flows.reprocess import check_job
+    from flows.reprocess import reprocess as reprocess_flow
+
+    try:
+        check_job(input_run, output, operations)  # every check that needs no full pass; writes nothing
+    except ValueError as error:  # ReprocessError, a malformed URL
+        typer.echo(f"clotho reprocess: {error}", err=True)
+        raise typer.Exit(2) from None
+    start_local_prefect_server()
+    try:
+        lineage = reprocess_flow(input_run_url=input_run, output_url=output, operations=list(operations))
+    except ValueError as error:  # found in the full pass: a filter that matched nothing
+        typer.echo(f"clotho reprocess: {error}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        drain_prefect_reporting()
+    typer.echo(json.dumps(lineage["counts"]))
+
+
+@app.command()
 def demo(
     workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, the run and the curve go."),
     set_: list[str] = typer.Option([], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."),

@@ -100,6 +100,9 @@ class Environment(ABC):
 
     name: ClassVar[str]
     config_class: ClassVar[type[EnvironmentConfig]] = EnvironmentConfig
+    # The Item subclass get_item returns, when it has fields of its own: reprocessing rebuilds the
+    # item a group was made from (stored in its extras["item"]) to re-run `reward` on it.
+    item_class: ClassVar[type[Item]] = Item
     # An environment may bring its own chat template (a Jinja string) and name it for the trainer.
     chat_template: ClassVar[str | None] = None
     chat_template_name: ClassVar[str | None] = None
@@ -300,6 +303,8 @@ class Environment(ABC):
         group_extras = dict(extras or {})
         if errors:
             group_extras["rollout_errors"] = errors
+        # The item itself, so `clotho reprocess ... rescore` can score the stored conversations again.
+        group_extras.setdefault("item", item.model_dump(mode="json"))
         return ScoredGroup(
             env=self.name,
             item_id=item.id,

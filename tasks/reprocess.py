@@ -297,6 +297,49 @@ def rescore(table: pa.Table, args: RescoreArgs, context: Context) -> pa.Table:
     return table.set_column(table.schema.get_field_index("previous_score"), "previous_score", first)
 
 
+def make_rescorer(args: RescoreArgs, shard_tokenizer: str) -> Callable[[list[ScoredGroup]], list[list[float]]]:
+    """A function from groups to their new scores: the environment's `reward` of each stored
+    conversation, single-turn ones rebuilt from the item and the decoded completion tokens."""
+    from environments.base import prompt_messages
+    from environments.loading import EnvironmentLoadError, load_config, load_environment_class
+
+    if args.tokenizer is not None and args.tokenizer != shard_tokenizer:
+        raise ReprocessError(
+            f"operation rescore: tokenizer {args.tokenizer!r} is not the shards' ({shard_tokenizer!r}); their "
+            "token ids only decode with that one: leave tokenizer out or reprocess shards of that tokenizer"
+        )
+    try:
+        env_class = load_environment_class(args.env)
+        env = env_class(load_config(env_class, args.env_config), client=None, tokenizer=shard_tokenizer)
+    except (EnvironmentLoadError, ValueError, OSError) as error:
+        raise ReprocessError(f"operation rescore: env {args.env!r}: {error}") from None
+
+    def conversation(group: ScoredGroup, item: Any, index: int) -> list[dict[str, Any]]:
+        sequence = group.sequences[index]
+        first = sequence.mask.index(True) if True in sequence.mask else len(sequence.tokens)
+        single_turn = all(sequence.mask[first:])
+        if single_turn:
+            return prompt_messages(item) + [{"role": "assistant", "content": env.renderer.decode(sequence.tokens[first:])}]
+        if sequence.messages:
+            return sequence.messages  # multi-turn: tool outputs between the turns are not the model's
+        raise ReprocessError(f"group {group.group_id}: sequences[{index}] is multi-turn and stores no messages to rescore")
+
+    def scores(groups: list[ScoredGroup]) -> list[list[float]]:
+        result = []
+        for group in groups:
+            stored = group.extras.get("item")
+            if stored is None:
+                raise ReprocessError(
+                    f"operation rescore: group {group.group_id} (env {group.env}) stores no item (written before "
+                    "clotho kept items in group extras); rescore shards written since"
+                )
+            item = env.item_class.model_validate(stored)
+            result.append([float(env.reward(item, conversation(group, item, i))) for i in range(len(group.sequences))])
+        return result
+
+    return scores
+
+
 TABLE_OPERATIONS: dict[str, Callable[[pa.Table, Any, Context], pa.Table]] = {
     "filter": filter_rows, "advantages": recompute_advantages, "dedupe": dedupe, "rescore": rescore,
     "compact": lambda table, args, context: table,  # merging is the flow's, over several shards

@@ -110,8 +110,8 @@ def _decoder(tokenizer: str) -> Any:
     """`ids -> text` with the tokenizer, or None when it cannot be loaded here."""
     from transformers import AutoTokenizer
 
-    try:
-        loaded = AutoTokenizer.from_pretrained(tokenizer)
+    try:  # a local directory or the Hugging Face cache: an export never waits on the network
+        loaded = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
     except (OSError, ValueError):
         return None
     return lambda ids: loaded.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,141 @@
+"""The reprocess flow and `clotho reprocess` against a real Prefect server: outputs a trainer reads,
+lineage, idempotent reruns, a job killed half way, exports that load with `datasets` and train a
+step, and bad input refused with one line and exit code 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from clotho.cli import drain_prefect_reporting
+from environments.scored_group import ScoredGroup, ScoredSequence
+from flows.reprocess import reprocess
+from storage.reader import ShardReader
+from storage.shard_file import find_shards
+from storage.writer import ShardWriter
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def groups(count: int, seed: int = 0) -> list[ScoredGroup]:
+    """Groups of 3 with scores i % 3 (one all-equal group in three), completions from the seed."""
+    made = []
+    for i in range(count):
+        scores = [1.0, 0.0, 0.5] if i % 3 else [0.5, 0.5, 0.5]
+        sequences = [
+            ScoredSequence.from_prompt([5, 6, 7], [10 + i, 20 + j + seed], [-0.5, -0.25], score=score,
+                                       messages=[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{j}"}])
+            for j, score in enumerate(scores)
+        ]  # fmt: skip
+        made.append(ScoredGroup(env="toy", item_id=f"item-{i}", sequences=sequences))
+    return made
+
+
+@pytest.fixture
+def source(tmp_path) -> str:
+    with ShardWriter(f"file://{tmp_path}/in", "run", tokenizer="tok", max_groups=3) as writer:
+        writer.add_many(groups(12))
+    return f"file://{tmp_path}/in/run"
+
+
+@pytest.fixture
+def prefect(prefect_server):
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        yield prefect_server
+        drain_prefect_reporting()  # while the server is still the one they report to
+
+
+def output_rows(run_url: str) -> list[tuple[str, list[float]]]:
+    root, run = run_url.rsplit("/", 1)
+    return [(g.item_id, g.scores) for g in ShardReader(root, run).groups()]
+
+
+def test_filter_then_advantages_writes_a_run_a_trainer_reads_with_lineage(source, tmp_path, prefect) -> None:
+    out = f"file://{tmp_path}/out/run"
+    operations = ["filter:drop_equal_scores=true", "advantages:mode=mean_only"]
+    lineage = reprocess(input_run_url=source, output_url=out, operations=operations)
+    assert lineage["counts"] | {"files_out": 0} == {"shards_in": 4, "rows_in": 36, "groups_in": 12, "rows_out": 24, "groups_out": 8, "files_out": 0}
+    root, run = out.rsplit("/", 1)
+    stored = list(ShardReader(root, run).groups())
+    assert [g.item_id for g in stored] == [f"item-{i}" for i in range(12) if i % 3]
+    assert all([s.advantages[-1] for s in g.sequences] == [0.5, -0.5, 0.0] for g in stored)
+    written = json.loads(Path(tmp_path / "out" / "run" / "lineage.json").read_text())
+    assert written["inputs"] == [source] and written["operations"][0] == {"op": "filter", "drop_equal_scores": True}
+    assert written["code_version"].startswith("clotho ") and written["counts"] == lineage["counts"]
+    assert len(find_shards(source)[1]) == 4  # the input is untouched
+
+    again = reprocess(input_run_url=source, output_url=out, operations=operations)  # idempotent
+    assert again["counts"]["rows_out"] == 24 and again["counts"]["skipped"] == 4
+    assert len(output_rows(out)) == 8
+
+
+def test_a_job_killed_half_way_and_run_again_ends_with_the_same_output(source, tmp_path, prefect) -> None:
+    operations = ["dedupe", "filter:score_min=0.5"]
+    whole, killed = f"file://{tmp_path}/whole/run", f"file://{tmp_path}/killed/run"
+    reprocess(input_run_url=source, output_url=whole, operations=operations)
+    # A kill leaves some output files (each one whole: published atomically) and no lineage.
+    command = [sys.executable, "-m", "clotho.cli", "reprocess", source, killed, *operations]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**prefect.env(), "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    for line in process.stdout:  # killed once the first output file is logged
+        if "reprocess: 1/" in line or "files," in line:
+            break
+    process.kill()
+    process.wait(timeout=30)
+    reprocess(input_run_url=source, output_url=killed, operations=operations)
+    names = lambda url: sorted(s.name for s in find_shards(url)[1])  # noqa: E731
+    assert names(killed) == names(whole) and output_rows(killed) == output_rows(whole)
+    assert (tmp_path / "killed" / "run" / "lineage.json").exists()
+
+
+def test_exports_load_with_datasets_and_train_a_step(source, tmp_path, prefect, tiny_model_dir) -> None:
+    sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
+    reprocess(input_run_url=source, output_url=f"file://{sft_dir}", operations=["export-sft:tokenizer=" + str(tiny_model_dir)])
+    reprocess(input_run_url=source, output_url=f"file://{dpo_dir}", operations=["export-dpo"])
+    sft = datasets.load_dataset("parquet", data_files=str(sft_dir / "data" / "*.parquet"), split="train")
+    dpo = datasets.load_dataset("parquet", data_files=str(dpo_dir / "data" / "*.parquet"), split="train")
+    assert len(sft) == 12 and len(dpo) == 8 and "messages" in sft.column_names and "prompt" in sft.column_names
+    assert sorted(sft["item_id"]) == sorted(f"item-{i}" for i in range(12))
+    # The exported rows as the trainer's SFT and DPO groups, one step each objective.
+    train = []
+    for row in sft:
+        train.append(ScoredGroup(env="sft", item_id=row["item_id"], objective="sft", sequences=[ScoredSequence.from_prompt(
+            row["prompt_token_ids"], row["completion_token_ids"], [0.0] * len(row["completion_token_ids"]), score=row["score"])]))  # fmt: skip
+    for row in dpo:
+        train.append(ScoredGroup(env="pairs", item_id=row["item_id"], objective="dpo", sequences=[
+            ScoredSequence.from_prompt(row["prompt_token_ids"], row[f"{side}_token_ids"], [0.0] * len(row[f"{side}_token_ids"]),
+                                       score=row[f"{side}_score"]) for side in ("chosen", "rejected")]))  # fmt: skip
+    with ShardWriter(f"file://{tmp_path}/train", "run", tokenizer=str(tiny_model_dir)) as writer:
+        writer.add_many(train)
+    command = [sys.executable, "-m", "trainer.cli", "--run", f"file://{tmp_path}/train/run", "--model", str(tiny_model_dir),
+               "--steps", "1", "--set", f"groups_per_step={len(train)}", "--data-timeout-s", "60"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "train" / "run" / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["groups"] == 20 and "dpo/accuracy" in metrics and metrics.get("sft/loss", metrics.get("loss")) is not None
+
+
+@pytest.mark.parametrize(
+    ("operations", "message"),
+    [
+        (["shuffle"], "operation 'shuffle': unknown"),
+        (["filter:where=nope > 1"], "where 'nope > 1'"),
+        (["filter:score_min=9"], "left no rows of 36: nothing was written"),
+        (["rescore:env=compare,tokenizer=other"], "tokenizer 'other' is not the shards' ('tok')"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, prefect, operations, message) -> None:
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "clotho.cli", "reprocess", source, f"file://{out}/run", *operations]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=prefect.env())
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("clotho reprocess:")]
+    assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
+    assert not list(out.rglob("*.parquet")) and not (out / "run" / "lineage.json").exists()

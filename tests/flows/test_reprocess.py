@@ -19,6 +19,7 @@ from flows.reprocess import reprocess
 from storage.reader import ShardReader
 from storage.shard_file import find_shards
 from storage.writer import ShardWriter
+from tests.flows.test_rollout_flow import api, flow_run_state
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -139,3 +140,18 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(source, tmp_path, pref
     errors = [line for line in done.stderr.splitlines() if line.startswith("clotho reprocess:")]
     assert len(errors) == 1 and message in errors[0], done.stderr[-2000:]
     assert not list(out.rglob("*.parquet")) and not (out / "run" / "lineage.json").exists()
+
+
+def test_the_scheduled_reprocess_deployment_runs_on_a_worker(source, tmp_path, prefect) -> None:
+    prefect.cli("work-pool", "create", "reprocess-pool", "--type", "process", "--overwrite")
+    prefect.cli("--no-prompt", "deploy", "--name", "reprocess-nightly", cwd=REPO)
+    deployment = api(prefect, "GET", "/deployments/name/reprocess/reprocess-nightly").json()
+    schedules = api(prefect, "GET", f"/deployments/{deployment['id']}/schedules").json()
+    assert [s["schedule"]["cron"] for s in schedules] == ["0 3 * * *"]
+    out = f"file://{tmp_path}/nightly/run"
+    params = {"input_run_url": source, "output_url": out, "operations": ["filter:score_min=0.5"]}
+    started = prefect.cli("deployment", "run", "reprocess/reprocess-nightly", "--params", json.dumps(params)).stdout
+    flow_run_id = started.split("UUID:")[1].split()[0]
+    prefect.cli("worker", "start", "--pool", "reprocess-pool", "--run-once", timeout=600)
+    assert flow_run_state(prefect, flow_run_id) == "COMPLETED"
+    assert len(output_rows(out)) == 12 and (tmp_path / "nightly" / "run" / "lineage.json").exists()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import typer
 
+from tasks.api_key import API_KEY_VARIABLE
+
 app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True)
 model_app = typer.Typer(help="Build or inspect policy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -242,7 +244,6 @@ def rollout(
     from clotho.overrides import apply_overrides
     from environments.loading import EnvironmentLoadError
     from inference.client import PolicyServerAuthError
-    from tasks.api_key import API_KEY_VARIABLE
     from tasks.rollout import EnvSpec
 
     _split_run(run)  # a bad URL is named before anything starts
@@ -351,6 +352,43 @@ def reprocess(
     finally:
         drain_prefect_reporting()
     typer.echo(json.dumps(lineage["counts"]))
+
+
+@app.command()
+def evaluate(
+    env: str = typer.Option(..., help="Environment: an installed name (clotho env list) or module.path:ClassName."),
+    checkpoint: str = typer.Option("LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST of --run."),
+    run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN, for --checkpoint LATEST."),
+    set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value (YAML value)."),
+    items: int = typer.Option(50, min=1, help="Held-out items to answer (greedy)."),
+    server: str = typer.Option(None, help="Use this running server (it must serve the checkpoint's version) instead of serving it here."),
+    api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
+    force: bool = typer.Option(False, "--force", help="Evaluate again even if a result for this step and env exists."),
+) -> None:
+    """Evaluate one checkpoint on an environment's held-out items; the result goes next to the
+    checkpoint (evaluation-ENV.json) and into the Prefect UI."""
+    from clotho.overrides import apply_overrides
+    from flows.evaluate import EvaluationError, find_checkpoint
+    from flows.evaluate import evaluate as evaluate_flow
+
+    try:
+        env_config = apply_overrides({}, set_)
+        find_checkpoint(checkpoint, run)
+    except ValueError as error:  # EvaluationError, a malformed URL or --set
+        typer.echo(f"clotho evaluate: {error}", err=True)
+        raise typer.Exit(2) from None
+    if api_key:
+        os.environ[API_KEY_VARIABLE] = api_key  # read by the flow, never one of its parameters
+    start_local_prefect_server()
+    try:
+        result = evaluate_flow(env=env, checkpoint=checkpoint, run_url=run, env_config=env_config, items=items,
+                               server=server, force=force)  # fmt: skip
+    except EvaluationError as error:
+        typer.echo(f"clotho evaluate: {error}", err=True)
+        raise typer.Exit(2) from None
+    finally:
+        drain_prefect_reporting()
+    typer.echo(json.dumps({"step": result["step"], "env": result["env"], **result["report"]}))
 
 
 @app.command()

@@ -155,3 +155,24 @@ def test_the_scheduled_reprocess_deployment_runs_on_a_worker(source, tmp_path, p
     prefect.cli("worker", "start", "--pool", "reprocess-pool", "--run-once", timeout=600)
     assert flow_run_state(prefect, flow_run_id) == "COMPLETED"
     assert len(output_rows(out)) == 12 and (tmp_path / "nightly" / "run" / "lineage.json").exists()
+
+
+def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(tmp_path, prefect, tiny_model_dir, policy_server) -> None:
+    from flows.evaluate import evaluate
+    from storage.checkpoints import publish_checkpoint
+
+    root = f"file://{tmp_path}/store"
+    for step in (1, 2):
+        publish_checkpoint(tiny_model_dir, root, "run", step)
+    first = evaluate(env="compare", checkpoint=f"{root}/run/checkpoints/step-00000001", env_config={"max_value": 9}, items=4)
+    latest = evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4)
+    assert (first["step"], first["policy_version"], latest["step"], latest["policy_version"]) == (1, 1, 2, 2)
+    for step, result in ((1, first), (2, latest)):
+        written = json.loads((tmp_path / "store" / "run" / "checkpoints" / f"step-{step:08d}" / "evaluation-compare.json").read_text())
+        assert written == result and written["report"]["items"] == 4
+    assert evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == latest  # once
+    # A running server must serve the checkpoint's version: the fixture's serves 0.
+    command = [sys.executable, "-m", "clotho.cli", "evaluate", "--env", "compare", "--checkpoint", "LATEST", "--run", f"{root}/run",
+               "--server", policy_server.base_url, "--force"]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=prefect.env())
+    assert done.returncode == 2 and "serves version 0, not 2" in done.stderr, done.stderr[-2000:]

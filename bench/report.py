@@ -59,7 +59,9 @@ def rows() -> list[list[str]]:
         memory = ""
         if (measured := _load("pipeline_memory")) and measured["result"].get("rss_growth_max") is not None:
             m = measured["result"]
-            memory = f"; RSS of every process over {m['groups']:.0f} sampled groups grew at most {m['rss_growth_max']:.1%}"
+            measured_groups = m.get("measured_groups", m["groups"])
+            warmup = f" after {m['warmup_groups']:,} warm-up groups" if m.get("warmup_groups") else ""
+            memory = f"; RSS of every process over {measured_groups:,.0f} sampled groups{warmup} grew at most {m['rss_growth_max']:.1%}"
         table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
                       "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
                       _measured(pipeline)])  # fmt: skip

@@ -49,6 +49,7 @@ from tests.storage.factory import make_groups  # noqa: E402
 from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 IN_FLIGHT = 10
+LINKS_PER_TEMPLATE = 50_000
 PER_VERSION = 100
 
 
@@ -64,11 +65,12 @@ def template_bytes(workdir: Path) -> bytes:
 
 
 def build_local(run_dir: Path, count: int, data: bytes, now: float) -> list[str]:
-    template = run_dir.parent / f"{run_dir.name}.template.parquet"
-    template.parent.mkdir(parents=True, exist_ok=True)
-    template.write_bytes(data)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     names = []
     for i, shard_id in enumerate(shard_ids(count, now)):
+        if i % LINKS_PER_TEMPLATE == 0:  # a file system allows ~65k hard links to one file
+            template = run_dir.parent / f"{run_dir.name}.template-{i}.parquet"
+            template.write_bytes(data)
         location = ShardLocation("bench", i // PER_VERSION, shard_id)
         path = run_dir / "rollouts" / location.name
         path.parent.mkdir(parents=True, exist_ok=True)

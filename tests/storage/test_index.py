@@ -4,7 +4,9 @@ consumed shards, old ledgers and old runs, a bounded ledger, and listings from t
 from __future__ import annotations
 
 import json
+import shutil
 import time
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -15,7 +17,7 @@ from storage.layout import ShardLocation, new_shard_id
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.schema import groups_to_table
-from storage.shard_file import write_shard
+from storage.shard_file import find_shards, write_shard
 from storage.writer import ShardWriter
 from tests.storage.factory import make_groups
 
@@ -122,3 +124,17 @@ def test_a_writer_with_a_clock_far_off_the_storage_is_refused(tmp_path, monkeypa
     monkeypatch.setattr(time, "time", lambda real=time.time: real() + 600)
     with pytest.raises(RuntimeError, match=r"clock is \+600 s off the storage's.*synchronize the clock"):
         ShardWriter(f"file://{tmp_path}", "run", tokenizer="tok")
+
+
+def test_a_run_and_ledger_written_before_the_index_resume_exactly_once(tmp_path) -> None:
+    # A pipeline run of 2026-12-01 12:40 (before the index) and the format 1 ledger its step-5
+    # checkpoint's STABLE carries: 9 of its 32 shards consumed.
+    source = Path(__file__).parent / "data" / "run-before-index"
+    shutil.copytree(source / "rollouts", tmp_path / "run" / "rollouts")
+    saved = json.loads((source / "ledger-step-00000005.json").read_text())
+    assert saved["format"] == 1 and len(saved["consumed"]) == 9
+    all_names = [s.name for s in find_shards(f"file://{tmp_path}/run")[1]]
+    reader = ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(saved))
+    read = {batch.shard.name for batch in reader.batches()}
+    assert read == set(all_names) - set(saved["consumed"]) and len(read) == 23
+    assert list(ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(reader.ledger.to_dict())).batches()) == []

@@ -51,6 +51,7 @@ bench: setup
 	$(VENV)/bin/python bench/bench_reload.py
 	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/bench_run_length.py
+	$(VENV)/bin/python bench/bench_reprocess.py
 	$(VENV)/bin/python bench/report.py --readme
 
 clean-venvs:

@@ -65,6 +65,13 @@ def rows() -> list[list[str]]:
         table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
                       "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
                       _measured(pipeline)])  # fmt: skip
+    if reprocess := _load("reprocess"):
+        r = reprocess["result"]
+        interval = r.get("ratio_rows_per_s_interval") or {}
+        rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
+        table.append(["`bench_reprocess.py`", f"`clotho reprocess {r['operation']}` vs a bare `pyarrow.dataset` scan + write of the same rows over {r['input_gib']} GiB of shards (control: bare again); peak RSS",
+                      ">= 0.7", f"{r['ratio_rows_per_s']}{rounds} (control {r['ratio_control']}); peak RSS {r['peak_rss_mb_ours']:.0f} MB vs {r['peak_rss_mb_bare']:.0f} MB",
+                      _measured(reprocess)])  # fmt: skip
     if run_length := _load("run_length"):
         r = run_length["result"]
         local = r["local"]

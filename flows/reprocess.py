@@ -4,7 +4,8 @@
 
 Reads top to bottom: check the operations (and run them on the first shard, so a bad column or
 environment fails before anything is written); a dedupe pass over the whole input when asked; then
-one task per shard (per bin of small shards with `compact`), mapped, retried, each writing one
+one task per shard (per bin of small shards with `compact`), mapped (as many at once as there are
+cores: memory is a few shards, whatever the input's size), retried, each writing one
 output file named after its first input shard. The output is a run (shards with their index, for
 a trainer or another reprocess) or, for an export, a Hugging Face `datasets` Parquet directory
 (`data/*.parquet`). An output file that exists is complete (shards are published atomically) and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import posixpath
 import time
 from dataclasses import dataclass
@@ -25,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
 
@@ -222,7 +225,7 @@ def check_job(input_run_url: str, output_url: str, operations: list[str]) -> tup
     return job, in_fs, shards
 
 
-@flow(name="reprocess")
+@flow(name="reprocess", task_runner=ThreadPoolTaskRunner(max_workers=os.cpu_count() or 2))
 def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dict[str, Any]:
     """Apply `operations` to every shard of the run at `input_run_url`; write the result to
     `output_url` (a run, or a dataset directory for an export). Returns the lineage."""

@@ -176,3 +176,11 @@ def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(tmp_pat
                "--server", policy_server.base_url, "--force"]  # fmt: skip
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=prefect.env())
     assert done.returncode == 2 and "serves version 0, not 2" in done.stderr, done.stderr[-2000:]
+
+
+def test_compact_merges_a_partitions_outputs(source, tmp_path, prefect) -> None:
+    out = f"file://{tmp_path}/compacted/run"
+    lineage = reprocess(input_run_url=source, output_url=out, operations=["advantages", "compact:target_mb=64"])
+    shards = find_shards(out)[1]
+    assert len(shards) == 1 and lineage["counts"]["files_out"] == 1 and lineage["counts"]["shards_in"] == 4
+    assert [item for item, _ in output_rows(out)] == [f"item-{i}" for i in range(12)]  # every group, in order

@@ -179,6 +179,8 @@ def train(
                 if retiring:
                     publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
                     remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
+                    for position in retiring:
+                        log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
                 if url is not None:
                     log.info("step %d: published %s", step, url)
                     if config.keep_last is not None:

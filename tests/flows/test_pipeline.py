@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,6 +160,9 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
     assert done.returncode == 0, output[-5000:]
     taken = [log.read_text().lower().count("submitting flow run") for log in logs]
     assert taken == [1, 1], (taken, [log.read_text()[-2000:] for log in logs])
-    samplers = list((tmp_path / "store" / "run" / "progress" / "samplers").glob("*.json"))
-    assert len(samplers) == 2 and all(json.loads(p.read_text())["committed"] > 0 for p in samplers)
+    # Each flow committed groups: the samplers still live, and those the trainer retired when they finished.
+    committed = {p.stem: json.loads(p.read_text())["committed"] for p in (tmp_path / "store" / "run" / "progress" / "samplers").glob("*.json")}
+    trainer_log = (tmp_path / "store" / "run" / "trainer" / "trainer.log").read_text()
+    committed |= {name: int(count) for name, count in re.findall(r"retired finished sampler (\S+) with (\d+) committed groups", trainer_log)}
+    assert len(committed) == 2 and all(count > 0 for count in committed.values()), committed
     assert len(read_metrics(tmp_path / "store" / "run" / "trainer")) == 8

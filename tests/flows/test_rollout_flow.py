@@ -220,7 +220,7 @@ def test_a_lane_task_run_spans_many_groups(prefect_server, policy_server, tiny_m
     assert summary["totals"]["task_runs"] == task_runs
     groups = list(ShardReader(storage, run).groups())
     assert len(groups) == 7 and len({g.item_id for g in groups}) == 7
-    flow_run_id = next(r["id"] for r in api(prefect_server, "POST", "/flow_runs/filter", json={}).json() if r["parameters"].get("run_url", "").endswith(f"/{run}"))
+    flow_run_id = next(r["id"] for r in api(prefect_server, "POST", "/flow_runs/filter", json={}).json() if (r["parameters"].get("run_url") or "").endswith(f"/{run}"))
     # The server records task runs from their events in batches (pyproject.toml [tool.prefect]),
     # up to a second after the flow returns.
     deadline = time.monotonic() + 30

@@ -1,0 +1,44 @@
+"""A rollout flow mixing a chat environment and a base-model one writes both into one run, each
+with its own prompt format."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+
+@pytest.mark.integration
+def test_a_rollout_mixing_chat_and_base_model_environments_writes_both_to_one_run(prefect_server, policy_server, tiny_model_dir, tmp_path) -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from clotho.cli import drain_prefect_reporting
+    from flows.rollout import rollout
+    from storage.reader import ShardReader
+    from tasks.rollout import EnvSpec
+
+    environments = [
+        EnvSpec(import_path="compare", config={"group_size": 2, "max_tokens": 4}),
+        EnvSpec(import_path="continuation", config={"group_size": 2, "max_tokens": 4}),
+    ]
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        summary = asyncio.run(rollout(environments=environments, servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/mixed",
+                                      tokenizer=str(tiny_model_dir), groups=8, max_concurrent_groups=2))  # fmt: skip
+        drain_prefect_reporting()  # while the server is still the one they report to
+    assert summary["totals"]["groups"] == 8
+    groups = list(ShardReader(f"file://{tmp_path}/store", "mixed").groups())
+    by_env = {env: [g for g in groups if g.env == env] for env in ("compare", "continuation")}
+    assert all(by_env.values()), {env: len(gs) for env, gs in by_env.items()}
+    assert {g.chat_template for g in by_env["continuation"]} == {"none"}
+    raw = by_env["continuation"][0].sequences[0]
+    first_trained = raw.mask.index(True)
+    prompt_text = env_decode(tiny_model_dir, raw.tokens[:first_trained])
+    assert "<|im_start|>" not in prompt_text and prompt_text.endswith(",")  # the raw prefix, no template
+    chat = by_env["compare"][0].sequences[0]
+    assert "<|im_start|>" in env_decode(tiny_model_dir, chat.tokens[: chat.mask.index(True)])
+
+
+def env_decode(model_dir, ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir).decode(ids)

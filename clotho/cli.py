@@ -326,69 +326,10 @@ def run_pipeline(
     typer.echo(json.dumps({key: value for key, value in summary.items() if key != "curve"}, indent=1))
 
 
-@app.command()
-def reprocess(
-    input_run: str = typer.Argument(..., help="The run to read, STORAGE_URL/RUN; it is never changed."),
-    output: str = typer.Argument(..., help="A new run URL, or a dataset directory for export-sft / export-dpo."),
-    operations: list[str] = typer.Argument(..., help="OP or OP:key=value,...: filter, advantages, dedupe, rescore, "
-                                           "compact, export-sft, export-dpo, applied in order (tasks/reprocess.py)."),
-) -> None:
-    """Reprocess stored shards offline into a new dataset: rescore, recompute advantages, filter,
-    dedupe, compact, or export SFT / DPO sets (a Prefect flow; lineage in OUTPUT/lineage.json)."""
-    from flows.reprocess import check_job
-    from flows.reprocess import reprocess as reprocess_flow
+from clotho.offline_cli import evaluate_command, reprocess_command  # noqa: E402  (imports nothing heavy until it runs)
 
-    try:
-        check_job(input_run, output, operations)  # every check that needs no full pass; writes nothing
-    except ValueError as error:  # ReprocessError, a malformed URL
-        typer.echo(f"clotho reprocess: {error}", err=True)
-        raise typer.Exit(2) from None
-    start_local_prefect_server()
-    try:
-        lineage = reprocess_flow(input_run_url=input_run, output_url=output, operations=list(operations))
-    except ValueError as error:  # found in the full pass: a filter that matched nothing
-        typer.echo(f"clotho reprocess: {error}", err=True)
-        raise typer.Exit(2) from None
-    finally:
-        drain_prefect_reporting()
-    typer.echo(json.dumps(lineage["counts"]))
-
-
-@app.command()
-def evaluate(
-    env: str = typer.Option(..., help="Environment: an installed name (clotho env list) or module.path:ClassName."),
-    checkpoint: str = typer.Option("LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST of --run."),
-    run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN, for --checkpoint LATEST."),
-    set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value (YAML value)."),
-    items: int = typer.Option(50, min=1, help="Held-out items to answer (greedy)."),
-    server: str = typer.Option(None, help="Use this running server (it must serve the checkpoint's version) instead of serving it here."),
-    api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
-    force: bool = typer.Option(False, "--force", help="Evaluate again even if a result for this step and env exists."),
-) -> None:
-    """Evaluate one checkpoint on an environment's held-out items; the result goes next to the
-    checkpoint (evaluation-ENV.json) and into the Prefect UI."""
-    from clotho.overrides import apply_overrides
-    from flows.evaluate import EvaluationError, find_checkpoint
-    from flows.evaluate import evaluate as evaluate_flow
-
-    try:
-        env_config = apply_overrides({}, set_)
-        find_checkpoint(checkpoint, run)
-    except ValueError as error:  # EvaluationError, a malformed URL or --set
-        typer.echo(f"clotho evaluate: {error}", err=True)
-        raise typer.Exit(2) from None
-    if api_key:
-        os.environ[API_KEY_VARIABLE] = api_key  # read by the flow, never one of its parameters
-    start_local_prefect_server()
-    try:
-        result = evaluate_flow(env=env, checkpoint=checkpoint, run_url=run, env_config=env_config, items=items,
-                               server=server, force=force)  # fmt: skip
-    except EvaluationError as error:
-        typer.echo(f"clotho evaluate: {error}", err=True)
-        raise typer.Exit(2) from None
-    finally:
-        drain_prefect_reporting()
-    typer.echo(json.dumps({"step": result["step"], "env": result["env"], **result["report"]}))
+app.command("reprocess")(reprocess_command)
+app.command("evaluate")(evaluate_command)
 
 
 @app.command()

@@ -34,15 +34,16 @@ from prefect.futures import as_completed
 from flows.artifacts import artifact_key
 from storage.filesystem import is_local, publish, resolve, storage_errors
 from storage.index import add_entry
-from storage.layout import ROLLOUTS, TEMPORARY, ShardLocation, join, rollouts_url, split_run_url
-from storage.schema import METADATA_TOKENIZER, table_to_groups
-from storage.shard_file import ShardInfo, find_shards, read_shard, write_shard
+from storage.layout import ROLLOUTS, TEMPORARY, join, rollouts_url, split_run_url
+from storage.schema import METADATA_NUM_GROUPS, METADATA_TOKENIZER, concat_shard_tables, table_to_groups
+from storage.shard_file import ShardInfo, find_shards, read_footers, read_shard, write_shard
+from tasks.exports import EXPORT_FUNCTIONS
 from tasks.reprocess import (
-    EXPORT_FUNCTIONS,
     EXPORTS,
     Context,
     Operation,
     ReprocessError,
+    RescoreArgs,
     apply,
     check_operations,
     duplicate_rows,
@@ -104,8 +105,14 @@ def transformed(job: Job, shard: ShardInfo, fs: Any, duplicates: set[int]) -> tu
     context = Context(duplicates=duplicates)
     rescore = next((op for op in job.operations if op.name == "rescore"), None)
     if rescore is not None:
-        context.rescore = make_rescorer(rescore.args, table.schema.metadata[METADATA_TOKENIZER].decode())
+        context.rescore = _rescorer(rescore.args.model_dump_json(), table.schema.metadata[METADATA_TOKENIZER].decode())
     return table, apply(table, job.operations, context)
+
+
+@functools.lru_cache(maxsize=4)
+def _rescorer(args_json: str, tokenizer: str) -> Any:
+    """One environment (and tokenizer) per rescore and tokenizer, not one per shard."""
+    return make_rescorer(RescoreArgs.model_validate_json(args_json), tokenizer)
 
 
 @functools.lru_cache(maxsize=4)
@@ -145,10 +152,12 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
     with storage_errors(job.output_url):
         exists = out_fs.exists(path)
     if exists:
-        metadata = pq.read_metadata(out_fs.open(path, "rb"))
+        with storage_errors(job.output_url), out_fs.open(path, "rb") as file:
+            metadata = pq.read_metadata(file)
         counts.update(rows_out=metadata.num_rows, groups_out=_groups_of(metadata), files_out=1, skipped=1)
-        for shard in shards:  # the counts in, from the footers only
-            footer = pq.read_metadata(in_fs.open(shard.path, "rb"))
+        for footer in read_footers(in_fs, shards):  # the counts in, from the footers only
+            if isinstance(footer, Exception):
+                raise footer
             counts["rows_in"] += footer.num_rows
             counts["groups_in"] += _groups_of(footer)
         return counts
@@ -161,9 +170,7 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
             tables.append(out)
     if not tables:
         return counts
-    merged = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
-    if len(tables) > 1:
-        merged = merged.replace_schema_metadata({**tables[0].schema.metadata, b"clotho.num_groups": str(sum(_groups_of(t) for t in tables)).encode()})
+    merged = concat_shard_tables(tables)
     if job.export:
         output = export_table(job, merged)
         if output.num_rows == 0:
@@ -174,9 +181,8 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
             publish(out_fs, path, memoryview(_parquet_bytes(output)), join(out_base, TEMPORARY))
         counts.update(rows_out=output.num_rows, groups_out=output.num_rows, files_out=1)
         return counts
-    location = ShardLocation(shards[0].env, shards[0].policy_version, shards[0].location.shard_id)
     with storage_errors(job.output_url):
-        add_entry(out_fs, out_base, location)  # before the shard, as every writer does (storage.index)
+        add_entry(out_fs, out_base, shards[0].location)  # before the shard, as every writer does (storage.index)
         write_shard(out_fs, path, merged, join(out_base, TEMPORARY))
     counts.update(rows_out=merged.num_rows, groups_out=_groups_of(merged), files_out=1)
     return counts
@@ -184,7 +190,7 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
 
 def _groups_of(table_or_metadata: Any) -> int:
     metadata = table_or_metadata.metadata if isinstance(table_or_metadata, pq.FileMetaData) else table_or_metadata.schema.metadata
-    value = (metadata or {}).get(b"clotho.num_groups")
+    value = (metadata or {}).get(METADATA_NUM_GROUPS)
     if value is not None:
         return int(value)
     return table_or_metadata.num_rows  # an export: one row per group

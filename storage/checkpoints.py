@@ -136,10 +136,7 @@ def latest_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | 
     base = checkpoints_url(root, run)
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
-        try:
-            pointer = fs.cat_file(join(path, LATEST)).decode().strip()
-        except FileNotFoundError:
-            pointer = ""
+        pointer = _latest_pointer(fs, path)
         if (match := _STEP.fullmatch(pointer)) and fs.exists(join(path, pointer, STABLE)):
             step = int(match.group(1))
             while fs.exists(join(path, step_name(step + 1), STABLE)):
@@ -150,6 +147,14 @@ def latest_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | 
                 return None
             step = steps[-1]
     return read_checkpoint(checkpoint_url(root, run, step), storage_options=storage_options)
+
+
+def _latest_pointer(fs: Any, checkpoints_path: str) -> str:
+    """What LATEST names ('step-N'), or "" before the first publish."""
+    try:
+        return fs.cat_file(join(checkpoints_path, LATEST)).decode().strip()
+    except FileNotFoundError:
+        return ""
 
 
 def published_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -225,10 +230,7 @@ def apply_retention(
     if not published:
         return []
     with storage_errors(base):
-        try:
-            pointer = fs.cat_file(join(path, LATEST)).decode().strip()
-        except FileNotFoundError:
-            pointer = ""
+        pointer = _latest_pointer(fs, path)
     keep = retained(published, keep_last, keep_every) | {published[-1]}
     if match := _STEP.fullmatch(pointer):
         keep.add(int(match.group(1)))

@@ -17,10 +17,10 @@ from storage.index import add_entry, remove_entries
 from storage.layout import TEMPORARY, ShardLocation, join
 from storage.schema import (
     METADATA_COMPACTED_FROM,
-    METADATA_NUM_GROUPS,
     METADATA_TOKENIZER,
     ShardFormatError,
     compacted_from,
+    concat_shard_tables,
 )
 from storage.shard_file import ShardInfo, find_shards, read_footers, read_shard, write_shard
 
@@ -92,13 +92,9 @@ def _merge(fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]) -> Compaction
     if len(readable) < 2:
         return None
     sources = [shard for shard, _ in readable]
-    tables = [table for _, table in readable]
-    metadata = dict(tables[0].schema.metadata)
-    metadata[METADATA_NUM_GROUPS] = str(
-        sum(int(t.schema.metadata[METADATA_NUM_GROUPS]) for t in tables)
-    ).encode()
-    metadata[METADATA_COMPACTED_FROM] = json.dumps([s.name for s in sources]).encode()
-    merged = pa.concat_tables(tables).replace_schema_metadata(metadata)
+    merged = concat_shard_tables([table for _, table in readable])
+    metadata = {**merged.schema.metadata, METADATA_COMPACTED_FROM: json.dumps([s.name for s in sources]).encode()}
+    merged = merged.replace_schema_metadata(metadata)
     first = sources[0]
     # Keep the first source's time so the merged shard sorts where its rows were.
     shard_id = f"{first.location.shard_id.split('-')[0]}-{os.urandom(6).hex()}"

@@ -159,6 +159,16 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=SHARD_SCHEMA.with_metadata(metadata))
 
 
+def concat_shard_tables(tables: list[pa.Table]) -> pa.Table:
+    """Shard tables of one partition as one: rows in order, the first one's metadata with the group
+    count summed (compaction and reprocessing merge shards this way)."""
+    if len(tables) == 1:
+        return tables[0]
+    metadata = dict(tables[0].schema.metadata)
+    metadata[METADATA_NUM_GROUPS] = str(sum(int(t.schema.metadata[METADATA_NUM_GROUPS]) for t in tables)).encode()
+    return pa.concat_tables(tables).replace_schema_metadata(metadata)
+
+
 def check_table(table: pa.Table) -> None:
     """Raise ShardFormatError naming every broken rule; vectorized so the trainer's reads stay fast."""
     _, num_groups = check_metadata(table.schema)

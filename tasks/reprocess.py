@@ -13,6 +13,7 @@ next, composed in the order given, each one readable on its own.
     compact      merge the outputs of a partition's small shards into shards of about target_mb
     export-sft   the best completion of each group as a Hugging Face `datasets` Parquet row
     export-dpo   each group's (chosen, rejected) pair, by environments.scored_group.preference_pair
+                 (the exports: tasks/exports.py)
 
 An operation is written as `NAME` or `NAME:key=value,key=value` (values are YAML: numbers, lists
 `[a, b]`, strings; a value holding commas goes in quotes). Bad names, arguments or columns raise
@@ -22,7 +23,6 @@ ReprocessError naming the field and the fix before anything is written.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from environments.scored_group import ScoredGroup, preference_pair
+from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import group_starts
 from storage.schema import METADATA_NUM_GROUPS, table_to_groups
 from trainer.advantages import group_advantages
@@ -169,6 +169,11 @@ def _split_top_level(text: str) -> list[str]:
     if "".join(current).strip():
         parts.append("".join(current))
     return [part for part in parts if part.strip()]
+
+
+def completion_start(sequence: ScoredSequence) -> int:
+    """Index of a sequence's first trained token: its prompt is the tokens before it."""
+    return sequence.mask.index(True) if True in sequence.mask else len(sequence.tokens)
 
 
 # --- the operations, table to table ------------------------------------------------------------
@@ -316,7 +321,7 @@ def make_rescorer(args: RescoreArgs, shard_tokenizer: str) -> Callable[[list[Sco
 
     def conversation(group: ScoredGroup, item: Any, index: int) -> list[dict[str, Any]]:
         sequence = group.sequences[index]
-        first = sequence.mask.index(True) if True in sequence.mask else len(sequence.tokens)
+        first = completion_start(sequence)
         single_turn = all(sequence.mask[first:])
         if single_turn:
             return prompt_messages(item) + [{"role": "assistant", "content": env.renderer.decode(sequence.tokens[first:])}]
@@ -352,51 +357,3 @@ def apply(table: pa.Table, operations: list[Operation], context: Context) -> pa.
         if operation.name in TABLE_OPERATIONS and table.num_rows:
             table = TABLE_OPERATIONS[operation.name](table, operation.args, context)
     return table
-
-
-# --- exports: a shard's groups to Hugging Face dataset rows -------------------------------------
-
-
-def _texts(group: ScoredGroup, index: int, decode: Callable[[list[int]], str] | None) -> dict[str, Any]:
-    """messages when stored, else prompt/completion text (decoded), and the token ids either way."""
-    sequence = group.sequences[index]
-    first = sequence.mask.index(True) if True in sequence.mask else len(sequence.tokens)
-    row: dict[str, Any] = {"prompt_token_ids": sequence.tokens[:first], "completion_token_ids": sequence.tokens[first:]}
-    if sequence.messages:
-        row["messages"] = json.dumps(sequence.messages)
-    if decode is not None:
-        row["prompt"], row["completion"] = decode(sequence.tokens[:first]), decode(sequence.tokens[first:])
-    return row
-
-
-def export_sft(groups: list[ScoredGroup], args: ExportSFTArgs, decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
-    rows = []
-    for group in groups:
-        scores = group.scores
-        best = scores.index(max(scores))
-        if args.min_score is not None and scores[best] < args.min_score:
-            continue
-        rows.append({"env": group.env, "item_id": group.item_id, "group_id": group.group_id, "score": scores[best],
-                     **_texts(group, best, decode)})  # fmt: skip
-    return rows
-
-
-def export_dpo(groups: list[ScoredGroup], args: ExportDPOArgs, decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
-    rows = []
-    for group in groups:
-        pair = preference_pair(group)
-        if pair is None:
-            continue
-        chosen, rejected = (_texts(group, index, decode) for index in pair)
-        rows.append({
-            "env": group.env, "item_id": group.item_id, "group_id": group.group_id,
-            "prompt_token_ids": chosen["prompt_token_ids"],
-            "chosen_token_ids": chosen["completion_token_ids"], "rejected_token_ids": rejected["completion_token_ids"],
-            "chosen_score": group.scores[pair[0]], "rejected_score": group.scores[pair[1]],
-            **({"chosen_messages": chosen["messages"], "rejected_messages": rejected["messages"]} if "messages" in chosen and "messages" in rejected else {}),
-            **({"prompt": chosen["prompt"], "chosen": chosen["completion"], "rejected": rejected["completion"]} if "prompt" in chosen else {}),
-        })  # fmt: skip
-    return rows
-
-
-EXPORT_FUNCTIONS = {"export-sft": export_sft, "export-dpo": export_dpo}

@@ -11,14 +11,13 @@ from environments.base import prompt_messages
 from environments.compare import Compare
 from environments.scored_group import ScoredGroup, ScoredSequence
 from storage.schema import groups_to_table, table_to_groups
+from tasks.exports import export_dpo, export_sft
 from tasks.reprocess import (
     Context,
     ReprocessError,
     apply,
     check_operations,
     duplicate_rows,
-    export_dpo,
-    export_sft,
     make_operation,
     make_rescorer,
     parse_operation,

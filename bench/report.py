@@ -84,6 +84,14 @@ def rows() -> list[list[str]]:
                       f"{int(largest):,} shards {local[largest]['ratio_poll_to_1000']}x (control {local['control_1000']['ratio_poll_to_1000']}x, "
                       f"full listing {local[largest]['full_listing_s']} s vs poll {local[largest]['poll_s_median'] * 1e3:.1f} ms); ledger at most {r['ledger_bytes_max'] / 1024:.1f} KB; "
                       f"LIST per poll {lists}", _measured(run_length)])  # fmt: skip
+    if sandbox := _load("sandbox"):
+        r = sandbox["result"]
+        interval = r.get("ratio_interval") or {}
+        rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
+        levels = ", ".join(f"{level} {ratio}x" for level, ratio in r["ratio_by_level"].items())
+        table.append(["`bench_sandbox.py`", f"`{r['program']}` in the sandbox ({r['isolation']}: namespaces, rlimits, own uid) vs a bare `python -c` subprocess, wall time per launch (control: bare again)",
+                      "none set", f"{r['ratio_sandbox_to_bare']}x{rounds} (control {r['ratio_control']}x), {r['mean_s'][r['isolation']] * 1e3:.0f} ms vs {r['mean_s']['bare'] * 1e3:.0f} ms; by level {levels}",
+                      _measured(sandbox)])  # fmt: skip
     return table
 
 

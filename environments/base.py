@@ -151,6 +151,15 @@ class Environment(ABC):
         """A final answer that must score top (for the conformance suite); None if there is none."""
         return None
 
+    async def observe(self, group: ScoredGroup) -> None:
+        """Called by the rollout flow on the instance that handed out the group's item, once the
+        group is stored, whichever server or worker sampled it: where a curriculum learns."""
+
+    def metrics(self) -> dict[str, float]:
+        """Numbers the rollout flow's stats artifact shows per environment, read after each group
+        (e.g. a curriculum's level); their names become columns beside the flow's own stats."""
+        return {}
+
     async def get_eval_item(self) -> Item | None:
         """A held-out item for `evaluate`. Called on the evaluation twin (see `evaluate`), whose
         item stream is seeded with config.eval_seed; override with a test split when there is one."""

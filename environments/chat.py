@@ -35,10 +35,19 @@ class ChatRenderer:
     user/tool turns) is encoded, and sampled ids are appended untouched by the session.
     """
 
-    def __init__(self, tokenizer, chat_template: str | None = None, template_name: str | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        chat_template: str | None = None,
+        template_name: str | None = None,
+        variables: dict[str, Any] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.template_name = template_name if chat_template else None
+        # Names the template reads besides the messages, e.g. a group chat's next speaker, which
+        # its generation prompt writes and no message holds yet.
+        self.variables = dict(variables or {})
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the tokenizer has no chat template; give the environment a chat_template or use "
@@ -59,6 +68,7 @@ class ChatRenderer:
             chat_template=self.chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **self.variables,
         )
 
     def encode(self, text: str) -> list[int]:

@@ -34,6 +34,7 @@ class RolloutStats:
     score_sq_sum: float = 0.0
     last_error: str = ""
     recent_scores: list[float] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # the environment's own (Environment.metrics)
 
     def add(self, result: ScoredGroup | RolloutFailure) -> None:
         if isinstance(result, RolloutFailure):
@@ -60,7 +61,7 @@ class RolloutStats:
         return max(self.score_sq_sum / self.sequences - self.mean_score**2, 0.0) ** 0.5
 
     def row(self) -> dict[str, Any]:
-        return {
+        row = {
             "env": self.env,
             "groups": self.groups,
             "sequences": self.sequences,
@@ -72,6 +73,7 @@ class RolloutStats:
             "failures": self.failures,
             "last error": self.last_error,
         }
+        return row | {name: value for name, value in self.metrics.items() if name not in row}
 
 
 # Seconds between progress-artifact updates. Each update is an API call and an artifact event, CPU
@@ -132,6 +134,8 @@ async def publish_report(
     stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0
 ) -> dict[str, Any]:
     rows = [s.row() for s in stats.values()]
+    columns = list(dict.fromkeys(column for row in rows for column in row))  # environments' metrics differ
+    rows = [{column: row.get(column) for column in columns} for row in rows]
     totals = {
         "groups": sum(s.groups for s in stats.values()),
         "failures": sum(s.failures for s in stats.values()),

@@ -76,6 +76,8 @@ class PolicyClient:
         self.model = model
         self.max_retries = max_retries
         self.backoff = backoff
+        # Kept for what talks to the same server on the run's behalf (an LLM judge, a remote environment).
+        self.api_key = api_key
         self.has_api_key = bool(api_key)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(

@@ -2,35 +2,17 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+from environments.advantages import group_advantages as advantages_of_scores
 from environments.scored_group import ScoredGroup
 from trainer.config import AdvantageConfig
 
 
 def group_advantages(scores: Sequence[float], config: AdvantageConfig) -> list[float]:
-    """One advantage per score, relative to the group.
-
-    grpo:          (score - mean) / (std + eps)
-    mean_only:     score - mean
-    leave_one_out: score - mean of the other n - 1 scores = n / (n - 1) * (score - mean) (RLOO)
-
-    std is the population std (divide by n, not n - 1) so a group of one gets 0, not NaN, and a
-    group whose scores are all equal gets all zeros: it says nothing about which answer is better.
-    """
-    n = len(scores)
-    if n == 0 or max(scores) == min(scores):
-        # Exactly zero: a float mean of equal scores can differ from them in the last bit.
-        return [0.0] * n
-    mean = sum(scores) / n
-    centered = [s - mean for s in scores]
-    if config.mode == "mean_only":
-        return centered
-    if config.mode == "leave_one_out":
-        return [c * n / (n - 1) for c in centered]  # n > 1: a group of one has equal scores
-    std = math.sqrt(sum(c * c for c in centered) / n)
-    return [c / (std + config.eps) for c in centered]
+    """One advantage per score, relative to the group, as config.mode says
+    (environments.advantages.group_advantages: the formulas)."""
+    return advantages_of_scores(scores, config.mode, config.eps)
 
 
 def sequence_token_advantages(group: ScoredGroup, config: AdvantageConfig) -> list[list[float]]:

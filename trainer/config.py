@@ -12,6 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from clotho.overrides import apply_overrides
+from environments.advantages import AdvantageMode
 
 # The built-in losses by short name; `loss.name` takes either these or any such import path.
 BUILTIN_LOSSES = {
@@ -29,7 +30,7 @@ class LossDefaults:
 
     clip_low: float = 0.2
     clip_high: float = 0.2
-    advantage_mode: Literal["grpo", "mean_only", "leave_one_out"] = "grpo"
+    advantage_mode: AdvantageMode = "grpo"
 
 
 class LossConfig(BaseModel):
@@ -172,7 +173,7 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["grpo", "mean_only", "leave_one_out"] = Field(
+    mode: AdvantageMode = Field(
         default="grpo",
         description="grpo: (score - group mean) / (group std + eps). mean_only: score - group mean "
         "(Dr. GRPO; no up-weighting of groups whose scores barely differ). leave_one_out: score - "

@@ -111,3 +111,22 @@ async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_non
     assert len(await drain(stream, lanes=3)) == 10
     # One admission per item, and one for the call that found none left, given back.
     assert (Counting.acquired, Counting.given_back) == (11, 1)
+
+async def test_environment_metrics_are_columns_of_the_stats_table(monkeypatch):
+    tables = []
+
+    async def table(table, key, description):
+        tables.append(table)
+
+    async def markdown(**_):
+        pass
+
+    monkeypatch.setattr(report, "create_table_artifact", table)
+    monkeypatch.setattr(report, "create_markdown_artifact", markdown)
+    leveled = report.RolloutStats(env="reasoning_gym", metrics={"curriculum level": 2.0, "groups": -1.0})
+    plain = report.RolloutStats(env="arithmetic")
+    assert leveled.row()["curriculum level"] == 2.0 and leveled.row()["groups"] == 0  # a stat's own column wins
+    summary = await report.publish_report({"a": leveled, "b": plain}, [], 1.0, "run", "memory://x")
+    assert tables == [summary["environments"]]
+    assert [list(row) for row in tables[0]] == [list(leveled.row())] * 2  # every row has every column
+    assert tables[0][1]["curriculum level"] is None

@@ -1,0 +1,167 @@
+"""Function writing, scored by running the model's code against hidden asserts in the sandbox.
+
+The model sees a function's signature and docstring (environments.code_tasks) and answers with the
+function in a ```python block. Reward: the fraction of the item's asserts that pass when the code
+and they run in environments.sandbox; no block, a timeout, a kill or a run that never reports its
+count scores 0. Asserts are deterministic, so the reward is (up to a run that straddles the time
+limit).
+
+On a failure, token-level advantages: the tokens of the candidate's lines named in its tracebacks
+(each frame in candidate.py, a SyntaxError's line, the stack faulthandler dumps shortly before the
+time limit) get `traceback_penalty` less than the sequence's other tokens, which keep the group's
+ordinary advantage. ScoredSequence.advantages replaces the trainer's for that sequence only, so
+the base is computed as the trainer computes it: set advantage_mode to its advantages.mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import secrets
+from dataclasses import dataclass
+
+from pydantic import Field
+
+from environments.advantages import AdvantageMode, group_advantages
+from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
+from environments.code_tasks import TASKS
+from environments.sandbox import Limits, run_python
+from environments.scored_group import ScoredGroup, ScoredSequence
+from inference.client import Completion
+
+_CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # unclosed: cut off by max_tokens
+_CANDIDATE_LINE = re.compile(r'File "candidate\.py", line (\d+)')
+# The program the sandbox runs. It deletes itself first: the nonce that marks its count and the
+# tests live on only in its memory, so a candidate cannot print a passing count or read the asserts.
+_HARNESS = '''import faulthandler, os, traceback
+os.unlink(__file__)
+def main(nonce, source, tests, dump_after):
+    faulthandler.dump_traceback_later(dump_after)
+    namespace, passed = {{"__name__": "candidate"}}, 0
+    try:
+        exec(compile(source, "candidate.py", "exec"), namespace)
+    except BaseException:
+        traceback.print_exc()
+    else:
+        for index, test in enumerate(tests):
+            try:
+                exec(compile(test, f"test_{{index}}.py", "exec"), dict(namespace))
+                passed += 1
+            except BaseException:
+                traceback.print_exc()
+    faulthandler.cancel_dump_traceback_later()
+    print(f"\\n{{nonce}} {{passed}}", flush=True)
+main({nonce!r}, {source!r}, {tests!r}, {dump_after!r})
+'''
+
+
+class CodeExecConfig(EnvironmentConfig):
+    max_tokens: int = Field(default=256, ge=1, description="Most tokens sampled per answer.")
+    traceback_penalty: float = Field(
+        default=0.5, ge=0.0, description="Advantage taken off each token of a line a failed run's traceback names."
+    )
+    advantage_mode: AdvantageMode = Field(
+        default="grpo", description="The trainer's advantages.mode: the base of the per-token advantages set here."
+    )
+    limits: Limits = Field(default_factory=Limits, description="What one scoring run may use (environments.sandbox).")
+
+
+class CodeItem(Item):
+    tests: list[str]
+    solution: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    score: float
+    passed: int
+    spans: list[tuple[int, int]]  # [start, end) in the answer's text of each line a traceback names
+    lines: list[int]
+
+
+def token_spans(decode, token_ids: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each token in decode(token_ids), from decoding growing prefixes of the sampled
+    ids (never re-tokenizing); a token ending inside a character shares the completing token's span."""
+    text, spans, start, pending = decode(token_ids), [(0, 0)] * len(token_ids), 0, []
+    for index in range(len(token_ids)):
+        pending.append(index)
+        prefix = decode(token_ids[: index + 1])
+        if text.startswith(prefix):
+            for waiting in pending:
+                spans[waiting] = (start, len(prefix))
+            start, pending = len(prefix), []
+    for waiting in pending:
+        spans[waiting] = (start, len(text))
+    return spans
+
+
+class CodeExec(Environment):
+    name = "code_exec"
+    config_class = CodeExecConfig
+    item_class = CodeItem
+
+    async def setup(self) -> None:
+        self.rng = random.Random(self.config.seed)
+        self.order: list[dict] = []
+        self.count = 0
+
+    async def get_item(self) -> CodeItem | None:
+        if not self.order:
+            if self.count and not self.config.cycle:
+                return None
+            self.order = self.rng.sample(TASKS, len(TASKS))
+        task = self.order.pop()
+        self.count += 1
+        prompt = ("Write this Python function. Answer with the whole function in one ```python code block.\n\n"
+                  f"```python\n{task['stub']}\n```")  # fmt: skip
+        return CodeItem(id=f"{self.config.seed}-{self.count}-{task['id']}", prompt=[{"role": "user", "content": prompt}],
+                        tests=task["tests"], solution=task["solution"])  # fmt: skip
+
+    def gold_completion(self, item: CodeItem) -> str:
+        return f"```python\n{item.solution}\n```"
+
+    def verdict(self, item: CodeItem, answer: str) -> Verdict:
+        """Runs the answer's first python block with the item's asserts in the sandbox."""
+        block = _CODE_BLOCK.search(answer)
+        if block is None:
+            return Verdict(0.0, 0, [], [])
+        source, nonce, limits = block.group(1), secrets.token_hex(16), self.config.limits
+        dump_after = 0.9 * min(limits.cpu_seconds, limits.wall_seconds)
+        result = run_python(_HARNESS.format(nonce=nonce, source=source, tests=item.tests, dump_after=dump_after), limits)
+        last = result.stdout.rstrip("\n").rpartition("\n")[2].split(" ")
+        reported = not (result.timed_out or result.killed) and len(last) == 2 and last[0] == nonce
+        passed = int(last[1]) if reported else 0
+        starts, offset = [], block.start(1)
+        for line in source.split("\n"):
+            starts.append((offset, offset + len(line)))
+            offset += len(line) + 1
+        lines = sorted({n for n in map(int, _CANDIDATE_LINE.findall(result.stderr)) if 1 <= n <= len(starts)})
+        return Verdict(passed / len(item.tests), passed, [starts[n - 1] for n in lines], lines)
+
+    def reward(self, item: CodeItem, messages: list[dict]) -> float:
+        return self.verdict(item, final_answer(messages)).score
+
+    async def collect_trajectories(self, item: CodeItem) -> ScoredGroup:
+        prompt_ids, completions = await self.sample_chat(prompt_messages(item))
+        return await self.score_group(item, prompt_ids, completions)
+
+    async def score_group(self, item: CodeItem, prompt_ids: list[int], completions: list[Completion]) -> ScoredGroup:
+        """The group of these samples: each run in the sandbox (concurrently, in threads), and the
+        tokens of a failed one's traceback lines given the extra negative advantage."""
+        answers = [self.renderer.decode(completion.token_ids) for completion in completions]
+        verdicts = await asyncio.gather(*(asyncio.to_thread(self.verdict, item, answer) for answer in answers))
+        bases = group_advantages([v.score for v in verdicts], self.config.advantage_mode)
+        sequences = []
+        for completion, answer, verdict, base in zip(completions, answers, verdicts, bases, strict=True):
+            advantages = None
+            if verdict.score < 1.0 and verdict.spans:
+                spans = token_spans(self.renderer.decode, completion.token_ids)
+                flagged = [any(s < end and start < e for start, end in verdict.spans) for s, e in spans]
+                advantages = [0.0] * len(prompt_ids) + [base - self.config.traceback_penalty * f for f in flagged]
+            sequences.append(ScoredSequence.from_prompt(
+                prompt_ids, completion.token_ids, completion.logprobs, score=verdict.score, finish_reason=completion.finish_reason,
+                messages=prompt_messages(item) + [{"role": "assistant", "content": answer}], advantages=advantages,
+                extras={"tests_passed": verdict.passed, "traceback_lines": verdict.lines},
+            ))  # fmt: skip
+        return self.make_group(item, sequences)

@@ -34,6 +34,16 @@ $(INFERENCE_VENV)/.installed: requirements/inference.lock
 	$(INFERENCE_VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/inference.lock
 	@touch $@
 
+# An adapter's own environment (.venv-env-atropos, ...): clotho's environment side from env-base.lock
+# plus one framework, for `clotho env serve` (tests build the ones they use: `make .venv-env-textarena/.installed`).
+.venv-env-%/.installed: requirements/env-base.lock requirements/env-%.lock pyproject.toml
+	@echo ">> creating .venv-env-$* (the $* adapter's environment)"
+	$(call need_disk,1.5,.venv-env-$*)
+	$(PYTHON) -m venv .venv-env-$*
+	.venv-env-$*/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/env-base.lock -r requirements/env-$*.lock
+	.venv-env-$*/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	@touch $@
+
 demo: setup
 	$(VENV)/bin/clotho demo
 
@@ -52,7 +62,8 @@ bench: setup
 	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/bench_run_length.py
 	$(VENV)/bin/python bench/bench_reprocess.py
+	$(VENV)/bin/python bench/bench_sandbox.py
 	$(VENV)/bin/python bench/report.py --readme
 
 clean-venvs:
-	rm -rf $(VENV) $(INFERENCE_VENV)
+	rm -rf $(VENV) $(INFERENCE_VENV) .venv-env-*

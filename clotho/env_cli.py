@@ -1,5 +1,5 @@
-"""`clotho env new | list | check`: scaffold an environment package, list what is installed, and run
-the conformance suite against a policy server."""
+"""`clotho env new | list | check | serve`: scaffold an environment package, list what is installed,
+run the conformance suite against a policy server, and serve an environment over HTTP."""
 
 from __future__ import annotations
 
@@ -70,7 +70,9 @@ def list_command() -> None:
 
 @env_app.command("check")
 def check_command(
-    environment: str = typer.Argument(..., help="Installed name (clotho env list) or import path module.path:ClassName."),
+    environment: str = typer.Argument(
+        ..., help="Installed name (clotho env list), import path module.path:ClassName, or the URL of `clotho env serve`."
+    ),
     server: str = typer.Option(None, help="Policy server URL (default: start a tiny-model vLLM server for the check)."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
     tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the server serves)."),
@@ -117,6 +119,30 @@ def check_command(
     console.print(f"{len(results) - len(failed)} of {len(results)} checks passed or skipped")
     if failed:
         raise typer.Exit(1)
+
+
+@env_app.command("serve")
+def serve_command(
+    environment: str = typer.Argument(..., help="Installed name (clotho env list) or import path module.path:ClassName."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (loopback by default; the API has no key)."),
+    port: int = typer.Option(8100, min=1, max=65535, help="Port to listen on."),
+) -> None:
+    """Serve one environment over HTTP, in this Python environment, for rollouts elsewhere to use by
+    URL: `clotho rollout --env http://HOST:PORT ...`, `clotho env check http://HOST:PORT`."""
+    import logging
+
+    from environments.loading import EnvironmentLoadError
+    from environments.serve import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = create_app(environment)
+    except EnvironmentLoadError as error:
+        raise typer.BadParameter(str(error), param_hint="ENVIRONMENT") from None
+    import uvicorn
+
+    typer.echo(f"serving environment {environment} on http://{host}:{port}")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def _start_tiny_server(timeout_s: float):

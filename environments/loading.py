@@ -58,7 +58,12 @@ def resolve_import_path(name_or_path: str) -> str:
 
 
 def load_environment_class(name_or_path: str) -> type[Environment]:
-    """The Environment subclass for an installed name or 'module.path:ClassName', its name checked."""
+    """The Environment subclass for an installed name, 'module.path:ClassName' or the URL of a
+    `clotho env serve` service (environments/remote.py), its name checked."""
+    if name_or_path.startswith(("http://", "https://")):
+        from environments.remote import remote_environment_class
+
+        return remote_environment_class(name_or_path)
     import_path = resolve_import_path(name_or_path)
     module_name, _, class_name = import_path.partition(":")
     if not module_name or not class_name:
@@ -95,6 +100,9 @@ def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConf
     try:
         return cls.config_class.model_validate(dict(config or {}))
     except ValidationError as error:
+        for problem in error.errors():  # a remote environment's service already named the field
+            if isinstance(problem.get("ctx", {}).get("error"), EnvironmentLoadError):
+                raise problem["ctx"]["error"] from None
         problems = "; ".join(
             f"{'.'.join(map(str, e['loc'])) or '(config)'}: {e['msg']}" for e in error.errors()
         )

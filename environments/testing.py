@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -86,6 +89,52 @@ def tiny_tokenizer(tiny_model_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@dataclass
+class ServedEnvironment:
+    """An environment served by `clotho env serve` in a process of its own."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def serve_environment(environment: str, *, clotho: str | Path | None = None, timeout: float = 120.0) -> ServedEnvironment:
+    """Starts `clotho env serve ENVIRONMENT` on a free loopback port with the `clotho` executable of
+    any virtual environment (default: this one's) and waits until it answers."""
+    import httpx
+
+    from inference.server import free_port
+
+    clotho = Path(clotho) if clotho else Path(sys.executable).parent / "clotho"
+    port = free_port()
+    log_path = CACHE / "logs" / f"env-serve-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([str(clotho), "env", "serve", environment, "--port", str(port)], stdout=log, stderr=log)
+    served = ServedEnvironment(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"clotho env serve {environment} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        try:
+            if httpx.get(served.url + "/info", timeout=2.0).status_code == 200:
+                return served
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    served.stop()
+    raise TimeoutError(f"clotho env serve {environment} did not answer within {timeout:.0f}s; see {log_path}")
 
 
 class EnvironmentConformance:

@@ -7,13 +7,14 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from environments.base import Environment, Item, RolloutFailure
+from environments.remote import RemoteServiceError
 from environments.scored_group import ScoredGroup
 from flows.admission import Admission
 from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
@@ -106,7 +107,11 @@ async def rollout(
                 flush=flush_now, sampler=sampler_name(), logger=log, last_step=until_step,
             )
             clients.push_async_callback(admission.close)
-        items = ItemStream(specs, sources, groups, seed, admission=admission)
+        def gone(spec: EnvSpec, error: Exception) -> None:
+            log.error("environment %s left the run: %s", stats[spec.key].env, error)
+            stats[spec.key].add(RolloutFailure.of(stats[spec.key].env, "get_item", error))
+
+        items = ItemStream(specs, sources, groups, seed, admission=admission, on_gone=gone)
 
         async def store(spec: EnvSpec, results: Results) -> None:
             """Counts and buffers finished groups; a cancel cannot cut it short."""
@@ -117,6 +122,9 @@ async def rollout(
                     if admission is not None:
                         admission.finished(stored=isinstance(result, ScoredGroup))
                 scored = [result for result in results if isinstance(result, ScoredGroup)]
+                for group in scored:  # the instance that handed out the item learns from it (a curriculum)
+                    await sources[spec.key].observe(group)
+                stats[spec.key].metrics = sources[spec.key].metrics()  # e.g. the level of a curriculum
                 if scored:
                     for url in await asyncio.to_thread(writer.add_many, scored):
                         emit_shard_event(url, run, scored[0].env)
@@ -176,8 +184,10 @@ class ItemStream:
     until a group may start sampling (bounded staleness, flows.admission)."""
 
     def __init__(self, specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, seed: int,
-                 admission: Admission | None = None):  # fmt: skip
+                 admission: Admission | None = None,
+                 on_gone: Callable[[EnvSpec, Exception], None] | None = None):  # fmt: skip
         self.sources, self.groups = sources, groups
+        self.on_gone = on_gone  # told when a remote environment stops answering (it leaves the stream)
         self.rng = random.Random(seed)
         self.live = list(specs)
         self.handed_out = 0
@@ -197,7 +207,13 @@ class ItemStream:
                 return None
             while not self.exhausted:
                 spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
-                item = await self.sources[spec.key].get_item()
+                try:
+                    item = await self.sources[spec.key].get_item()
+                except RemoteServiceError as error:  # a remote environment's service is gone
+                    self.live.remove(spec)
+                    if self.on_gone is not None:
+                        self.on_gone(spec, error)
+                    continue
                 if item is None:
                     self.live.remove(spec)
                     continue

@@ -1,0 +1,1 @@
+"""Environments written in other frameworks' own styles, served through their adapters in tests."""

@@ -42,3 +42,30 @@ def env_decode(model_dir, ids: list[int]) -> str:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir).decode(ids)
+
+
+@pytest.mark.integration
+def test_the_curriculum_learns_from_the_groups_the_flow_stores_in_process_and_served(prefect_server, policy_server, tiny_model_dir, tmp_path) -> None:
+    """Every stored group goes back to the instance that handed out its item (Environment.observe),
+    also through `clotho env serve`; the level shows in the flow's per-environment stats."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from clotho.cli import drain_prefect_reporting
+    from environments.testing import serve_environment
+    from flows.rollout import rollout
+    from tasks.rollout import EnvSpec
+
+    # Any group's mean reward (>= 0) passes raise_above: the level climbs one step per stored group.
+    config = {"dataset": "chain_sum", "group_size": 2, "max_tokens": 4, "window": 1, "raise_above": 0.0, "lower_below": -1.0}
+    served = serve_environment("reasoning_gym")
+    try:
+        environments = [EnvSpec(import_path="reasoning_gym", config=config), EnvSpec(import_path=served.url, config=config)]
+        with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+            summary = asyncio.run(rollout(environments=environments, servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/curriculum",
+                                          tokenizer=str(tiny_model_dir), groups=12, max_concurrent_groups=2))  # fmt: skip
+            drain_prefect_reporting()
+    finally:
+        served.stop()
+    rows = summary["environments"]
+    assert len(rows) == 2 and all(row["groups"] >= 1 for row in rows), rows
+    assert all(row["curriculum level"] >= 1 for row in rows), rows  # both learned from their stored groups

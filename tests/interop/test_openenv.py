@@ -1,0 +1,198 @@
+"""OpenEnv environments through clotho: the adapter served by `clotho env serve` from
+.venv-env-openenv, with an OpenEnv environment class in process or an OpenEnv server by URL; one
+token-exact sequence per episode, actions trained, observations not, the return from the
+environment's rewards. This process never imports openenv: everything comes back over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from environments.conformance import run_checks, trained_segments
+from environments.loading import load_config, load_environment_class
+from environments.remote import RemoteServiceError
+from environments.scored_group import ScoredGroup, ScoredSequence
+from environments.testing import CACHE
+from inference.client import PolicyClient
+from inference.server import free_port
+from tests.interop.conftest import ROOT, adapter_venv, rollout_groups, serve_adapter
+
+pytestmark = pytest.mark.integration
+
+ADAPTER = "environments.adapters.openenv:OpenEnv"
+EXAMPLES = "environments.adapters.examples"
+ECHO = f"{EXAMPLES}.openenv_echo:EchoEnvironment"
+SPELL = {
+    "environment": f"{EXAMPLES}.openenv_spell:SpellEnvironment",
+    "parse": f"{EXAMPLES}.openenv_spell:parse_action",
+    "render": f"{EXAMPLES}.openenv_spell:render_observation",
+}
+SPELL_WORDS = ("amber", "cloud", "maple", "piano", "river", "stone", "tiger", "velvet")  # the example's WORDS
+
+
+@pytest.fixture(scope="module")
+def served_openenv():
+    served = serve_adapter("openenv", ADAPTER)
+    yield served
+    served.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(policy_tokenizer):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(policy_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def echo_server() -> str:
+    """The echo environment's own OpenEnv server (uvicorn on openenv's create_app), in its venv."""
+    python = adapter_venv("openenv") / "bin" / "python"
+    port = free_port()
+    log_path = CACHE / "logs" / f"openenv-echo-{port}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [str(python), "-m", "uvicorn", f"{EXAMPLES}.openenv_echo:app", "--host", "127.0.0.1", "--port", str(port)],
+            cwd=ROOT, stdout=log, stderr=log,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, f"the OpenEnv echo server exited: {log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"the OpenEnv echo server did not answer; see {log_path}"
+            try:
+                if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def collect(env_url: str, config: dict, policy_server, tokenizer: str) -> ScoredGroup:
+    """One group from the served adapter, through the remote environment like the flow's."""
+    env_class = load_environment_class(env_url)
+
+    async def run() -> ScoredGroup:
+        async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
+            env = env_class(load_config(env_class, config), client=client, tokenizer=tokenizer)
+            try:
+                await env.setup()
+                result = await env.collect_group(await env.get_item())
+            finally:
+                await env.aclose()
+        assert isinstance(result, ScoredGroup), result
+        return result
+
+    return asyncio.run(run())
+
+
+def turns(sequence: ScoredSequence, role: str) -> list[dict]:
+    return [message for message in sequence.messages if message["role"] == role]
+
+
+def assert_token_exact(sequence: ScoredSequence, tokenizer) -> None:
+    """Each assistant message is the decoded sampled tokens of one trained run; each observation
+    after the first lies in the untrained tokens between two actions."""
+    actions, observations = turns(sequence, "assistant"), turns(sequence, "user")
+    segments = trained_segments(sequence)
+    assert len(segments) == len(actions) == sequence.extras["turns"]
+    assert not any(sequence.mask[: segments[0][0]])
+    for action, (start, end) in zip(actions, segments):
+        assert tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True) == action["content"]
+        assert all(logprob <= 0.0 for logprob in sequence.logprobs[start:end])
+    assert observations[0]["content"] in tokenizer.decode(sequence.tokens[: segments[0][0]], skip_special_tokens=True)
+    for observation, (_, before), (after, _) in zip(observations[1:], segments, segments[1:]):
+        assert observation["content"] in tokenizer.decode(sequence.tokens[before:after], skip_special_tokens=True)
+
+
+def assert_echo_episode(sequence: ScoredSequence, tokenizer, max_turns: int, discount: float) -> None:
+    """The echo environment never ends an episode: max_turns actions, each echoed back as the next
+    user turn, each rewarded 0.1 per character (the template's reward), the score their return."""
+    assert_token_exact(sequence, tokenizer)
+    actions, observations = turns(sequence, "assistant"), turns(sequence, "user")
+    assert len(actions) == max_turns and sequence.extras["done"] is False
+    assert observations[0]["content"] == "Echo environment ready!"
+    assert [o["content"] for o in observations[1:]] == [a["content"] for a in actions[:-1]]  # the whole text was the message
+    assert [a["reward"] for a in actions] == pytest.approx([0.1 * len(a["content"]) for a in actions])
+    assert sequence.score == pytest.approx(sum(discount**t * 0.1 * len(a["content"]) for t, a in enumerate(actions)))
+
+
+def test_the_echo_environment_runs_in_process_through_the_rollout_flow_into_shards(
+    served_openenv, prefect_server, policy_server, policy_tokenizer, tokenizer, tmp_path
+) -> None:
+    config = {"environment": ECHO, "group_size": 2, "max_tokens": 8, "max_turns": 3, "discount": 0.5}
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_openenv.url, config,
+                                     f"file://{tmp_path}/store/openenv", groups=2)  # fmt: skip
+    assert summary["totals"]["groups"] == 2 and len(groups) == 2
+    for group in groups:
+        assert group.env == "openenv" and len(group.sequences) == 2
+        assert len({s.extras["episode_id"] for s in group.sequences}) == 2  # two episodes of one seed
+        for sequence in group.sequences:
+            assert_echo_episode(sequence, tokenizer, max_turns=3, discount=0.5)
+    assert len({g.extras["item"]["extras"]["seed"] for g in groups}) == 2
+    assert "openenv" not in sys.modules
+
+
+@pytest.mark.parametrize("mode", ["in process", "server url"])
+def test_the_echo_environment_passes_the_conformance_suite_by_url(
+    mode, served_openenv, request, policy_server, policy_tokenizer
+) -> None:
+    environment = ECHO if mode == "in process" else request.getfixturevalue("echo_server")
+    results = asyncio.run(
+        run_checks(
+            load_environment_class(served_openenv.url),
+            {"environment": environment, "group_size": 2, "max_tokens": 8, "max_turns": 2},
+            server_url=policy_server.base_url, tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
+        )  # fmt: skip
+    )
+    assert [(r.name, r.status, r.detail) for r in results if r.status != "passed"] == [
+        ("gold answer scores top", "skipped", "skipped: no gold_completion")
+    ]
+
+
+def test_an_openenv_server_by_url_echoes_the_actions_and_sums_the_rewards(
+    served_openenv, echo_server, policy_server, policy_tokenizer, tokenizer
+) -> None:
+    config = {"environment": echo_server, "group_size": 3, "max_tokens": 8, "max_turns": 3}
+    group = collect(served_openenv.url, config, policy_server, policy_tokenizer)
+    assert len(group.sequences) == 3 and not group.extras.get("rollout_errors")
+    for sequence in group.sequences:
+        assert_echo_episode(sequence, tokenizer, max_turns=3, discount=1.0)
+
+
+def test_an_episode_ends_when_the_environment_says_done_with_its_own_parse_and_render(
+    served_openenv, policy_server, policy_tokenizer, tokenizer
+) -> None:
+    config = {**SPELL, "group_size": 2, "max_tokens": 6, "max_turns": 5, "max_concurrent_episodes": 1}
+    group = collect(served_openenv.url, config, policy_server, policy_tokenizer)
+    assert len(group.sequences) == 2
+    first_turns = {turns(s, "user")[0]["content"] for s in group.sequences}
+    assert len(first_turns) == 1  # both episodes reset with the item's seed
+    [first] = first_turns
+    assert any(first == f"Type the word. Spell the word '{word}' (3 attempts left)." for word in SPELL_WORDS)
+    for sequence in group.sequences:
+        assert_token_exact(sequence, tokenizer)
+        actions, observations = turns(sequence, "assistant"), turns(sequence, "user")
+        assert sequence.extras["done"] is True and 1 <= len(actions) <= 3  # done before max_turns
+        assert len(actions) == 3 or actions[-1]["reward"] == 1.0  # out of attempts, or typed the word
+        assert all(o["content"].endswith(f"({3 - t} attempts left).") for t, o in enumerate(observations))
+        assert sequence.score == sum(a["reward"] for a in actions)
+
+
+def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it(served_openenv, policy_server, policy_tokenizer) -> None:
+    with pytest.raises(RemoteServiceError, match="is not an OpenEnv Environment subclass"):
+        collect(served_openenv.url, {"environment": "environments.arithmetic:Arithmetic"}, policy_server, policy_tokenizer)

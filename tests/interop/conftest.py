@@ -5,6 +5,7 @@ checkout, and each adapter runs behind `clotho env serve` like any remote enviro
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 from pathlib import Path
 
@@ -16,9 +17,20 @@ from environments.testing import ServedEnvironment, serve_environment
 ROOT = Path(__file__).resolve().parents[2]
 
 
+ADAPTERS = sorted(path.stem.removeprefix("env-") for path in (ROOT / "requirements").glob("env-*.lock") if path.stem != "env-base")
+
+
+@functools.cache
+def build_adapter_venvs() -> None:
+    """Every adapter's venv at once, missing or stale ones built in parallel (pip is mostly waiting
+    on downloads): the first interop test pays for all of them, once."""
+    targets = [f".venv-env-{name}/.installed" for name in ADAPTERS]
+    subprocess.run(["make", "--no-print-directory", f"-j{len(targets)}", *targets], cwd=ROOT, check=True)
+
+
 def adapter_venv(name: str) -> Path:
     """.venv-env-NAME, built from requirements/env-base.lock + env-NAME.lock when missing or stale."""
-    subprocess.run(["make", "--no-print-directory", f".venv-env-{name}/.installed"], cwd=ROOT, check=True)
+    build_adapter_venvs()
     return ROOT / f".venv-env-{name}"
 
 

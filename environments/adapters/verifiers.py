@@ -1,0 +1,418 @@
+"""verifiers v1 environments as clotho environments: a taskset played by a local harness, every
+sequence exactly the ids and logprobs vLLM sampled.
+
+A group is group_size episodes of one task, run by verifiers itself (`Env.run_slot`: the taskset's
+own Env, else SingleAgentEnv), its model calls answered by the policy server:
+
+    harness program (null: verifiers' chat loop) --chat completion--> verifiers' interception server
+    --TrainClient renders the chat (`renderers`), POST {token_ids, sampling_params}--> this module's
+    /inference/v1/generate on loopback --prompt ids--> the policy server's /v1/completions
+
+and each episode's trace is one sequence: its trainable branch's token_ids, sampled_mask and
+logprobs (kept per message node as returned), scored with trace.reward, the weighted sum of the
+taskset's @vf.reward functions (each in extras["rewards"], @vf.metric values in extras["metrics"]).
+
+    config {"env": {"taskset": {"id": "gsm8k-v1"}}, "group_size": 4}     an installed taskset
+    config {"env": {"taskset": {"id": "my_pkg.my_taskset", "num_tasks": 8},
+                    "agent": {"max_turns": 4}}}                          a module path, knobs
+
+`env` is verifiers' own [env] block, as `vf-eval --env.*` reads it, changed so that a run stays on
+this machine and offline: an agent without a harness of its taskset's own plays the null harness
+(a tool-less chat loop; bash would run the model's commands on the host) on the subprocess runtime
+(not a hosted sandbox). That harness's program is a PEP 723 script verifiers `uv sync`s on first
+use (installing uv from astral.sh if missing); .venv-env-verifiers holds its dependencies, so
+`provision_chat_program` puts the script where verifiers looks and registers this interpreter as
+its environment: no uv, no download. Only vf-eval's runner pushes traces; a local runtime needs no
+tunnel. verifiers 0.4 imports plugins by top-level name only: a module path is registered under its
+last name (`plugin_id`).
+
+`reward(item, messages)` is verifiers' offline re-score (what vf-replay does): the conversation is
+made a trace again and the task's rewards run on it without a runtime. It agrees with the stored
+score unless a reward needs the runtime or an Env.finalize scores across traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+import verifiers.v1 as vf
+from packaging.requirements import Requirement
+from pydantic import Field, TypeAdapter, field_validator
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from verifiers.v1.configs.agent import agent_config_fields
+from verifiers.v1.dialects.chat import message_to_wire, parse_message
+from verifiers.v1.env import RunSlot
+from verifiers.v1.harnesses.null import NullHarnessConfig
+from verifiers.v1.harnesses.utils.launch import CHAT_PROGRAM, CHAT_PROGRAM_SOURCE
+from verifiers.v1.runtimes import SubprocessConfig, SubprocessRuntime
+from verifiers.v1.state import state_cls
+from verifiers.v1.trace import AgentInfo, TraceTask
+
+from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
+from environments.chat import Messages
+from environments.scored_group import ScoredGroup, ScoredSequence
+from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable
+
+MESSAGE = TypeAdapter(vf.Message)
+# The loopback generate route takes no key (the policy server's key stays in this process); the
+# TrainClient reads its key from this variable, which nobody sets, and sends "EMPTY".
+NO_KEY_VARIABLE = "CLOTHO_VERIFIERS_UNUSED_KEY"
+
+
+class VerifiersConfig(EnvironmentConfig):
+    env: dict[str, Any] = Field(
+        description="verifiers' [env] block (EnvConfig) as `vf-eval --env.*` reads it: taskset.id (an installed "
+        "taskset id or a module path) and the taskset's own fields, an Env id, each agent's harness, runtime and "
+        "limits ('agent' on the single-agent env). Agents default to the null harness on the subprocess runtime."
+    )
+    renderer: dict[str, Any] | None = Field(
+        default=None,
+        description="The renderers RendererConfig the TrainClient renders chats with (e.g. {'name': 'qwen3'}); "
+        "None picks it from the tokenizer's name (unknown models: the tokenizer's chat template).",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _resolves_in_verifiers(cls, env: dict[str, Any]) -> dict[str, Any]:
+        try:
+            local_env_config(env)
+        except Exception as error:  # verifiers' own message names the field or the missing package
+            raise ValueError(f"{type(error).__name__}: {error}") from None
+        return env
+
+    @field_validator("renderer")
+    @classmethod
+    def _is_a_renderer_config(cls, renderer: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            vf.TrainClientConfig(renderer=renderer, api_key_var=NO_KEY_VARIABLE)
+        except Exception as error:
+            raise ValueError(f"{type(error).__name__}: {error}") from None
+        return renderer
+
+
+def plugin_id(value: str, importer) -> str:
+    """The id verifiers imports `value` by: an installed plugin's id as given, or a dotted module
+    path registered under its last name (verifiers 0.4 imports ids as top-level modules only)."""
+    parts = value.split(".")
+    if len(parts) == 1 or not all(part.isidentifier() for part in parts):
+        return value
+    module, alias = importlib.import_module(value), parts[-1]
+    taken = alias in sys.modules
+    sys.modules.setdefault(alias, module)
+    if sys.modules[alias] is not module or importer(alias) is not module:
+        if not taken:
+            del sys.modules[alias]
+        raise ValueError(f"{value}: verifiers would import {alias!r} as another module; give the module another name")
+    return alias
+
+
+def local_env_config(block: dict[str, Any]) -> vf.EnvConfig:
+    """The verifiers EnvConfig of `block`, every agent without a harness of its taskset's own on the
+    null harness and every agent without a runtime on the subprocess runtime."""
+    block = dict(block)
+    taskset = dict(block.get("taskset") or {})
+    if not taskset.get("id"):
+        raise ValueError("env.taskset.id is required: an installed verifiers taskset id or a module path")
+    taskset["id"] = plugin_id(taskset["id"], vf.import_taskset)
+    if block.get("id"):
+        block["id"] = plugin_id(block["id"], vf.import_environment)
+    config = vf.resolve_env_config({**block, "taskset": taskset})
+    bundled_harness = vf.default_harness_id(taskset["id"]) != "bash"
+    for name, agent in agent_config_fields(config).items():
+        local: dict[str, Any] = {}
+        if agent.harness is None and not bundled_harness:
+            local["harness"] = NullHarnessConfig(id="null")
+        if "runtime" not in agent.model_fields_set:
+            local["runtime"] = SubprocessConfig()
+        config = config.model_copy(update={name: agent.model_copy(update=local)})
+    return config
+
+
+def provision_chat_program() -> None:
+    """Makes the null (and bash) harness's chat program run on this interpreter, as if verifiers
+    had `uv sync`ed it: the script at the path SubprocessRuntime.prepare_uv_script keys its
+    environments by, this interpreter recorded as that environment's."""
+    header = next(line for line in CHAT_PROGRAM.splitlines() if line.startswith("# dependencies"))
+    for requirement in map(Requirement, json.loads(header.partition("=")[2])):
+        try:
+            installed = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            installed = None
+        if installed is None or not requirement.specifier.contains(installed, prereleases=True):
+            raise RuntimeError(
+                f"verifiers' chat program needs {requirement} and this environment has {installed or 'none'}; "
+                "install requirements/env-verifiers.lock (make .venv-env-verifiers/.installed)"
+            )
+    script = CHAT_PROGRAM_SOURCE.encode()
+    path = f"{SubprocessRuntime.scripts_dir}/{hashlib.sha256(script).hexdigest()}.py"
+    target = Path(path)
+    if not target.exists() or target.read_bytes() != script:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{uuid.uuid4().hex}.tmp")
+        partial.write_bytes(script)
+        partial.replace(target)
+    SubprocessRuntime._interpreters[path] = sys.executable
+
+
+# Sampling parameters the route passes to /v1/completions, and the ones renderers sets on every
+# request that need nothing: the sampled token's logprob is always returned, ids never text, and
+# router replay (routed_experts) is for MoE engines.
+SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "stop", "stop_token_ids", "seed")
+ANSWERED_ANYWAY = ("logprobs", "skip_special_tokens", "routed_experts_prompt_start")
+
+
+def completion_parameters(body: dict[str, Any]) -> dict[str, Any]:
+    """PolicyClient.complete's keywords for one generate request; ValueError for what it cannot do."""
+    unknown = set(body) - {"model", "token_ids", "sampling_params", "cache_salt", "priority"}
+    if unknown:
+        raise ValueError(f"generate: {sorted(unknown)} not supported (text-only prompts of token ids)")
+    parameters = dict(body.get("sampling_params") or {})
+    unknown = set(parameters) - set(SAMPLING) - set(ANSWERED_ANYWAY)
+    if unknown:
+        raise ValueError(f"generate: sampling parameters {sorted(unknown)} not supported; supported: {SAMPLING}")
+    return {name: parameters[name] for name in SAMPLING if parameters.get(name) is not None}
+
+
+class GenerateServer:
+    """vLLM's /inference/v1/generate, what verifiers' TrainClient calls, in front of the policy
+    server's /v1/completions: on a loopback port, in a thread of its own (its own event loop, so
+    it needs nothing from whoever runs the environment). One per policy client's settings."""
+
+    def __init__(self, policy_url: str, api_key: str | None, max_retries: int, backoff: float):
+        self.policy = dict(base_url=policy_url, api_key=api_key, max_retries=max_retries, backoff=backoff)
+        self.client: PolicyClient | None = None
+        # The policy server unreachable or refusing the key breaks the run, not a rollout:
+        # collect_trajectories raises what the route saw (verifiers would record a failed trace).
+        self.run_errors = 0
+        self.last_run_error: Exception | None = None
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        routes = [Route("/v1/models", self.models), Route("/inference/v1/generate", self.generate, methods=["POST"])]
+        app = Starlette(routes=routes, lifespan=self.lifespan)
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="verifiers-generate").start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the generate route on {self.url} did not start within 30 s")
+            time.sleep(0.02)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        async with PolicyClient(**self.policy) as client:
+            self.client = client
+            yield
+
+    async def models(self, request: Request) -> JSONResponse:
+        """The served model card (renderers reads max_model_len from it to refuse overlong prompts)."""
+        try:
+            return JSONResponse((await self.client.request("GET", "/v1/models")).json())
+        except (PolicyServerUnreachable, PolicyServerAuthError) as error:
+            return self.run_error(error)
+
+    async def generate(self, request: Request) -> JSONResponse:
+        body = await request.json()
+        try:
+            [completion] = await self.client.complete(body["token_ids"], n=1, **completion_parameters(body))
+        except ValueError as error:
+            return JSONResponse({"error": str(error)}, status_code=400)
+        except (PolicyServerUnreachable, PolicyServerAuthError) as error:
+            return self.run_error(error)
+        except PolicyServerError as error:  # the policy server refused the request (a prompt too long ...)
+            return JSONResponse({"error": str(error)}, status_code=400)
+        pairs = zip(completion.token_ids, completion.logprobs)
+        content = [{"token": f"token_id:{token}", "logprob": logprob} for token, logprob in pairs]
+        return JSONResponse({
+            "request_id": f"clotho-{uuid.uuid4().hex}", "prompt_token_ids": body["token_ids"],
+            "choices": [{"index": 0, "token_ids": completion.token_ids, "logprobs": {"content": content},
+                         "finish_reason": completion.finish_reason}],
+        })  # fmt: skip
+
+    def run_error(self, error: Exception) -> JSONResponse:
+        """424, not 5xx: the policy client already retried, and the harness's SDK retries 5xx again."""
+        self.run_errors, self.last_run_error = self.run_errors + 1, error
+        return JSONResponse({"error": str(error)}, status_code=424)
+
+
+_generate_servers: dict[tuple, GenerateServer] = {}
+_generate_servers_lock = threading.Lock()
+
+
+def generate_server(client: PolicyClient) -> GenerateServer:
+    with _generate_servers_lock:
+        key = (client.base_url, client.api_key, client.max_retries, client.backoff)
+        if key not in _generate_servers:
+            _generate_servers[key] = GenerateServer(*key)
+        return _generate_servers[key]
+
+
+def run_sync(coroutine):
+    """Runs a coroutine to its end from synchronous code, even inside a running event loop (the
+    service calls `reward` from its handler)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def native_message(message: dict[str, Any]) -> vf.Message:
+    """A clotho message as verifiers' typed message: its own form when the sequence kept it."""
+    if "verifiers_message" in message:
+        return MESSAGE.validate_python(message["verifiers_message"])
+    return parse_message(message)
+
+
+class RolloutFailed(RuntimeError):
+    """An episode verifiers recorded as failed, or one clotho cannot store as one sequence."""
+
+
+class Verifiers(Environment):
+    """A verifiers v1 taskset (or Env) run by verifiers, its traces stored as scored groups."""
+
+    name = "verifiers"
+    config_class = VerifiersConfig
+
+    async def setup(self) -> None:
+        self.env_config = local_env_config(self.config.env)
+        self.taskset = vf.load_taskset(self.env_config.taskset)
+        self.task_type = type(self.taskset).task_type()
+        self.epoch = 0
+        self.tasks = self.epoch_tasks()
+        provision_chat_program()
+        self.generate = generate_server(self.client)
+
+    def epoch_tasks(self):
+        """This epoch's tasks: a finite taskset shuffled by seed and epoch, an infinite one in order."""
+        return iter(self.taskset.shuffle(self.config.seed + self.epoch) if self.taskset.bounded else self.taskset)
+
+    async def get_item(self) -> Item | None:
+        task = next(self.tasks, None)
+        if task is None and self.taskset.bounded and self.config.cycle:
+            self.epoch += 1
+            self.tasks = self.epoch_tasks()
+            task = next(self.tasks, None)
+        if task is None:
+            return None
+        data = task.data
+        name = data.id if data.id is not None else str(data.idx)
+        return Item(
+            id=f"{name}@{self.epoch}" if self.epoch else name, prompt=task_prompt(data),
+            extras={"task": data.model_dump(mode="json"), "task_key": task.key},
+        )  # fmt: skip
+
+    def task_of(self, item: Item) -> vf.Task:
+        """The task an item was made from, rebuilt from its wire data (verifiers' own contract)."""
+        data = self.task_type.data_type().model_validate(item.extras["task"])
+        return self.task_type(data, self.taskset.config.task)
+
+    def gold_completion(self, item: Item) -> str | None:
+        """The task data's `answer`, the usual name of a verifiers task's reference, when it has one."""
+        answer = item.extras["task"].get("answer")
+        return str(answer) if isinstance(answer, str | int | float) and not isinstance(answer, bool) else None
+
+    def model_context(self) -> vf.ModelContext:
+        client = vf.TrainClientConfig(
+            base_url=f"{self.generate.url}/v1", api_key_var=NO_KEY_VARIABLE, renderer=self.config.renderer,
+            renderer_model_name=getattr(self.tokenizer, "name_or_path", None) or None,
+        )  # fmt: skip
+        return vf.ModelContext(model=self.client.model, client=client, sampling=vf.SamplingConfig(**self.sampling()))
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        task, context = self.task_of(item), self.model_context()
+        # An Env per group: its serving() holds one interception server at a time, and groups of
+        # one session run concurrently.
+        env = vf.load_environment(self.env_config)
+        run_errors = self.generate.run_errors
+
+        async def rollout() -> ScoredSequence:
+            return self.sequence(await env.run_slot(RunSlot(task), context))
+
+        async with env.serving():
+            sequences, errors = await self.gather_sequences([rollout() for _ in range(self.config.group_size)])
+        if errors and self.generate.run_errors > run_errors:
+            error = self.generate.last_run_error
+            raise type(error)(str(error))
+        return self.make_group(item, sequences, errors=errors)
+
+    def sequence(self, episode: vf.Episode) -> ScoredSequence:
+        """The episode's one trainable branch as it was sampled, scored with its trace's reward."""
+        if not episode.ok:
+            found = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
+            described = "; ".join(f"{error.type}: {error.message}" for error in found)
+            raise RolloutFailed(described or "verifiers marked the episode failed")
+        trainable = [trace for trace in episode.traces if trace.agent.trainable]
+        samples = [(trace, branch) for trace in trainable for branch in trace.branches if branch.trainable]
+        if len(samples) != 1:
+            raise RolloutFailed(
+                f"the episode gave {len(samples)} training samples (trainable traces x branches); clotho stores one "
+                "sequence per rollout: play a single trainable agent whose prompts only extend (no compaction)"
+            )
+        trace, branch = samples[0]
+        last_call = branch.calls[-1] if branch.calls else None
+        return ScoredSequence(
+            tokens=branch.token_ids, mask=branch.sampled_mask, logprobs=branch.logprobs, score=trace.reward,
+            finish_reason="length" if last_call is not None and last_call.finish_reason == "length" else "stop",
+            messages=self.conversation(branch),
+            extras={
+                "rewards": {name: r.model_dump() for name, r in trace.rewards.items() if r is not None},
+                "metrics": trace.metrics, "trace_id": trace.id, "stop_condition": trace.stop_condition,
+                "turns": trace.num_turns,
+            },
+        )  # fmt: skip
+
+    def conversation(self, branch) -> Messages:
+        """The branch as chat messages; a sampled turn's content is its sampled tokens decoded (what
+        trained), verifiers' parsed message kept beside it when it reads otherwise (reasoning split
+        off, tool calls), for `reward` to re-score what the rewards saw."""
+        messages = []
+        for node in branch.nodes:
+            if not node.sampled:
+                messages.append(message_to_wire(node.message))
+                continue
+            sampled = [token for token, trained in zip(node.token_ids, node.mask) if trained]
+            message = {"role": "assistant", "content": self.tokenizer.decode(sampled, skip_special_tokens=True)}
+            native = node.message.model_dump(mode="json", exclude_none=True)
+            if native != message:
+                message["verifiers_message"] = native
+            messages.append(message)
+        return messages
+
+    def reward(self, item: Item, messages: Messages) -> float:
+        """The task's rewards re-run on the conversation (verifiers' offline re-score, no runtime)."""
+        task = self.task_of(item)
+        prompt_length = len(prompt_messages(item))
+        nodes = [
+            vf.MessageNode(parent=index - 1 if index else None, message=native_message(message),
+                           sampled=index >= prompt_length and message.get("role") == "assistant")
+            for index, message in enumerate(messages)
+        ]  # fmt: skip
+        trace = vf.Trace(
+            task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
+            state=state_cls(type(task))(), agent=AgentInfo(config=vf.AgentConfig(runtime=SubprocessConfig())),
+            nodes=nodes,
+        )  # fmt: skip
+        run_sync(task.score(trace))
+        return trace.reward
+
+
+def task_prompt(data: vf.TaskData) -> Messages:
+    """The task's opening messages as chat messages (its system prompt first)."""
+    prompt = data.prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [message_to_wire(m) for m in prompt or ()]
+    return ([{"role": "system", "content": data.system_prompt}] if data.system_prompt else []) + messages

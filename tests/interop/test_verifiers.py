@@ -1,0 +1,97 @@
+"""verifiers v1 through `clotho env serve` from .venv-env-verifiers: a taskset written in verifiers'
+style, played by verifiers' own null harness on the subprocess runtime (offline: no uv, no push),
+its model calls through the adapter's /inference/v1/generate route, into shards with exactly the
+ids and logprobs vLLM sampled and the taskset's rewards; the conformance suite by URL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from environments.chat import ChatRenderer
+from environments.conformance import run_checks, trained_segments
+from environments.loading import EnvironmentLoadError, load_config, load_environment_class
+from inference.client import PolicyClient
+from tests.interop.conftest import rollout_groups, serve_adapter
+
+ADAPTER = "environments.adapters.verifiers:Verifiers"
+TASKSET = "environments.adapters.examples.verifiers_arithmetic"
+CONFIG = {"env": {"taskset": {"id": TASKSET, "num_tasks": 8}}, "group_size": 2, "max_tokens": 12}
+# The example's @vf.reward functions and their weights.
+WEIGHTS = {"correct_answer": 1.0, "answer_only": 0.1}
+
+
+@pytest.fixture(scope="module")
+def served_verifiers():
+    served = serve_adapter("verifiers", ADAPTER)
+    yield served
+    served.stop()
+
+
+@pytest.mark.integration
+def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprobs_and_its_rewards(
+    served_verifiers, prefect_server, policy_server, policy_tokenizer, tiny_tokenizer, tmp_path
+) -> None:
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, CONFIG,
+                                     f"file://{tmp_path}/store/verifiers", groups=3)  # fmt: skip
+    assert summary["totals"]["groups"] == 3 and len(groups) == 3
+    renderer = ChatRenderer(tiny_tokenizer)
+    sequences = [sequence for group in groups for sequence in group.sequences]
+    for group in groups:
+        assert group.env == "verifiers" and len(group.sequences) == 2 and "rollout_errors" not in group.extras
+        task = group.extras["item"]["extras"]["task"]
+        assert group.item_id == task["id"] and task["prompt"].startswith("What is ")
+        for sequence in group.sequences:
+            [(start, end)] = trained_segments(sequence)  # one turn: the null harness stops at a reply
+            assert end == len(sequence.tokens) and sequence.extras["turns"] == 1
+            # The prompt verifiers rendered is the chat template's, system prompt first.
+            prompt = [{"role": "system", "content": task["system_prompt"]}, {"role": "user", "content": task["prompt"]}]
+            assert sequence.tokens[:start] == renderer.prompt_ids(prompt)
+            assert sequence.messages[:2] == prompt and sequence.messages[2]["role"] == "assistant"
+            reply = tiny_tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True)
+            assert sequence.messages[2] == {"role": "assistant", "content": reply}  # verifiers parsed it the same
+            if sequence.finish_reason == "stop":
+                assert sequence.tokens[-1] == tiny_tokenizer.eos_token_id
+            else:
+                assert sequence.finish_reason == "length" and end - start == CONFIG["max_tokens"]
+            rewards = sequence.extras["rewards"]
+            assert {name: reward["weight"] for name, reward in rewards.items()} == WEIGHTS
+            assert sequence.score == pytest.approx(sum(r["score"] * r["weight"] for r in rewards.values()))
+            assert set(sequence.extras["metrics"]) == {"reply_characters"}
+            assert sequence.extras["stop_condition"] == "agent_completed"
+
+    async def served_logprobs() -> list[list[float]]:
+        async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
+            return await asyncio.gather(*(client.prompt_logprobs(sequence.tokens) for sequence in sequences))
+
+    # The trained logprobs are the sampler's: the served model scores the stored ids the same.
+    for sequence, scored in zip(sequences, asyncio.run(served_logprobs())):
+        for trained, stored, served in zip(sequence.mask, sequence.logprobs, scored):
+            assert stored == (pytest.approx(served, abs=1e-4) if trained else 0.0)
+
+
+@pytest.mark.integration
+def test_the_served_adapter_passes_the_conformance_suite(served_verifiers, policy_server, policy_tokenizer) -> None:
+    results = asyncio.run(
+        run_checks(
+            load_environment_class(served_verifiers.url), CONFIG, server_url=policy_server.base_url,
+            tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
+        )  # fmt: skip
+    )
+    assert [(r.name, r.status, r.detail) for r in results if r.status != "passed"] == []
+
+
+@pytest.mark.integration
+def test_the_service_resolves_the_verifiers_config_and_names_what_is_wrong(served_verifiers) -> None:
+    env_class = load_environment_class(served_verifiers.url)
+    env = load_config(env_class, CONFIG).model_dump()["env"]
+    assert env == CONFIG["env"]  # kept as given; verifiers resolves it again in the session
+    for config, message in [
+        ({"env": {"taskset": {"id": "no-such-taskset"}}}, "taskset 'no-such-taskset' not found"),
+        ({"env": {"taskset": {"id": TASKSET, "num_taskz": 3}}}, r"taskset.num_taskz\s+Extra inputs are not permitted"),
+        ({"env": {}}, "env.taskset.id is required"),
+        ({**CONFIG, "renderer": {"name": "no-such-renderer"}}, "Input tag 'no-such-renderer'"),
+    ]:
+        with pytest.raises(EnvironmentLoadError, match=message):
+            load_config(env_class, config)

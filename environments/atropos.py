@@ -1,7 +1,14 @@
-"""Conversion between ScoredGroup and Atropos's ScoredDataGroup dict, so Atropos environments port."""
+"""Conversion between ScoredGroup and Atropos's ScoredDataGroup dict, so Atropos environments port.
+
+Runs without atroposlib: the adapter (environments/adapters/atropos.py) converts with it inside its
+own virtual environment, and anything else can read or write Atropos's format with it.
+"""
 
 from __future__ import annotations
 
+import base64
+import json
+import numbers
 from typing import Any
 
 from environments.scored_group import ScoredGroup, ScoredSequence
@@ -32,28 +39,54 @@ def to_atropos(group: ScoredGroup) -> dict[str, Any]:
     }
 
 
-def from_atropos(data: dict[str, Any], *, env: str, item_id: str, policy_version: int = 0) -> ScoredGroup:
-    """Atropos ScoredDataGroup -> ScoredGroup. Missing inference_logprobs become 0.0 (unknown)."""
+def _per_sequence(data: dict[str, Any], field: str, n: int) -> list[Any]:
+    """A per-sequence field of a ScoredDataGroup, [None] * n when absent or empty (Atropos's own
+    collect_trajectories leaves [] where no sequence set it)."""
+    values = data.get(field) or [None] * n
+    if len(values) != n:
+        raise ValueError(
+            f"Atropos group: {field} has {len(values)} entries for {n} sequences; give one per sequence or none"
+        )
+    return values
+
+
+def from_atropos(
+    data: dict[str, Any],
+    *,
+    env: str,
+    item_id: str,
+    policy_version: int = 0,
+    finish_reasons: list[str] | None = None,
+) -> ScoredGroup:
+    """Atropos ScoredDataGroup -> ScoredGroup. Missing inference_logprobs become 0.0 (unknown);
+    ref_logprobs keep their trained positions; `finish_reasons` (not part of Atropos's format) are
+    the sequences' own when the caller knows them."""
     for required in ("tokens", "masks", "scores"):
         if required not in data:
             raise KeyError(f"Atropos group lacks {required!r}; a ScoredDataGroup has tokens, masks, scores")
     n = len(data["tokens"])
-    logprobs = data.get("inference_logprobs") or [None] * n
-    advantages = data.get("advantages") or [None] * n
-    messages = data.get("messages") or [None] * n
-    overrides = data.get("overrides") or [{}] * n
+    logprobs = _per_sequence(data, "inference_logprobs", n)
+    advantages = _per_sequence(data, "advantages", n)
+    ref_logprobs = _per_sequence(data, "ref_logprobs", n)
+    messages = _per_sequence(data, "messages", n)
+    overrides = _per_sequence(data, "overrides", n)
     sequences = []
     for i in range(n):
         mask = [m != IGNORE_INDEX for m in data["masks"][i]]
-        sampled = logprobs[i]
+
+        def trained_only(values: list[float] | None) -> list[float] | None:
+            return None if values is None else [lp if m else 0.0 for lp, m in zip(values, mask)]
+
         sequences.append(
             ScoredSequence(
                 tokens=list(data["tokens"][i]),
                 mask=mask,
-                logprobs=[lp if m else 0.0 for lp, m in zip(sampled, mask)] if sampled else [0.0] * len(mask),
+                logprobs=trained_only(logprobs[i]) or [0.0] * len(mask),
                 score=float(data["scores"][i]),
                 advantages=list(advantages[i]) if advantages[i] is not None else None,
-                messages=messages[i],
+                ref_logprobs=trained_only(ref_logprobs[i]),
+                finish_reason=finish_reasons[i] if finish_reasons else "stop",
+                messages=None if messages[i] is None else [dict(message) for message in messages[i]],
                 extras=dict(overrides[i] or {}),
             )
         )
@@ -64,3 +97,70 @@ def from_atropos(data: dict[str, Any], *, env: str, item_id: str, policy_version
         policy_version=policy_version,
         extras=dict(data.get("group_overrides") or {}),
     )
+
+
+# ---- Atropos items as JSON ----------------------------------------------------------------------
+# An Atropos item is whatever get_next_item returns: a dataset row, or often a tuple of frozensets
+# of message items and the answer. These tags keep such values exact through JSON; a value of any
+# other type is kept as {"__repr__": ...}, which reads back only as an error.
+_TAGS = ("__tuple__", "__frozenset__", "__set__", "__bytes__", "__dict__", "__repr__")
+
+
+def to_json_safe(value: Any) -> Any:
+    """`value` as plain JSON values, tuples, sets, bytes and dicts with non-string keys tagged so
+    that from_json_safe gives the same value back; sets in a stable order."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):  # numpy's integers and floats too
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if isinstance(value, list):
+        return [to_json_safe(v) for v in value]
+    if isinstance(value, tuple):
+        return {"__tuple__": [to_json_safe(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        members = sorted((to_json_safe(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
+        return {"__frozenset__" if isinstance(value, frozenset) else "__set__": members}
+    if isinstance(value, (bytes, bytearray)):
+        return {"__bytes__": base64.b64encode(bytes(value)).decode("ascii")}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value) and not (len(value) == 1 and next(iter(value)) in _TAGS):
+            return {k: to_json_safe(v) for k, v in value.items()}
+        return {"__dict__": [[to_json_safe(k), to_json_safe(v)] for k, v in value.items()]}
+    return {"__repr__": f"{type(value).__module__}.{type(value).__qualname__}: {value!r}"[:2000]}
+
+
+def is_exact_json(value: Any) -> bool:
+    """Whether from_json_safe gives back the value to_json_safe was given (no `__repr__`)."""
+    if isinstance(value, list):
+        return all(is_exact_json(v) for v in value)
+    if isinstance(value, dict):
+        return "__repr__" not in value and all(is_exact_json(v) for v in value.values())
+    return True
+
+
+def from_json_safe(value: Any) -> Any:
+    """The value to_json_safe encoded; ValueError for one it could only describe (`__repr__`)."""
+    if isinstance(value, list):
+        return [from_json_safe(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        tag, inner = next(iter(value.items()))
+        if tag == "__tuple__":
+            return tuple(from_json_safe(v) for v in inner)
+        if tag == "__frozenset__":
+            return frozenset(from_json_safe(v) for v in inner)
+        if tag == "__set__":
+            return {from_json_safe(v) for v in inner}
+        if tag == "__bytes__":
+            return base64.b64decode(inner)
+        if tag == "__dict__":
+            return {from_json_safe(k): from_json_safe(v) for k, v in inner}
+        if tag == "__repr__":
+            raise ValueError(
+                f"the value {inner[:200]} was stored as its description only (not a JSON, tuple, set or bytes "
+                "value); only the process that handed it out holds it"
+            )
+    return {k: from_json_safe(v) for k, v in value.items()}

@@ -1,0 +1,412 @@
+"""Atropos environments (atroposlib BaseEnv subclasses) run unchanged as one clotho environment.
+
+    config {"env": "my_package.gsm8k_server:GSM8kEnv", "env_config": {"max_token_length": 512}, "group_size": 8}
+
+The adapter builds the BaseEnv as Atropos's own CLI would (its config_init() defaults, then
+`env_config`, then group_size, the policy's tokenizer and use_wandb=False), with one backend in
+its ServerManager: ClothoServer, an APIServer whose chat, completion and tokens-and-logprobs calls
+go to clotho's policy server in token ids through the environment's PolicyClient. The prompt ids
+are the environment's own (its tokenizer and chat template, or managed_server's ids), the answer is
+what vLLM sampled: its ids, logprobs and finish reasons, so managed_server keeps them exactly.
+
+    get_item             -> BaseEnv.get_next_item (its backlog first, as Atropos does), the item kept
+                            as JSON in AtroposItem.atropos (environments.atropos.to_json_safe)
+    collect_trajectories -> BaseEnv.collect_trajectories(item) + postprocess_histories ->
+                            ScoredDataGroup -> ScoredGroup (environments.atropos.from_atropos)
+
+Token-exactness is checked, not assumed. The backend records every completion it returns for the
+group being collected; a sequence is token-exact when each of its trained runs is, token for
+token, one or more of those completions in the very context they were sampled from, with the
+environment's inference_logprobs (if any) equal to the sampled ones. managed_server groups pass;
+groups re-tokenized from text (chat_completion then tokenize_for_trainer) do not. Each sequence's
+extras say {"token_exact": ..., "logprobs_from": "environment" | "sampler" | "rescored"}, the
+group's {"token_exact": all of them}, and metrics() counts the groups that are not
+({"non_token_exact_groups": n}, a column of the rollout flow's stats). Logprobs the environment
+did not give are the sampler's where the run is exact, else the policy server's prompt logprobs of
+the stored ids ("rescored": the served weights' logprobs of tokens nobody sampled).
+
+Rewards: Atropos scores a whole group inside collect_trajectories (length penalties, shuffles and
+filters included), so there is no per-conversation function to call again. The score Atropos gave
+a sequence is kept in its conversation, in the last message's "reward" (Atropos's Message field),
+and `reward` reads it back: the stored score is recoverable from the stored conversation, and a
+rescore of stored data keeps it. A sequence without messages gets them decoded from its tokens
+(untrained runs as user turns, trained runs as assistant turns; extras {"messages_from": "tokens"}).
+
+What differs from running under Atropos: groups are not dropped for equal scores or length
+(handle_send_to_api's filters; clotho stores every group, the trainer weighs them); a group the
+environment returns None for is a recorded failure; its evaluate() is not called (clotho's
+`evaluate` runs greedy groups on a fresh instance's first items). Of clotho's sampling fields,
+max_tokens is the default for a request that names none, and temperature 0.0 makes every request
+greedy (the evaluation twin); otherwise the environment's own sampling arguments apply. A reply
+keeps the stop string that ended it (the ids are the sampled ones), and the environment's
+tokenizer returns lists of ids from apply_chat_template as under transformers 4 (ids_as_lists).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextvars
+import hashlib
+import importlib
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from atroposlib.envs.base import BaseEnv
+from atroposlib.envs.server_handling.server_baseline import APIServer, APIServerConfig
+from openai.types.chat.chat_completion import ChatCompletion, ChatCompletionMessage, Choice
+from openai.types.completion import Completion as OpenAICompletion
+from openai.types.completion_choice import CompletionChoice
+from pydantic import Field, model_validator
+from tenacity import stop_after_attempt
+
+from environments.atropos import IGNORE_INDEX, UNSAMPLED_LOGPROB, from_atropos, from_json_safe, is_exact_json, to_json_safe
+from environments.base import Environment, EnvironmentConfig, Item
+from environments.chat import Messages
+from environments.scored_group import ScoredGroup
+from inference.client import Completion, PolicyClient, PolicyServerError
+
+# The completions the backend returned while the current group was collected: (prompt ids, completion).
+_sampled: contextvars.ContextVar[list[tuple[tuple[int, ...], Completion]] | None] = contextvars.ContextVar(
+    "clotho_atropos_sampled", default=None
+)
+# The latest items handed out, kept as the objects the environment made (the rest read back from JSON).
+HELD_ITEMS = 4096
+SAMPLING_ARGS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "min_tokens", "stop_token_ids")
+MAX_TOKENS_ALIASES = ("max_new_tokens", "max_completion_tokens")
+
+
+class AtroposConfig(EnvironmentConfig):
+    env: str = Field(description="The Atropos environment: 'module.path:ClassName' of an atroposlib BaseEnv subclass.")
+    env_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Fields of the environment's own config (its env_config_cls), over its config_init() defaults.",
+    )
+
+    @model_validator(mode="after")
+    def _check_env(self) -> AtroposConfig:
+        env_class = atropos_class(self.env)
+        fields = env_class.env_config_cls.model_fields
+        unknown = sorted(set(self.env_config) - set(fields))
+        if unknown:
+            raise ValueError(f"env_config: {unknown} are not fields of {env_class.env_config_cls.__name__} ({', '.join(fields)})")
+        return self
+
+
+class AtroposItem(Item):
+    atropos: Any = Field(default=None, description="The Atropos item as JSON (environments.atropos.to_json_safe).")
+
+
+def atropos_class(path: str) -> type[BaseEnv]:
+    module_name, _, class_name = path.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"env {path!r}: give 'module.path:ClassName' of an Atropos BaseEnv subclass")
+    try:
+        env_class = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError as error:
+        raise ValueError(f"env {path!r}: cannot import {module_name}: {error}") from error
+    if not (isinstance(env_class, type) and issubclass(env_class, BaseEnv)):
+        raise ValueError(f"env {path!r}: {class_name} is not a subclass of atroposlib.envs.base.BaseEnv")
+    return env_class
+
+
+def ids_as_lists(tokenizer):
+    """The tokenizer, its apply_chat_template(tokenize=True) returning a list of ids as in
+    transformers 4: transformers 5 returns a BatchEncoding by default, which atroposlib 0.4.0's
+    tokenize_for_trainer (and environments written for it) read as a list."""
+    apply = tokenizer.apply_chat_template
+
+    def apply_chat_template(conversation, *args, return_dict: bool = False, **kwargs):
+        return apply(conversation, *args, return_dict=return_dict, **kwargs)
+
+    tokenizer.apply_chat_template = apply_chat_template
+    return tokenizer
+
+
+# Atropos retries every call 3 x 3 times; PolicyClient already retries what a retry can fix, and an
+# unreachable server must reach clotho as itself (it stops or pauses the run), not as a RetryError.
+_ONCE = dict(stop=stop_after_attempt(1), reraise=True)
+
+
+class ClothoServer(APIServer):
+    """Atropos's model calls answered by clotho's policy server, in token ids."""
+
+    _chat_comp = APIServer._chat_comp.retry_with(**_ONCE)
+    _chat_eval = APIServer._chat_eval.retry_with(**_ONCE)
+    chat_completion = APIServer.chat_completion.retry_with(**_ONCE)
+    _comp = APIServer._comp.retry_with(**_ONCE)
+    _comp_eval = APIServer._comp_eval.retry_with(**_ONCE)
+    _tokens_and_logprobs_comp = APIServer._tokens_and_logprobs_comp.retry_with(**_ONCE)
+    _tokens_and_logprobs_comp_eval = APIServer._tokens_and_logprobs_comp_eval.retry_with(**_ONCE)
+
+    def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool) -> None:
+        self.client, self.tokenizer = client, tokenizer
+        self.default_max_tokens, self.greedy = default_max_tokens, greedy
+
+    async def check_server_status_task(self, chat_completion: bool = True) -> None:
+        self.server_healthy = True  # PolicyClient waits for the server and says when it is gone
+
+    async def _sample(self, prompt_ids: list[int], kwargs: dict[str, Any]) -> list[Completion]:
+        kwargs = dict(kwargs)
+        kwargs.pop("model", None)
+        for alias in MAX_TOKENS_ALIASES:
+            if alias in kwargs:
+                kwargs["max_tokens"] = kwargs.pop(alias)
+        unsupported = sorted(set(kwargs) - set(SAMPLING_ARGS))
+        if unsupported:
+            raise PolicyServerError(f"clotho's policy client takes {', '.join(SAMPLING_ARGS)}; not {unsupported}")
+        sampling = {"max_tokens": self.default_max_tokens, **{k: v for k, v in kwargs.items() if v is not None}}
+        if isinstance(sampling.get("stop"), str):
+            sampling["stop"] = [sampling["stop"]]
+        if self.greedy:
+            sampling["temperature"] = 0.0
+        completions = await self.client.complete(prompt_ids, **sampling)
+        if (sampled := _sampled.get()) is not None:
+            sampled.extend((tuple(prompt_ids), completion) for completion in completions)
+        return completions
+
+    def _text(self, completion: Completion) -> tuple[str, str]:
+        if completion.finish_reason == "abort":
+            raise PolicyServerError("the policy server aborted the request (a weight reload with mode=abort?)")
+        return self.tokenizer.decode(completion.token_ids, skip_special_tokens=True), completion.finish_reason
+
+    async def _tokens_and_logprobs_completion_wrapper(self, **kwargs) -> tuple[list, list, list, list]:
+        prompt = kwargs.pop("prompt", None)
+        prompt_ids = kwargs.pop("input_ids", None)
+        if prompt_ids is None:  # as VLLMServer: the text with the tokenizer's special tokens, one BOS
+            prompt_ids = self.tokenizer.encode(prompt)
+            bos = self.tokenizer.bos_token_id
+            if len(prompt_ids) >= 2 and bos is not None and prompt_ids[0] == bos == prompt_ids[1]:
+                prompt_ids = prompt_ids[1:]
+        completions = await self._sample(list(prompt_ids), kwargs)
+        return (
+            list(prompt_ids),
+            [c.token_ids for c in completions],
+            [c.logprobs for c in completions],
+            [c.finish_reason for c in completions],
+        )
+
+    async def _completion_wrapper(self, **kwargs) -> OpenAICompletion:
+        prompt = kwargs.pop("prompt")
+        completions = await self._sample(self.tokenizer.encode(prompt), kwargs)
+        choices = [CompletionChoice(index=i, text=text, finish_reason=finish)
+                   for i, (text, finish) in enumerate(map(self._text, completions))]  # fmt: skip
+        return OpenAICompletion(id=str(uuid.uuid4()), created=int(time.time()), model=self.config.model_name,
+                                object="text_completion", choices=choices)  # fmt: skip
+
+    async def _chat_completion_wrapper(self, **kwargs) -> ChatCompletion:
+        messages, tools = kwargs.pop("messages"), kwargs.pop("tools", None)
+        rendered = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        completions = await self._sample(self.tokenizer.encode(rendered, add_special_tokens=False), kwargs)
+        choices = [Choice(index=i, finish_reason=finish, message=ChatCompletionMessage(role="assistant", content=text))
+                   for i, (text, finish) in enumerate(map(self._text, completions))]  # fmt: skip
+        return ChatCompletion(id=str(uuid.uuid4()), created=int(time.time()), model=self.config.model_name,
+                              object="chat.completion", choices=choices)  # fmt: skip
+
+
+def trained_runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, token in enumerate([*mask, IGNORE_INDEX]):
+        if token != IGNORE_INDEX and start is None:
+            start = i
+        elif token == IGNORE_INDEX and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def sampled_cover(tokens: list[int], runs: list[tuple[int, int]],
+                  sampled: dict[tuple[int, ...], list[Completion]]) -> list[tuple[int, Completion]] | None:  # fmt: skip
+    """The completions that make up every trained run, each where it starts, each sampled from
+    exactly the ids before it; None when a run is anything else (re-tokenized text)."""
+    cover = []
+    for start, end in runs:
+        position = start
+        while position < end:
+            fits = [c for c in sampled.get(tuple(tokens[:position]), ())
+                    if c.token_ids and tokens[position : position + len(c.token_ids)] == c.token_ids
+                    and position + len(c.token_ids) <= end]  # fmt: skip
+            if not fits:
+                return None
+            completion = max(fits, key=lambda c: len(c.token_ids))
+            cover.append((position, completion))
+            position += len(completion.token_ids)
+    return cover
+
+
+@dataclass
+class SequenceCheck:
+    """One sequence against what the backend sampled for its group."""
+
+    exact: bool
+    source: str  # where its logprobs come from: "environment", "sampler" or "rescored"
+    logprobs: list[float] | None  # Atropos's convention (1.0 where untrained); None: rescore
+    finish_reason: str
+
+
+def check_sequence(tokens: list[int], masks: list[int], given: list[float] | None,
+                   sampled: dict[tuple[int, ...], list[Completion]]) -> SequenceCheck:  # fmt: skip
+    """Exact when every trained run is sampled completions (sampled_cover) and the environment's
+    logprobs, if it gave them, are theirs. Logprobs of 1.0 on trained tokens (managed_server's
+    filler where one was unknown) are no sampler's: they count as not given."""
+    runs = trained_runs(masks)
+    cover = sampled_cover(tokens, runs, sampled)
+    trained = [j for start, end in runs for j in range(start, end)]
+    if given is not None and (len(given) != len(tokens) or any(given[j] > 0 for j in trained)):
+        given = None
+    finish_reason = cover[-1][1].finish_reason if cover else "stop"
+    if cover is None:
+        if given is None:
+            return SequenceCheck(False, "rescored", None, finish_reason)
+        return SequenceCheck(False, "environment", list(given), finish_reason)
+    from_sampler = [UNSAMPLED_LOGPROB] * len(tokens)
+    for position, completion in cover:
+        from_sampler[position : position + len(completion.token_ids)] = completion.logprobs
+    if given is None:
+        return SequenceCheck(True, "sampler", from_sampler, finish_reason)
+    exact = all(math.isclose(given[j], from_sampler[j], abs_tol=1e-6) for j in trained)
+    return SequenceCheck(exact, "environment", list(given), finish_reason)
+
+
+def readable(item: Any) -> str:
+    """The item for people (the UI, logs): JSON with tuples and sets as lists, cut at 500 characters."""
+    return json.dumps(item, ensure_ascii=False, default=lambda v: list(v) if isinstance(v, (set, frozenset)) else repr(v))[:500]
+
+
+def decoded_messages(tokenizer, tokens: list[int], runs: list[tuple[int, int]]) -> Messages:
+    """A conversation read off the tokens: untrained runs as user turns, trained ones as assistant turns."""
+    messages, position = [], 0
+    for start, end in [*runs, (len(tokens), len(tokens))]:
+        if start > position:
+            messages.append({"role": "user", "content": tokenizer.decode(tokens[position:start], skip_special_tokens=True)})
+        if end > start:
+            messages.append({"role": "assistant", "content": tokenizer.decode(tokens[start:end], skip_special_tokens=True)})
+        position = end
+    return messages
+
+
+class Atropos(Environment):
+    """Any Atropos BaseEnv, sampling from clotho's policy server; see the module docstring."""
+
+    name = "atropos"
+    config_class = AtroposConfig
+    item_class = AtroposItem
+
+    def __init__(self, config=None, *, client: PolicyClient, tokenizer: Any):
+        super().__init__(config, client=client, tokenizer=tokenizer)
+        env_class = atropos_class(self.config.env)
+        tokenizer_path = tokenizer if isinstance(tokenizer, str) else self.tokenizer.name_or_path
+        defaults, _ = env_class.config_init()  # the environment's own defaults; its servers are replaced
+        env_config = type(defaults).model_validate(
+            {**defaults.model_dump(), **self.config.env_config, "group_size": self.config.group_size,
+             "tokenizer_name": tokenizer_path, "use_wandb": False}  # fmt: skip
+        )
+        server = APIServerConfig(model_name=client.model, base_url=client.base_url, api_key=client.api_key or "",
+                                 tokenizer_name=tokenizer_path, health_check=False)  # fmt: skip
+        served = type(env_class.__name__, (env_class,), {"server_cls": ClothoServer, "__module__": env_class.__module__})
+        self.atropos: BaseEnv = served(env_config, [server], slurm=False, testing=False)
+        ids_as_lists(self.atropos.tokenizer)
+        for backend in self.atropos.server.servers:
+            backend.bind(client, self.atropos.tokenizer, default_max_tokens=self.config.max_tokens,
+                         greedy=self.config.temperature == 0.0)  # fmt: skip
+        self._held: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._handed_out = 0
+        self._non_exact_groups = 0
+
+    async def setup(self) -> None:
+        await self.atropos.setup()
+
+    async def get_item(self) -> AtroposItem | None:
+        backlog = self.atropos.backlog
+        item = backlog.pop() if backlog else await self.atropos.get_next_item()
+        if item is None:
+            return None
+        encoded = to_json_safe(item)
+        text = json.dumps(encoded, sort_keys=True, ensure_ascii=False)
+        self._handed_out += 1
+        item_id = f"{hashlib.sha256(text.encode()).hexdigest()[:12]}-{self._handed_out}"
+        self._held[item_id] = item
+        while len(self._held) > HELD_ITEMS:
+            self._held.popitem(last=False)
+        return AtroposItem(id=item_id, prompt=item if isinstance(item, str) else readable(item), atropos=encoded)
+
+    def original_item(self, item: Item) -> Any:
+        if item.id in self._held:  # kept (not popped): a retried group needs it again
+            return self._held[item.id]
+        encoded = getattr(item, "atropos", None)
+        if encoded is None or not is_exact_json(encoded):
+            raise ValueError(f"item {item.id}: not handed out by this instance, and its Atropos item was not stored exactly")
+        return from_json_safe(encoded)
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        sampled: list[tuple[tuple[int, ...], Completion]] = []
+        token = _sampled.set(sampled)
+        try:
+            data, backlog = await self.atropos.collect_trajectories(self.original_item(item))
+            if data:
+                data = await self.atropos.postprocess_histories(data)
+        finally:
+            _sampled.reset(token)
+        self.atropos.backlog.extend(backlog or [])
+        if isinstance(data, list):
+            groups = [group for group in data if group]
+            if len(groups) > 1:
+                raise ValueError(
+                    f"the Atropos environment returned {len(groups)} groups for one item; the adapter takes one group per item"
+                )
+            data = groups[0] if groups else None
+        if not data:
+            raise RuntimeError(
+                "the Atropos environment returned no group for this item (Atropos drops such items, e.g. when "
+                "every score is equal); clotho records it as a failed group"
+            )
+        group = await self.to_group(item, dict(data), sampled)
+        self._non_exact_groups += not group.extras["token_exact"]
+        return group
+
+    async def to_group(self, item: Item, data: dict[str, Any], sampled: list[tuple[tuple[int, ...], Completion]]) -> ScoredGroup:
+        """The ScoredDataGroup as a ScoredGroup, each sequence checked against what was sampled."""
+        by_prompt: dict[tuple[int, ...], list[Completion]] = collections.defaultdict(list)
+        for prompt_ids, completion in sampled:
+            by_prompt[prompt_ids].append(completion)
+        n = len(data["tokens"])
+        given = data.get("inference_logprobs") or [None] * n
+        env_messages = data.get("messages") or [None] * n
+        overrides = data.get("overrides") or [{}] * n
+        checks = [check_sequence(list(data["tokens"][i]), list(data["masks"][i]), given[i], by_prompt) for i in range(n)]
+        rescore = [i for i, check in enumerate(checks) if check.logprobs is None]
+        rescored = await asyncio.gather(*(self.client.prompt_logprobs(list(data["tokens"][i])) for i in rescore))
+        for i, values in zip(rescore, rescored):
+            checks[i].logprobs = [lp if m != IGNORE_INDEX else UNSAMPLED_LOGPROB for lp, m in zip(values, data["masks"][i])]
+        messages, extras = [], []
+        for i, check in enumerate(checks):
+            extra = {**(overrides[i] or {}), "token_exact": check.exact, "logprobs_from": check.source}
+            conversation = env_messages[i]
+            if conversation is None:
+                runs = trained_runs(data["masks"][i])
+                conversation, extra["messages_from"] = decoded_messages(self.atropos.tokenizer, data["tokens"][i], runs), "tokens"
+            conversation = [to_json_safe(dict(message)) for message in conversation]
+            conversation[-1]["reward"] = float(data["scores"][i])  # where `reward` reads the score back
+            messages.append(conversation)
+            extras.append(to_json_safe(extra))
+        data.update(inference_logprobs=[check.logprobs for check in checks], messages=messages, overrides=extras,
+                    group_overrides=to_json_safe(dict(data.get("group_overrides") or {})))  # fmt: skip
+        converted = from_atropos(data, env=self.name, item_id=item.id, finish_reasons=[check.finish_reason for check in checks])
+        extras = {**converted.extras, "token_exact": all(check.exact for check in checks), "atropos_env": self.config.env}
+        return self.make_group(item, converted.sequences, extras=extras)
+
+    def reward(self, item: Item, messages: Messages) -> float:
+        recorded = messages[-1].get("reward") if messages else None
+        if recorded is None:
+            raise ValueError(
+                "Atropos scores whole groups inside collect_trajectories; this conversation carries no score "
+                "(the adapter keeps the one Atropos gave in the last message's 'reward')"
+            )
+        return float(recorded)
+
+    def metrics(self) -> dict[str, float]:
+        return {"non_token_exact_groups": float(self._non_exact_groups)}

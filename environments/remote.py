@@ -112,7 +112,8 @@ class RemoteEnvironment(Environment):
     async def setup(self) -> None:
         tokenizer = getattr(self.tokenizer, "name_or_path", None)
         body = {
-            "config": self.config.model_dump(mode="json"), "server_url": self.client.base_url,
+            # What the service validated (exclude_unset): never a field only this side's clotho has.
+            "config": self.config.model_dump(mode="json", exclude_unset=True), "server_url": self.client.base_url,
             "api_key": self.client.api_key, "tokenizer": tokenizer,
         }  # fmt: skip
         try:

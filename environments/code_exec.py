@@ -97,6 +97,8 @@ def token_spans(decode, token_ids: list[int]) -> list[tuple[int, int]]:
 
 
 class CodeExec(Environment):
+    """A Python function task -> the share of its hidden tests the sandboxed answer passes."""
+
     name = "code_exec"
     config_class = CodeExecConfig
     item_class = CodeItem

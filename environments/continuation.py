@@ -27,6 +27,8 @@ class ContinuationConfig(EnvironmentConfig):
 
 
 class Continuation(Environment):
+    """'7, 10, 13, 16,' -> 1.0 when the raw completion starts with the next term (' 19'), else 0.0."""
+
     name = "continuation"
     config_class = ContinuationConfig
 

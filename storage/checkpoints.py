@@ -5,7 +5,10 @@
     {root}/{run}/checkpoints/LATEST                 'step-{N:08d}', updated after STABLE
 
 A reader trusts a step directory only once its STABLE exists, and STABLE lists every file with its
-size, so a half-uploaded checkpoint is never loaded. The policy version of step N is N.
+size, so a half-uploaded checkpoint is never loaded; STABLE itself appears whole (one PUT, or a
+hard link of a finished file on local disks, where a full disk could otherwise leave it empty). Every
+request is retried while an object store fails transiently (storage.filesystem.retrying): uploads
+overwrite, so a publish that failed clearly can simply run again. The policy version of step N is N.
 
 Retention (`apply_retention`, run by the trainer after each publish) keeps the last K published
 steps, every N-th one, the one LATEST names and every step a server pins (serves, or is loading:
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import resolve, storage_errors
+from storage.filesystem import publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 from storage.progress import PROGRESS, replace_json
 
@@ -92,11 +95,12 @@ def publish_checkpoint(
     url = checkpoint_url(root, run, step)
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
-        if fs.exists(join(path, STABLE)):
+        if _exists(fs, join(path, STABLE)):
             raise FileExistsError(f"{url} is already published (STABLE exists); steps are never overwritten")
         fs.makedirs(path, exist_ok=True)
         for file in files:
-            fs.put_file(str(file), join(path, file.relative_to(local).as_posix()))
+            target = join(path, file.relative_to(local).as_posix())
+            retrying(fs, target, fs.put_file, str(file), target)
         manifest = {
             "layout_version": CHECKPOINT_LAYOUT_VERSION,
             "step": step,
@@ -105,8 +109,9 @@ def publish_checkpoint(
             "files": {file.relative_to(local).as_posix(): file.stat().st_size for file in files},
             **(extra or {}),
         }
-        fs.pipe_file(join(path, STABLE), json.dumps(manifest, indent=1).encode())
-        fs.pipe_file(join(resolve(checkpoints_url(root, run), storage_options)[1], LATEST), step_name(step).encode())
+        publish(fs, join(path, STABLE), json.dumps(manifest, indent=1).encode(), temp_dir=path)
+        latest = join(resolve(checkpoints_url(root, run), storage_options)[1], LATEST)
+        retrying(fs, latest, fs.pipe_file, latest, step_name(step).encode())
     return CheckpointInfo(url=url, step=step, manifest=manifest)
 
 
@@ -118,11 +123,12 @@ def read_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) 
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
         try:
-            manifest = json.loads(fs.cat_file(join(path, STABLE)))
+            manifest = json.loads(retrying(fs, join(path, STABLE), fs.cat_file, join(path, STABLE)))
         except FileNotFoundError:
             raise CheckpointError(f"{url} has no STABLE marker: it is not (yet) published") from None
         prefix = path.rstrip("/") + "/"
-        sizes = {name[len(prefix):]: entry["size"] for name, entry in fs.find(path, detail=True).items()}
+        found = retrying(fs, path, fs.find, path, detail=True)
+        sizes = {name[len(prefix):]: entry["size"] for name, entry in found.items()}
     for name, size in manifest["files"].items():
         if sizes.get(name) != size:
             raise CheckpointError(f"{url}: {name} is missing or has {sizes.get(name)} bytes, STABLE says {size}")
@@ -137,9 +143,9 @@ def latest_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | 
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
         pointer = _latest_pointer(fs, path)
-        if (match := _STEP.fullmatch(pointer)) and fs.exists(join(path, pointer, STABLE)):
+        if (match := _STEP.fullmatch(pointer)) and _exists(fs, join(path, pointer, STABLE)):
             step = int(match.group(1))
-            while fs.exists(join(path, step_name(step + 1), STABLE)):
+            while _exists(fs, join(path, step_name(step + 1), STABLE)):
                 step += 1
         else:
             steps = published_steps(root, run, storage_options=storage_options)
@@ -151,10 +157,15 @@ def latest_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | 
 
 def _latest_pointer(fs: Any, checkpoints_path: str) -> str:
     """What LATEST names ('step-N'), or "" before the first publish."""
+    latest = join(checkpoints_path, LATEST)
     try:
-        return fs.cat_file(join(checkpoints_path, LATEST)).decode().strip()
+        return retrying(fs, latest, fs.cat_file, latest).decode().strip()
     except FileNotFoundError:
         return ""
+
+
+def _exists(fs: Any, path: str) -> bool:
+    return retrying(fs, path, fs.exists, path)
 
 
 def published_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
@@ -168,11 +179,11 @@ def _step_dirs(root: str, run: str, storage_options: dict[str, Any] | None) -> l
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
         fs.invalidate_cache(path)
-        if not fs.exists(path):
+        if not _exists(fs, path):
             return []
         return [
-            (int(m.group(1)), fs.exists(join(entry, STABLE)))
-            for entry in fs.ls(path, detail=False)
+            (int(m.group(1)), _exists(fs, join(entry, STABLE)))
+            for entry in retrying(fs, path, fs.ls, path, detail=False)
             if (m := _STEP.fullmatch(entry.rstrip("/").rsplit("/", 1)[-1]))
         ]
 
@@ -195,12 +206,12 @@ def pinned_steps(root: str, run: str, *, storage_options: dict[str, Any] | None 
     with storage_errors(url):
         fs.invalidate_cache(path)
         try:
-            names = fs.ls(path, detail=False)
+            names = retrying(fs, path, fs.ls, path, detail=False)
         except FileNotFoundError:
             return steps
         for name in names:
             try:
-                pin = json.loads(fs.cat_file(name))
+                pin = json.loads(retrying(fs, name, fs.cat_file, name))
             except (FileNotFoundError, ValueError):
                 continue
             if time.time() - float(pin.get("updated_at", 0)) < PIN_TTL_S:
@@ -274,7 +285,7 @@ def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_opt
     with storage_errors(info.url):
         for name in info.manifest["files"]:
             (partial / name).parent.mkdir(parents=True, exist_ok=True)
-            fs.get_file(join(path, name), str(partial / name))
+            retrying(fs, join(path, name), fs.get_file, join(path, name), str(partial / name))
     (partial / STABLE).write_text(json.dumps(info.manifest))
     partial.rename(target)
     return target

@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import logging
 import os
-from collections.abc import Iterator
-from typing import Any
+import random
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# How long an operation on an object store is retried before it fails (seconds); the variable
+# lets a run wait out a longer outage (an S3-compatible server restarting, say).
+RETRY_S_VARIABLE = "CLOTHO_STORAGE_RETRY_S"
+DEFAULT_RETRY_S = 60.0
+# Backoff between clotho's tries: doubling from FIRST, at most MAX, each drawn from [d/2, d] so
+# that many writers hit by the same outage do not retry in step, yet every wait has a floor.
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 10.0
+# Each of clotho's tries is one botocore call, which retries a lone failed request itself (3
+# requests in all, "standard" mode: 5xx, throttling, refused or dropped connections, timeouts;
+# jittered). s3fs retries dropped connections, torn bodies and timeouts around that again (5 times
+# by default), and aiohttp resends an idempotent request once when a kept-alive connection drops:
+# with s3fs at 2, a server that drops every request costs 3 x 2 x 2 requests per try, one that
+# hangs as many read timeouts (s3fs: 15 s).
+S3_REQUEST_RETRIES = {"mode": "standard", "total_max_attempts": 3}
+S3FS_RETRIES = 2
+_REMOTE_ERRNOS = {errno.EIO, errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
+                  errno.ECONNREFUSED, errno.EPIPE, getattr(errno, "EREMOTEIO", errno.EIO)}  # fmt: skip
+
+
+class StorageUnavailableError(OSError):
+    """An object store kept failing (5xx, refused or dropped connections, timeouts) past the retry
+    budget. Nothing partial is visible: the operation can be run again once the store is back."""
+
+    def __init__(self, message: str, last_error: BaseException | None = None) -> None:
+        super().__init__(message)
+        self.last_error = last_error
 
 
 def resolve(
@@ -25,16 +62,135 @@ def resolve(
             f"storage URL {url!r} must be a non-empty string such as 's3://bucket/runs'"
         )
     try:
-        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     except ImportError as error:
         raise ImportError(
             f"{url}: no fsspec filesystem for this protocol is installed ({error}); "
             "install its package, e.g. s3fs for s3://, gcsfs for gs://"
         ) from error
+    if "s3" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol):
+        _add_s3_retries(fs)
+    return fs, path
+
+
+def _add_s3_retries(fs: fsspec.AbstractFileSystem) -> None:
+    """Give an s3fs filesystem clotho's request retries, unless they are set already (its
+    config_kwargs' "retries", or botocore's AWS_MAX_ATTEMPTS / AWS_RETRY_MODE). Set on the instance
+    (fsspec shares one per set of options) before its first request creates the client; an
+    instance that was used before keeps the retries its client was made with."""
+    if "retries" in fs.config_kwargs or os.environ.get("AWS_MAX_ATTEMPTS") or os.environ.get("AWS_RETRY_MODE"):
+        return
+    fs.config_kwargs = {**fs.config_kwargs, "retries": dict(S3_REQUEST_RETRIES)}
+    fs.retries = S3FS_RETRIES
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
+
+
+def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
+    """An object store or other network filesystem: its failures may pass, so they are retried."""
+    return not isinstance(fs, (LocalFileSystem, MemoryFileSystem))
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a remote filesystem's error may pass if tried again: 5xx answers (s3fs makes them
+    OSErrors with EREMOTEIO, EBUSY or EIO), refused or dropped connections, timeouts. Missing
+    files, existing files, refused permissions and bad requests are answers, not faults."""
+    if isinstance(error, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(error, (TimeoutError, ConnectionError)):
+        return True
+    if isinstance(error, OSError):
+        return error.errno in _REMOTE_ERRNOS
+    return isinstance(error, _connection_errors())
+
+
+def _connection_errors() -> tuple[type[Exception], ...]:
+    errors: tuple[type[Exception], ...] = ()
+    with contextlib.suppress(ImportError):
+        from botocore.exceptions import ConnectionError as BotocoreConnectionError
+        from botocore.exceptions import HTTPClientError
+
+        errors += (BotocoreConnectionError, HTTPClientError)
+    with contextlib.suppress(ImportError):
+        from aiohttp import ClientError
+
+        errors += (ClientError,)
+    return errors
+
+
+def retry_budget_s() -> float:
+    value = os.environ.get(RETRY_S_VARIABLE, "")
+    try:
+        budget = float(value) if value else DEFAULT_RETRY_S
+    except ValueError:
+        budget = -1.0
+    if budget < 0:
+        raise ValueError(f"{RETRY_S_VARIABLE}={value!r}: use the seconds to retry storage for, e.g. 60")
+    return budget
+
+
+def retrying(fs: fsspec.AbstractFileSystem, path: str, operation: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`operation(*args, **kwargs)`, tried again with backoff while a remote filesystem fails
+    transiently, for up to CLOTHO_STORAGE_RETRY_S seconds; then one StorageUnavailableError naming
+    the URL and the fix. Local and memory filesystems run it once. The operation must be safe to
+    repeat (see publish for the one write that is not by itself)."""
+    if not is_remote(fs):
+        return operation(*args, **kwargs)
+    budget = retry_budget_s()
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return operation(*args, **kwargs)
+        except Exception as error:
+            if not is_transient(error):
+                raise
+            elapsed = time.monotonic() - started
+            ceiling = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 1))
+            delay = random.uniform(ceiling / 2, ceiling)
+            if elapsed + delay > budget:
+                # One error, its chain cut: the last failure is in the message and .last_error.
+                raise unavailable(fs, path, error, attempt, elapsed, budget) from None
+            log.warning(
+                "%s: %s; try %d failed, next in %.1f s (gives up after %.0f s)",
+                _url(fs, path), _summary(error), attempt, delay, budget,
+            )  # fmt: skip
+            time.sleep(delay)
+
+
+def unavailable(
+    fs: fsspec.AbstractFileSystem | None, where: str, error: BaseException, attempts: int | None = None,
+    elapsed: float | None = None, budget: float | None = None,
+) -> StorageUnavailableError:  # fmt: skip
+    """The one error for a store that kept failing: the URL, what went wrong, the fix."""
+    url = _url(fs, where) if fs is not None else where
+    tried = f" after {attempts} tries over {elapsed:.1f} s" if attempts is not None and elapsed is not None else ""
+    endpoint = _endpoint(fs) if url.startswith(("s3://", "s3a://")) else ""
+    longer = f"; set {RETRY_S_VARIABLE} to retry longer than {budget:.0f} s" if budget is not None else ""
+    return StorageUnavailableError(
+        f"{url}: storage unavailable{tried} ({_summary(error)}); check that the storage"
+        f"{f' at {endpoint}' if endpoint else ''} is up and reachable, then run again{longer}",
+        error,
+    )
+
+
+def _url(fs: fsspec.AbstractFileSystem | None, path: str) -> str:
+    if fs is None or "://" in path:
+        return path
+    return fs.unstrip_protocol(path)
+
+
+def _endpoint(fs: fsspec.AbstractFileSystem | None) -> str:
+    endpoint = getattr(fs, "endpoint_url", None) or (getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+    return endpoint or os.environ.get("AWS_ENDPOINT_URL", "")
+
+
+def _summary(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:300]}" if text else type(error).__name__
 
 
 @contextlib.contextmanager
@@ -42,16 +198,35 @@ def storage_errors(url: str) -> Iterator[None]:
     """Re-raise storage failures as FileNotFoundError / PermissionError / OSError naming the URL."""
     try:
         yield
+    except StorageUnavailableError:
+        raise  # names its URL and the fix already
     except (FileNotFoundError, PermissionError, FileExistsError) as error:
         if url in str(error):
             raise
         raise type(error)(f"{url}: {error}") from error
-    except Exception as error:  # botocore's credential errors are not OSErrors; name the fix
+    except OSError as error:
+        if error.errno == errno.ENOSPC:
+            raise OSError(
+                errno.ENOSPC, f"{url}: no space left on device; free space on that disk or point "
+                "the storage root at another one"
+            ) from None
+        if url in str(error):
+            raise
+        if is_transient(error):  # from a call that retrying() does not wrap
+            raise unavailable(None, url, error) from None
+        try:
+            renamed = type(error)(error.errno, f"{url}: {error.strerror or error}")
+        except TypeError:
+            renamed = OSError(error.errno, f"{url}: {error.strerror or error}")
+        raise renamed from error
+    except Exception as error:  # botocore's errors are not OSErrors; name the URL and the fix
         if isinstance(error, _credential_errors()):
             raise PermissionError(
                 f"{url}: no usable S3 credentials ({error}); set AWS_ACCESS_KEY_ID and "
                 "AWS_SECRET_ACCESS_KEY or pass storage_options={'key': ..., 'secret': ...}"
             ) from error
+        if is_transient(error):
+            raise unavailable(None, url, error) from None
         raise
 
 
@@ -71,7 +246,10 @@ def publish(
     Local disks: write a file in `temp_dir` (same file system, outside the dataset), then hard-link it
     to `path`; the link fails if `path` exists, so two writers can never clobber each other.
     Object stores and memory://: one exclusive PUT of the whole object (fsspec's mode="create"; on S3
-    a conditional `If-None-Match: *` write), which is atomic there.
+    a conditional `If-None-Match: *` write), which is atomic there. Retried while the store fails
+    transiently; a retry whose earlier try landed unanswered (the connection dropped after the
+    store took the object) finds the object there: when it holds exactly `data`, the write is ours
+    and done, else it is another writer's and FileExistsError stands.
     """
     if "://" in path or "://" in temp_dir:
         raise ValueError(
@@ -81,9 +259,23 @@ def publish(
         if is_local(fs):
             _publish_local(path, data, temp_dir)
         else:
-            fs.pipe_file(path, bytes(data) if isinstance(data, memoryview) else data, mode="create")
+            body = bytes(data) if isinstance(data, memoryview) else data
+            try:
+                retrying(fs, path, fs.pipe_file, path, body, mode="create")
+            except FileExistsError:
+                if not is_remote(fs) or retrying(fs, path, _stored_bytes, fs, path) != body:
+                    raise
+                log.info("%s: a retried write found its own earlier try stored", _url(fs, path))
     except FileExistsError:
-        raise FileExistsError(f"{path} already exists; shards are never overwritten") from None
+        raise FileExistsError(f"{path} already exists; published files are never overwritten") from None
+
+
+def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
+    fs.invalidate_cache(path)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None
 
 
 def _publish_local(path: str, data: bytes | memoryview, temp_dir: str) -> None:
@@ -114,7 +306,7 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
     """Every file below `path` with its size in bytes; {} when `path` does not exist yet."""
     fs.invalidate_cache(path)  # s3fs caches listings; new shards must show up on the next poll
     try:
-        found = fs.find(path, detail=True)
+        found = retrying(fs, path, fs.find, path, detail=True)
     except FileNotFoundError:
         return {}
     return {
@@ -126,7 +318,7 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
     """The whole file in one request: shards are small enough, and one GET beats many range reads."""
-    return fs.cat_file(path)
+    return retrying(fs, path, fs.cat_file, path)
 
 
 def relative(path: str, base: str) -> str:

@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 
 import fsspec
 
-from storage.filesystem import is_local
+from storage.filesystem import is_local, retrying
 from storage.layout import ShardLocation, join, new_shard_id, parse_shard_name
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ def add_entry(fs: fsspec.AbstractFileSystem, run_path: str, location: ShardLocat
             with open(path, "xb"):
                 pass
         else:
-            fs.pipe_file(path, b"", mode="create")
-    except FileExistsError:
+            retrying(fs, path, fs.pipe_file, path, b"", mode="create")
+    except FileExistsError:  # also a retry whose first try landed unanswered: empty either way
         pass
 
 
@@ -145,14 +145,15 @@ def _children(fs: fsspec.AbstractFileSystem, path: str, pattern: re.Pattern | No
     else:
         fs.invalidate_cache(path)  # s3fs caches listings; new entries must show on the next poll
         try:
-            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(path, detail=False)]
+            names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in retrying(fs, path, fs.ls, path, detail=False)]
         except FileNotFoundError:
             return []
     return sorted(name for name in names if pattern is None or pattern.fullmatch(name))
 
 
 def is_complete(fs: fsspec.AbstractFileSystem, run_path: str) -> bool:
-    return fs.exists(join(index_path(run_path), COMPLETE))
+    marker = join(index_path(run_path), COMPLETE)
+    return retrying(fs, marker, fs.exists, marker)
 
 
 def backfill(fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None) -> bool:
@@ -172,7 +173,7 @@ def backfill(fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, st
     marker = join(index_path(run_path), COMPLETE)
     if is_local(fs):
         os.makedirs(os.path.dirname(marker), exist_ok=True)
-    fs.pipe_file(marker, b"")
+    retrying(fs, marker, fs.pipe_file, marker, b"")
     if missing:
         log.info("indexed %d shards of %s written without an index entry", len(missing), rollouts_url)
     return True
@@ -195,10 +196,10 @@ def check_clock(fs: fsspec.AbstractFileSystem, temp_path: str, grace_s: float = 
     if is_local(fs):
         os.makedirs(temp_path, exist_ok=True)
     before = time.time()
-    fs.pipe_file(probe, b"")
+    retrying(fs, probe, fs.pipe_file, probe, b"")
     after = time.time()
     try:
-        info = fs.info(probe)
+        info = retrying(fs, probe, fs.info, probe)
     finally:
         with contextlib.suppress(FileNotFoundError):
             fs.rm(probe)

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from storage.filesystem import is_local, resolve, storage_errors
+from storage.filesystem import is_local, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 
 PROGRESS = "progress"
@@ -101,13 +101,13 @@ def read_sampler_positions(
     fs.invalidate_cache(path)
     with storage_errors(url):
         try:
-            names = [name for name in fs.ls(path, detail=False) if name.endswith(".json")]
+            names = [name for name in retrying(fs, path, fs.ls, path, detail=False) if name.endswith(".json")]
         except FileNotFoundError:
             return []
         positions = []
         for name in names:
             try:
-                data = json.loads(fs.cat_file(name))
+                data = json.loads(retrying(fs, name, fs.cat_file, name))
             except FileNotFoundError:
                 continue
             positions.append(_load(SamplerPosition, data, name))
@@ -159,13 +159,13 @@ def replace_json(url: str, data: dict[str, Any], storage_options: dict[str, Any]
                 file.write(body)
             os.replace(temp, path)  # atomic on one file system: readers see old or new
         else:
-            fs.pipe_file(path, body)  # one PUT: atomic on object stores
+            retrying(fs, path, fs.pipe_file, path, body)  # one PUT: atomic on object stores
 
 
 def _read(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
         try:
-            return json.loads(fs.cat_file(path))
+            return json.loads(retrying(fs, path, fs.cat_file, path))
         except FileNotFoundError:
             return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -10,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from environments.scored_group import ScoredGroup
-from storage.filesystem import resolve, storage_errors
+from storage.filesystem import StorageUnavailableError, is_local, resolve, retrying, storage_errors
 from storage.layout import (
     ROLLOUTS,
     TEMPORARY,
@@ -22,7 +23,7 @@ from storage.layout import (
     run_url,
 )
 from storage.schema import check_serializable, groups_to_table
-from storage.index import GRACE_S, add_entry, check_clock, id_seconds
+from storage.index import GRACE_S, add_entry, check_clock, id_seconds, remove_entries
 from storage.shard_file import write_shard
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,11 @@ class ShardWriter:
     A flush is due when the buffer holds `max_groups` groups, about `max_bytes` bytes, or its oldest
     group is `max_age_s` old (checked on `add` and `flush_if_due`). Use it as a context manager, sync
     or async: leaving it flushes, also on an exception, Ctrl-C or task cancellation, because every
-    buffered group is finished work. Methods are thread-safe; from asyncio code call them through
-    `asyncio.to_thread`, since a flush blocks on storage.
+    buffered group is finished work (not on a StorageUnavailableError: the store just failed for a
+    whole retry budget, so the loss is logged in one line instead). A flush that fails keeps its
+    groups buffered; the next flush first settles whether the failed write landed after all.
+    Methods are thread-safe; from asyncio code call them through `asyncio.to_thread`, since a flush
+    blocks on storage.
     """
 
     def __init__(
@@ -90,6 +94,8 @@ class ShardWriter:
         self._lock = threading.Lock()
         self._closed = False
         self.written: list[str] = []  # URLs of every shard this writer published, in order
+        # Writes to an object store that failed without telling whether the shard landed.
+        self._unsettled: list[tuple[ShardLocation, list[ScoredGroup]]] = []
 
     @property
     def pending_groups(self) -> int:
@@ -146,10 +152,10 @@ class ShardWriter:
         )
 
     def _flush_locked(self) -> list[str]:
+        written = self._settle_locked()
         partitions: dict[tuple[str, int], list[ScoredGroup]] = {}
         for group in self._buffer:
             partitions.setdefault((group.env, group.policy_version), []).append(group)
-        written = []
         # A shard holds at most max_groups groups, also when one add_many overshoots the limit.
         chunks = [
             (env, policy_version, groups[start : start + self.max_groups])
@@ -160,24 +166,60 @@ class ShardWriter:
             location = ShardLocation(env, policy_version, new_shard_id())
             url = join(self.url, ROLLOUTS, location.name)
             with storage_errors(url):
-                add_entry(self._fs, self._run_path, location)  # first: see storage.index
-                write_shard(
-                    self._fs,
-                    join(self._rollouts_path, location.name),
-                    groups_to_table(groups, self.tokenizer),
-                    self._temp_path,
-                )
+                try:
+                    add_entry(self._fs, self._run_path, location)  # first: see storage.index
+                    write_shard(
+                        self._fs,
+                        join(self._rollouts_path, location.name),
+                        groups_to_table(groups, self.tokenizer),
+                        self._temp_path,
+                    )
+                except FileExistsError:
+                    raise
+                except Exception:
+                    if is_local(self._fs):  # a failed local publish linked nothing in (a full disk)
+                        with contextlib.suppress(OSError):
+                            remove_entries(self._fs, self._run_path, [location])
+                    else:  # a failed PUT may still have landed: the next flush looks first
+                        self._unsettled.append((location, groups))
+                    raise
             if (late := time.time() - id_seconds(location.shard_id)) > GRACE_S / 2:
                 log.warning("%s took %.0f s to publish; readers pass shards %.0f s after their id", url, late, GRACE_S)
-            # Drop only what is stored, so a failed partition stays buffered for the next flush.
-            written_ids = {id(group) for group in groups}
-            self._buffer = [group for group in self._buffer if id(group) not in written_ids]
-            log.debug("wrote %d groups to %s", len(groups), url)
+            self._stored(url, groups)
             written.append(url)
-            self.written.append(url)
         self._buffered_bytes = sum(estimated_bytes(group) for group in self._buffer)
         self._oldest = time.monotonic() if self._buffer else None
         return written
+
+    def _settle_locked(self) -> list[str]:
+        """Settle the writes that failed on an object store, before writing their groups again: a
+        shard that landed after all (its answer was lost) counts as written, so its groups are not
+        written twice; for one that did not, its index entry goes, so that readers do not hold at
+        it for the grace period. Raises, settling nothing more, while the store is still down."""
+        written = []
+        while self._unsettled:
+            location, groups = self._unsettled[0]
+            url = join(self.url, ROLLOUTS, location.name)
+            path = join(self._rollouts_path, location.name)
+            with storage_errors(url):
+                self._fs.invalidate_cache(path)
+                landed = retrying(self._fs, path, self._fs.exists, path)
+                if not landed:
+                    retrying(self._fs, path, remove_entries, self._fs, self._run_path, [location])
+            self._unsettled.pop(0)
+            if landed:
+                log.info("%s landed although its write failed; its %d groups are not written again", url, len(groups))
+                self._stored(url, groups)
+                written.append(url)
+        return written
+
+    def _stored(self, url: str, groups: list[ScoredGroup]) -> None:
+        """Drop `groups` from the buffer: they are in the shard at `url`. Only what is stored is
+        dropped, so a failed partition stays buffered for the next flush."""
+        stored_ids = {id(group) for group in groups}
+        self._buffer = [group for group in self._buffer if id(group) not in stored_ids]
+        log.debug("wrote %d groups to %s", len(groups), url)
+        self.written.append(url)
 
     def __enter__(self) -> ShardWriter:
         return self
@@ -189,14 +231,21 @@ class ShardWriter:
             self.close()
             return
         pending = self.pending_groups
+        if isinstance(exc, StorageUnavailableError) and pending:
+            # The store just failed for a whole retry budget: a second budget would only delay exit.
+            with self._lock:
+                self._closed = True
+            log.error("lost %d buffered groups for %s: %s", pending, self.url, exc)
+            return
         try:
             self.close()
-        except Exception:  # keep the original exception; this log line is the record of the loss
-            log.exception(
-                "lost %d buffered groups for %s while exiting on %s",
+        except Exception as error:  # keep the original exception; this line is the record of the loss
+            log.error(
+                "lost %d buffered groups for %s while exiting on %s: %s",
                 pending,
                 self.url,
                 exc_type.__name__,
+                error,
             )
 
     async def __aenter__(self) -> ShardWriter:

@@ -1,10 +1,12 @@
 """Function writing, scored by running the model's code against hidden asserts in the sandbox.
 
 The model sees a function's signature and docstring (environments.code_tasks) and answers with the
-function in a ```python block. Reward: the fraction of the item's asserts that pass when the code
-and they run in environments.sandbox; no block, a timeout, a kill or a run that never reports its
-count scores 0. Asserts are deterministic, so the reward is (up to a run that straddles the time
-limit).
+function in a ```python block. Reward: the fraction of the item's asserts that hold. The code and
+the asserts' calls of its functions run in environments.sandbox, which prints the calls' values;
+the asserts themselves are evaluated outside, over those values read back as literals, so code
+that reads the harness's memory or returns an object equal to everything cannot pass one. No
+block, a timeout, a kill or a run that never reports scores 0. Asserts are deterministic, so the
+reward is (up to a run that straddles the time limit).
 
 On a failure, token-level advantages: the tokens of the candidate's lines named in its tracebacks
 (each frame in candidate.py, a SyntaxError's line, the stack faulthandler dumps shortly before the
@@ -15,7 +17,11 @@ the base is computed as the trainer computes it: set advantage_mode to its advan
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import builtins
+import contextlib
+import json
 import random
 import re
 import secrets
@@ -32,28 +38,65 @@ from inference.client import Completion
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # unclosed: cut off by max_tokens
 _CANDIDATE_LINE = re.compile(r'File "candidate\.py", line (\d+)')
-# The program the sandbox runs. It deletes itself first: the nonce that marks its count and the
-# tests live on only in its memory, so a candidate cannot print a passing count or read the asserts.
-_HARNESS = '''import faulthandler, os, traceback
+# The program the sandbox runs: the candidate, then each assert's calls of its functions, printed
+# as reprs after a nonce. It never sees what the calls should return: the asserts are evaluated
+# here, over the reprs read back as literals, so a candidate that reads the harness's memory (the
+# nonce is in its caller's frame) can print values but not a pass, and an object that equals
+# everything is no literal. It deletes itself first so the calls are not on disk either.
+_HARNESS = '''import faulthandler, json, os, traceback
 os.unlink(__file__)
-def main(nonce, source, tests, dump_after):
+def main(nonce, source, calls, dump_after):
     faulthandler.dump_traceback_later(dump_after)
-    namespace, passed = {{"__name__": "candidate"}}, 0
+    namespace, values = {{"__name__": "candidate"}}, []
     try:
         exec(compile(source, "candidate.py", "exec"), namespace)
     except BaseException:
         traceback.print_exc()
     else:
-        for index, test in enumerate(tests):
+        for index, test in enumerate(calls):
             try:
-                exec(compile(test, f"test_{{index}}.py", "exec"), dict(namespace))
-                passed += 1
+                values.append([repr(eval(compile(call, f"test_{{index}}.py", "eval"), dict(namespace))) for call in test])
             except BaseException:
                 traceback.print_exc()
+                values.append(None)
     faulthandler.cancel_dump_traceback_later()
-    print(f"\\n{{nonce}} {{passed}}", flush=True)
-main({nonce!r}, {source!r}, {tests!r}, {dump_after!r})
+    print(f"\\n{{nonce}} {{json.dumps(values)}}", flush=True)
+main({nonce!r}, {source!r}, {calls!r}, {dump_after!r})
 '''
+
+
+class _CandidateCalls(ast.NodeTransformer):
+    """Replaces each call of a function that is not a builtin by a name _value_N; `calls` holds
+    their source in order (`sorted(f(x)) == [1]` -> `sorted(_value_0) == [1]`, calls ['f(x)'])."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if isinstance(node.func, ast.Name) and not hasattr(builtins, node.func.id):
+            self.calls.append(ast.unparse(node))
+            return ast.Name(f"_value_{len(self.calls) - 1}", ast.Load())
+        return self.generic_visit(node)
+
+
+def split_assert(test: str) -> tuple[ast.Expression, list[str]]:
+    """`assert EXPR` -> EXPR with the candidate's calls replaced, and those calls' source."""
+    statement = ast.parse(test).body[0]
+    if not isinstance(statement, ast.Assert):
+        raise ValueError(f"test {test!r}: write each test as one `assert` statement")
+    calls = _CandidateCalls()
+    return ast.fix_missing_locations(ast.Expression(calls.visit(statement.test))), calls.calls
+
+
+def assert_holds(expression: ast.Expression, values: list[str] | None) -> bool:
+    """The assert over the candidate's values (reprs, read back only as literals)."""
+    if values is None:
+        return False
+    try:
+        names = {f"_value_{index}": ast.literal_eval(value) for index, value in enumerate(values)}
+        return bool(eval(compile(expression, "<test>", "eval"), {"__builtins__": builtins}, names))
+    except Exception:  # not a literal, or the assert's own expression fails on it
+        return False
 
 
 class CodeExecConfig(EnvironmentConfig):
@@ -130,10 +173,16 @@ class CodeExec(Environment):
             return Verdict(0.0, 0, [], [])
         source, nonce, limits = block.group(1), secrets.token_hex(16), self.config.limits
         dump_after = 0.9 * min(limits.cpu_seconds, limits.wall_seconds)
-        result = run_python(_HARNESS.format(nonce=nonce, source=source, tests=item.tests, dump_after=dump_after), limits)
-        last = result.stdout.rstrip("\n").rpartition("\n")[2].split(" ")
-        reported = not (result.timed_out or result.killed) and len(last) == 2 and last[0] == nonce
-        passed = int(last[1]) if reported else 0
+        expressions, calls = zip(*map(split_assert, item.tests), strict=True)
+        result = run_python(_HARNESS.format(nonce=nonce, source=source, calls=list(calls), dump_after=dump_after), limits)
+        marker, _, reported = result.stdout.rstrip("\n").rpartition("\n")[2].partition(" ")
+        values = None
+        if not (result.timed_out or result.killed) and marker == nonce:
+            with contextlib.suppress(ValueError):
+                values = json.loads(reported)
+        if not isinstance(values, list) or len(values) != len(item.tests):
+            values = [None] * len(item.tests)
+        passed = sum(assert_holds(expression, value) for expression, value in zip(expressions, values, strict=True))
         starts, offset = [], block.start(1)
         for line in source.split("\n"):
             starts.append((offset, offset + len(line)))

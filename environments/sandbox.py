@@ -4,9 +4,15 @@ Isolation levels, strongest first; `isolation()` names the one this machine gets
 probe runs a program), `run_python(..., level=...)` picks one:
 
     bwrap    bubblewrap: new mount, pid, net, ipc, uts namespaces. The filesystem is /usr and the
-             interpreter read-only, an empty private /tmp, /proc, /dev and the work directory as
-             /sandbox; no /etc, /home, /root or project files.
-    unshare  util-linux unshare: new net, pid, ipc, uts namespaces over the host's filesystem.
+             interpreter read-only, /proc, /dev, and two private tmpfs of `file_mb` each: /tmp and
+             the work directory /sandbox (main.py copied in), so what it writes stays in bounded
+             memory, never on the host's disk; no /etc, /home, /root or project files. A seccomp
+             filter (x86_64 and aarch64) refuses new user namespaces (unshare/clone with
+             CLONE_NEWUSER; clone3 answers ENOSYS so libc falls back to clone): in one the program
+             would be root again and could mount a tmpfs no rlimit bounds, or reach kernel code
+             only root reaches.
+    unshare  util-linux unshare: new net, pid, ipc, uts namespaces over the host's filesystem; no
+             seccomp filter, and its work directory is on the host's disk.
     rlimits  resource limits and a process group only.
 
 Under every level the program gets: rlimits (address space, CPU seconds, processes, file size,
@@ -22,11 +28,14 @@ the uid only when other users can read the interpreter (a pyenv under /root they
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
+import platform
 import secrets
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,7 +60,11 @@ class Limits(BaseModel):
     wall_seconds: float = Field(default=6.0, gt=0, description="Wall-clock time before the whole process group is killed.")
     memory_mb: int = Field(default=256, ge=32, description="Address space of each process (RLIMIT_AS).")
     processes: int = Field(default=16, ge=2, description="Processes and threads of the program's uid (RLIMIT_NPROC; as root only).")
-    file_mb: int = Field(default=8, ge=1, description="Largest file it may write, stdout and stderr included (RLIMIT_FSIZE).")
+    file_mb: int = Field(
+        default=8, ge=1,
+        description="Largest file it may write, stdout and stderr included (RLIMIT_FSIZE); under bwrap also the size of "
+        "its work directory and of its /tmp, all files together.",
+    )  # fmt: skip
     open_files: int = Field(default=64, ge=8, description="Open file descriptors (RLIMIT_NOFILE).")
     output_bytes: int = Field(default=65_536, ge=256, description="The last this many bytes of stdout and of stderr are returned.")
 
@@ -72,7 +85,38 @@ def _interpreter_world_readable() -> bool:
     return all(os.stat(p).st_mode & 0o005 == 0o005 for p in [*path.parents, path])
 
 
-def _bwrap_arguments(workdir: str, drop_uid: bool) -> list[str]:
+# Audit architecture and the numbers of clone, unshare and clone3, per machine.
+_SYSCALLS = {"x86_64": (0xC000003E, 56, 272, 435), "aarch64": (0xC00000B7, 220, 97, 435)}
+_CLONE_NEWUSER = 0x10000000
+
+
+def seccomp_filter(machine: str = platform.machine()) -> bytes | None:
+    """A classic-BPF seccomp program, as `bwrap --seccomp FD` loads it, that refuses new user
+    namespaces and kills any call made through another ABI (i386 or x32 numbers on x86_64 would
+    slip past the numbers checked); None on a machine it has no syscall numbers for."""
+    if machine not in _SYSCALLS:
+        return None
+    arch, clone, unshare, clone3 = _SYSCALLS[machine]
+    load, equal, at_least, any_bit, give = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
+    allow, kill, refuse = 0x7FFF0000, 0x80000000, 0x00050000  # SECCOMP_RET_ALLOW, _KILL_PROCESS, _ERRNO | errno
+    steps = [  # (label, code, k, jump if true, jump if false); seccomp_data: nr at 0, arch at 4, args[0] at 16
+        ("", load, 4, None, None), ("", equal, arch, None, "kill"),
+        ("", load, 0, None, None), ("", at_least, 0x40000000, "kill", None),  # x32: 0x40000000 | nr
+        ("", equal, clone3, "no clone3", None),  # its flags sit behind a pointer a filter cannot read
+        ("", equal, unshare, "flags", None), ("", equal, clone, "flags", None), ("", give, allow, None, None),
+        ("flags", load, 16, None, None), ("", any_bit, _CLONE_NEWUSER, "refuse", None), ("", give, allow, None, None),
+        ("refuse", give, refuse | errno.EPERM, None, None), ("no clone3", give, refuse | errno.ENOSYS, None, None),
+        ("kill", give, kill, None, None),
+    ]  # fmt: skip
+    at = {label: index for index, (label, *_) in enumerate(steps) if label}
+
+    def hop(index: int, label: str | None) -> int:  # a jump counts the instructions it skips
+        return 0 if label is None else at[label] - index - 1
+
+    return b"".join(struct.pack("=HBBI", code, hop(i, yes), hop(i, no), k) for i, (_, code, k, yes, no) in enumerate(steps))
+
+
+def _bwrap_arguments(limits: Limits, drop_uid: bool, source_fd: int, seccomp_fd: int | None) -> list[str]:
     arguments = ["bwrap", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib64", "/lib32"):  # merged-/usr symlinks or real directories
         if os.path.islink(top):
@@ -84,15 +128,20 @@ def _bwrap_arguments(workdir: str, drop_uid: bool) -> list[str]:
         for parent in reversed(prefix.parents[:-1]):
             arguments += ["--perms", "0755", "--dir", str(parent)]
         arguments += ["--ro-bind", str(prefix), str(prefix)]
-    arguments += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--bind", workdir, "/sandbox", "--chdir", "/sandbox"]
-    arguments += ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    size = str(limits.file_mb << 20)
+    arguments += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp"]
+    # Created by bwrap before the uid drop: open to that uid, which unlinks main.py (code_exec's harness does).
+    arguments += ["--perms", "0777", "--size", size, "--tmpfs", "/sandbox", "--perms", "0644", "--file", str(source_fd), "/sandbox/main.py"]
+    arguments += ["--chdir", "/sandbox", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     arguments += ["--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", PATH]
+    if seccomp_fd is not None:
+        arguments += ["--seccomp", str(seccomp_fd)]
     # As root it stays in the host's user namespace, so the uid it drops to is a real one.
     arguments += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if drop_uid else ["--unshare-user"]
     return arguments + ["--"]
 
 
-def _command(level: str, workdir: str, limits: Limits, uid: int | None) -> list[str]:
+def _command(level: str, limits: Limits, uid: int | None, fds: dict[str, int]) -> list[str]:
     rlimits = ["prlimit", f"--as={limits.memory_mb << 20}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
                f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}", "--core=0"]  # fmt: skip
     if uid is not None:  # RLIMIT_NPROC of a non-root caller would count all of its own processes
@@ -101,13 +150,22 @@ def _command(level: str, workdir: str, limits: Limits, uid: int | None) -> list[
                                    "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
     inner = [*rlimits, "--", *drop, INTERPRETER, "-I", "-X", "utf8", "main.py"]
     if level == "bwrap":
-        return _bwrap_arguments(workdir, uid is not None) + inner
+        return _bwrap_arguments(limits, uid is not None, fds["source"], fds.get("seccomp")) + inner
     if level == "unshare":
         user = [] if _AS_ROOT else ["--user", "--map-root-user"]
         # util-linux 2.38's unshare exits 0 or 1 when its child dies of a signal; sh says 128 + N.
         reaper = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
         return ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--ipc", "--uts", "--mount-proc", "--", *reaper, *inner]
     return inner
+
+
+def _readable(cleanup: contextlib.ExitStack, data: bytes) -> int:
+    """A file descriptor open on an unlinked file holding `data`, read from its start."""
+    file = cleanup.enter_context(tempfile.TemporaryFile())
+    file.write(data)
+    file.flush()
+    file.seek(0)
+    return file.fileno()
 
 
 def _tail(file, limit: int) -> str:
@@ -134,33 +192,38 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
     if level not in LEVELS:
         raise ValueError(f"level: {level!r} is not one of {LEVELS}")
     uid = 1_000_000 + secrets.randbelow(1 << 30) if drops_uid(level) else None
-    workdir = tempfile.mkdtemp(prefix="clotho-sandbox-")
-    try:
-        Path(workdir, "main.py").write_text(source)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-            started = time.perf_counter()
-            process = subprocess.Popen(
-                _command(level, workdir, limits, uid), cwd=workdir, env={"PATH": PATH}, stdin=subprocess.DEVNULL,
-                stdout=stdout, stderr=stderr, start_new_session=True,
-            )  # fmt: skip
-            try:
-                process.wait(timeout=limits.wall_seconds)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)  # a pid namespace dies with its first process
-                process.wait()
-            seconds = time.perf_counter() - started
-            if level == "rlimits" and uid is not None:  # no pid namespace: kill whatever its uid left behind
-                sweep = "import os, signal; os.kill(-1, signal.SIGKILL)"  # -1: every process of the uid but the caller
-                subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", INTERPRETER, "-I", "-c", sweep],
-                               env={"PATH": PATH}, capture_output=True, check=False)  # fmt: skip
-            out, err = _tail(stdout, limits.output_bytes), _tail(stderr, limits.output_bytes)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    with contextlib.ExitStack() as cleanup:
+        stdout, stderr = (cleanup.enter_context(tempfile.TemporaryFile()) for _ in range(2))
+        if level == "bwrap":  # main.py and the seccomp program reach bwrap as file descriptors
+            fds = {"source": _readable(cleanup, source.encode())}
+            if (program := seccomp_filter()) is not None:
+                fds["seccomp"] = _readable(cleanup, program)
+            cwd = "/"
+        else:
+            fds, cwd = {}, tempfile.mkdtemp(prefix="clotho-sandbox-")
+            cleanup.callback(shutil.rmtree, cwd, ignore_errors=True)
+            Path(cwd, "main.py").write_text(source)
+            if uid is not None:
+                os.chown(cwd, uid, uid)
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            _command(level, limits, uid, fds), cwd=cwd, env={"PATH": PATH}, stdin=subprocess.DEVNULL,
+            stdout=stdout, stderr=stderr, start_new_session=True, pass_fds=tuple(fds.values()),
+        )  # fmt: skip
+        try:
+            process.wait(timeout=limits.wall_seconds)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)  # a pid namespace dies with its first process
+            process.wait()
+        seconds = time.perf_counter() - started
+        if level == "rlimits" and uid is not None:  # no pid namespace: kill whatever its uid left behind
+            sweep = "import os, signal; os.kill(-1, signal.SIGKILL)"  # -1: every process of the uid but the caller
+            subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", INTERPRETER, "-I", "-c", sweep],
+                           env={"PATH": PATH}, capture_output=True, check=False)  # fmt: skip
+        out, err = _tail(stdout, limits.output_bytes), _tail(stderr, limits.output_bytes)
     code = process.returncode
     return SandboxResult(code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds)
 

@@ -56,7 +56,7 @@ class ServedPolicy:
     base_url: str
     weights_dir: Path
     version: int = 0
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # a repr lands in logs and tracebacks
     model_name: str = "policy"
     server: PolicyServer | None = None
     healthy: bool = True  # False when its weights or pause state are unknown after a failure

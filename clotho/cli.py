@@ -6,15 +6,126 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import typer
+from typer.core import TyperGroup
 
+from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
 
-app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True)
+
+class OneLineErrors(TyperGroup):
+    """clotho's command group: a usage error (an unknown option, a bad value, a config that does not
+    validate) is one line on stderr, `clotho COMMAND: what; fix`, with exit code 2; no usage box,
+    no traceback."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as error:  # typer's click exceptions (UsageError, BadParameter, ...)
+            if type(error).__name__ == "NoArgsIsHelpError":  # as typer tells it: the help is printed already
+                sys.exit(error.exit_code)
+            context = getattr(error, "ctx", None)
+            where = context.command_path if context is not None else (prog_name or "clotho")
+            typer.echo(f"{where}: {' '.join(error.format_message().split())}", err=True)
+            sys.exit(error.exit_code)
+        except typer.Abort:
+            typer.echo("Aborted!", err=True)
+            sys.exit(1)
+        except StorageUnavailableError as error:  # retried for CLOTHO_STORAGE_RETRY_S already: say it once
+            typer.echo(f"{prog_name or 'clotho'}: {error}", err=True)
+            sys.exit(1)
+        sys.exit(result if isinstance(result, int) else 0)  # an Exit's code, else success
+
+
+def describe_validation_error(error: Any, model: Any = None) -> str:
+    """A pydantic ValidationError as one line: 'field.path: what (got VALUE); ...', plus the valid
+    fields where a name is unknown (`model`: the validated class, to list them)."""
+    problems = []
+    for problem in error.errors():
+        where = ".".join(map(str, problem["loc"])) or "(top level)"
+        message = problem["msg"].removeprefix("Value error, ")
+        value = problem.get("input")
+        if problem["type"] == "extra_forbidden":
+            known = _fields_at(model, problem["loc"][:-1])
+            message = "unknown field; check the spelling" + (f" (fields: {', '.join(known)})" if known else "")
+        elif isinstance(value, (int, float, str, bool)) and len(repr(value)) <= 60 and repr(value) not in message:
+            message += f" (got {value!r})"
+        problems.append(f"{where}: {message}")
+    return " ".join("; ".join(problems).split())
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names of the pydantic model at `loc` inside `model` (lists and optionals followed)."""
+    from pydantic import BaseModel
+
+    def model_of(annotation: Any) -> Any:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return annotation
+        for argument in getattr(annotation, "__args__", ()):
+            if (found := model_of(argument)) is not None:
+                return found
+        return None
+
+    for part in loc:
+        if model is None or isinstance(part, int):
+            continue
+        field = model.model_fields.get(part)
+        model = model_of(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+def check_server_url(url: str, option: str = "--server") -> str:
+    """An http(s) URL with a host, or typer.BadParameter naming the option and what one looks like."""
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except Exception:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise typer.BadParameter(f"{url!r} is not an http(s) URL; give the server's base URL, e.g. http://127.0.0.1:8000",
+                                 param_hint=option)  # fmt: skip
+    return url
+
+
+def check_tokenizer(tokenizer: str, option: str = "--tokenizer") -> str:
+    """A tokenizer directory holding tokenizer files, or what could be a hub id: checked on disk
+    only (loading it would cost seconds the flow spends anyway)."""
+    from trainer.config import is_hub_id
+
+    fix = "give the policy model's directory or Hugging Face id (by default, the model the server serves)"
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            raise typer.BadParameter(f"{tokenizer!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}",
+                                     param_hint=option)  # fmt: skip
+    elif path.exists() or not is_hub_id(tokenizer):
+        raise typer.BadParameter(f"{tokenizer!r} {'is a file' if path.exists() else 'does not exist'}; {fix}", param_hint=option)
+    return tokenizer
+
+
+# Any of these makes a directory a tokenizer transformers can load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
+
+
+def check_model(model: str, option: str = "--model") -> str:
+    from trainer.config import check_model_source
+
+    try:
+        return check_model_source(model)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint=option) from None
+
+
+app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True, cls=OneLineErrors)
 model_app = typer.Typer(help="Build or inspect policy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
@@ -153,16 +264,16 @@ def run_flow(coroutine):
 @app.command()
 def serve(
     model: str = typer.Option(..., help="Local model directory or Hugging Face model id."),
-    port: int = typer.Option(8000, help="Port of the OpenAI-compatible API."),
+    port: int = typer.Option(8000, min=1, max=65535, help="Port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback needs --api-key."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key the server requires."),
     served_model_name: str = typer.Option("policy", help="Model name clients ask for."),
     log_file: Path = typer.Option(None, help="Server log (default .clotho/logs/vllm-PORT.log)."),
     dtype: str = typer.Option("float32", help="Weights dtype: float32 on CPU, bfloat16 on GPUs."),
-    max_model_len: int = typer.Option(2048, help="Longest sequence the server accepts."),
-    startup_timeout_s: float = typer.Option(600.0, help="Seconds to wait for /health."),
+    max_model_len: int = typer.Option(2048, min=1, help="Longest sequence the server accepts."),
+    startup_timeout_s: float = typer.Option(600.0, min=1.0, help="Seconds to wait for /health."),
     run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
-    poll_s: float = typer.Option(2.0, help="With --run: seconds between looks at the run."),
+    poll_s: float = typer.Option(2.0, min=0.01, help="With --run: seconds between looks at the run."),
     priority: str = typer.Option(
         None, help="CPU priority of vLLM's processes: normal, low (niceness 10) or idle (SCHED_IDLE: only cycles "
         "nothing else wants). Default: idle for vLLM on CPUs, below the rollout clients and Prefect sharing its "
@@ -172,6 +283,11 @@ def serve(
     """Start the vLLM policy server, wait until healthy, and keep it up until Ctrl-C."""
     from inference.server import PolicyServer, ServerStartError
 
+    check_model(model)
+    if dtype not in SERVER_DTYPES:
+        raise typer.BadParameter(f"{dtype!r}: use one of {', '.join(SERVER_DTYPES)}", param_hint="--dtype")
+    if run:
+        _split_run(run)
     try:
         server = PolicyServer(
             model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
@@ -208,13 +324,17 @@ def serve(
         server.stop()
 
 
-def _split_run(run_url: str) -> tuple[str, str]:
-    from storage.layout import split_run_url
+# What vLLM's --dtype takes.
+SERVER_DTYPES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+
+
+def _split_run(run_url: str, option: str = "--run") -> tuple[str, str]:
+    from storage.cli import check_run_url
 
     try:
-        return split_run_url(run_url)
+        return check_run_url(run_url)
     except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--run") from None
+        raise typer.BadParameter(str(error), param_hint=option) from None
 
 
 @app.command()
@@ -229,7 +349,7 @@ def rollout(
     tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the first server serves)."),
     set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value with a YAML value, "
                                    "e.g. --set group_size=8 (applies to every --env)."),
-    max_concurrent_groups: int = typer.Option(8, min=1, help="Groups in flight at once."),
+    max_concurrent_groups: int = typer.Option(8, min=1, max=4096, help="Groups in flight at once."),
     shard_max_groups: int = typer.Option(64, min=1, help="Flush a shard after this many groups."),
     shard_max_age_s: float = typer.Option(30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."),
     max_policy_lag: int = typer.Option(None, min=0, help="Bounded staleness K: start a group only if the trainer will train it at most K policy versions after the one it samples with (reads the trainer's progress; 0 is the synchronous loop)."),
@@ -242,16 +362,28 @@ def rollout(
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
     from clotho.overrides import apply_overrides
-    from environments.loading import EnvironmentLoadError
+    from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError
-    from tasks.rollout import EnvSpec
 
     _split_run(run)  # a bad URL is named before anything starts
+    for url in server:
+        check_server_url(url)
     try:
         config = apply_overrides({}, set_)
-        specs = [EnvSpec(import_path=path, config=config) for path in env]
-    except (ValueError, EnvironmentLoadError) as error:  # pydantic's ValidationError is a ValueError
-        raise typer.BadParameter(str(error)) from None
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--set") from None
+    for path in env:
+        try:
+            env_class = load_environment_class(path)
+        except ValueError as error:  # EnvironmentLoadError
+            raise typer.BadParameter(str(error), param_hint="--env") from None
+        try:
+            load_config(env_class, config)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint="--set") from None
+    from tasks.rollout import EnvSpec  # imports prefect: after the checks that need none
+
+    specs = [EnvSpec(import_path=path, config=config) for path in env]
     if tokenizer is None:
         from inference.client import served_model
 
@@ -265,6 +397,7 @@ def rollout(
                 f"--tokenizer not given and {server[0]}/v1/models did not say the model ({error}); pass --tokenizer "
                 "or check --server and --api-key", param_hint="--tokenizer",
             ) from None
+    check_tokenizer(tokenizer)
     if api_key:
         # The flow reads the key from its process's environment, never from a parameter: flow
         # parameters are stored with the flow run and shown in the UI.
@@ -307,13 +440,7 @@ def run_pipeline(
 ) -> None:
     """Run the whole loop for one run: policy servers with hot reload, rollout flows and the
     trainer, asynchronous with bounded staleness, phase after phase, until the last step."""
-    from flows.pipeline_config import PipelineConfig
-
-    try:
-        pipeline_config = PipelineConfig.from_yaml(config, set_)
-        _split_run(pipeline_config.run)
-    except ValueError as error:
-        raise typer.BadParameter(str(error)) from error
+    pipeline_config = check_pipeline(config, set_)
     if api_key:
         os.environ[API_KEY_VARIABLE] = api_key
     from flows.pipeline import pipeline
@@ -324,6 +451,51 @@ def run_pipeline(
         typer.echo(f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True)
         raise typer.Exit(128 + stopped.signum) from None
     typer.echo(json.dumps({key: value for key, value in summary.items() if key != "curve"}, indent=1))
+
+
+def check_pipeline(path: Path, overrides: list[str]) -> Any:
+    """The pipeline config of `clotho run`, checked whole before anything starts: its fields, the run
+    URL, the model, the servers' URLs, every environment and its config, and each phase's trainer
+    settings; typer.BadParameter naming the field otherwise."""
+    import yaml
+    from pydantic import ValidationError
+
+    from environments.loading import load_config, load_environment_class
+    from flows.pipeline_config import PipelineConfig
+    from trainer.config import TrainerConfig
+
+    def bad(field: str, message: str) -> typer.BadParameter:
+        return typer.BadParameter(f"{field}: {message}", param_hint=f"{path}")
+
+    try:
+        config = PipelineConfig.from_yaml(path, overrides)
+    except yaml.YAMLError as error:
+        raise bad("(file)", f"not valid YAML ({' '.join(str(error).split())}); fix the file") from None
+    except ValidationError as error:
+        raise typer.BadParameter(describe_validation_error(error, PipelineConfig), param_hint=f"{path}") from None
+    except ValueError as error:  # an --set that does not apply, a top level that is not a mapping
+        raise typer.BadParameter(str(error), param_hint=f"{path}") from None
+    _split_run(config.run, option=f"{path}: run")
+    check_model(config.model, option=f"{path}: model")
+    for index, url in enumerate(config.servers.urls):
+        check_server_url(url, option=f"{path}: servers.urls.{index}")
+    entries = [(f"phases.{p}.environments.{e}", entry.env, entry.config)
+               for p, phase in enumerate(config.phases) for e, entry in enumerate(phase.environments)]  # fmt: skip
+    if config.evaluation is not None:
+        entries.append(("evaluation", config.evaluation.env, config.evaluation.config))
+    for field, name, env_config in entries:
+        try:
+            load_config(load_environment_class(name), env_config)
+        except ValueError as error:  # EnvironmentLoadError
+            raise bad(field, str(error)) from None
+    for index, phase in enumerate(config.phases):
+        fields = {**config.trainer_fields(phase), "model": config.model, "steps": phase.steps}
+        try:
+            TrainerConfig.model_validate(fields)
+        except ValidationError as error:
+            problem = describe_validation_error(error, TrainerConfig)
+            raise bad(f"trainer (phases.{index}, {phase.name})", f"{problem}; set it in trainer or phases.{index}.trainer") from None
+    return config
 
 
 from clotho.offline_cli import evaluate_command, reprocess_command  # noqa: E402  (imports nothing heavy until it runs)

@@ -77,7 +77,7 @@ def check_command(
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
     tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the server serves)."),
     set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value (YAML value)."),
-    startup_timeout_s: float = typer.Option(600.0, help="Seconds to wait for the tiny server to start."),
+    startup_timeout_s: float = typer.Option(600.0, min=1.0, help="Seconds to wait for the tiny server to start."),
 ) -> None:
     """Run the conformance suite on one environment; exit 1 when a check fails."""
     import asyncio
@@ -89,12 +89,21 @@ def check_command(
     from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError, served_model
 
+    from clotho.cli import check_server_url, check_tokenizer
+
     try:
         env_class = load_environment_class(environment)
+    except ValueError as error:  # EnvironmentLoadError
+        raise typer.BadParameter(str(error), param_hint="ENVIRONMENT") from None
+    try:
         config = apply_overrides({}, set_)
         load_config(env_class, config)
     except ValueError as error:
-        raise typer.BadParameter(str(error)) from None
+        raise typer.BadParameter(str(error), param_hint="--set") from None
+    if server is not None:
+        check_server_url(server)
+    if tokenizer is not None:
+        check_tokenizer(tokenizer)
     console = Console()
     started = None
     if server is None:

@@ -23,6 +23,14 @@ def reprocess_command(
     from flows.reprocess import check_job
     from flows.reprocess import reprocess as reprocess_flow
 
+    from storage.cli import check_url
+
+    for argument, url in (("INPUT_RUN", input_run), ("OUTPUT", output)):
+        try:
+            check_url(url)
+        except ValueError as error:
+            typer.echo(f"clotho reprocess: {argument}: {error}", err=True)
+            raise typer.Exit(2) from None
     try:
         check_job(input_run, output, operations)  # every check that needs no full pass; writes nothing
     except ValueError as error:  # ReprocessError, a malformed URL

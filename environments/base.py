@@ -9,10 +9,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Coroutine
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
+from environments.scored_group import CONTRACT_REASONS, InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ class EnvironmentConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    group_size: int = Field(default=4, ge=1, description="Sequences per group (GRPO's n).")
+    group_size: int = Field(default=4, ge=1, le=4096, description="Sequences per group (GRPO's n), 1..4096.")
     max_tokens: int = Field(default=32, ge=1, description="Most tokens sampled per assistant turn.")
     min_tokens: int = Field(default=0, ge=0, description="Fewest tokens per turn before EOS may end it.")
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature.")
@@ -39,6 +39,20 @@ class EnvironmentConfig(BaseModel):
         "override get_eval_item instead).",
     )
     cycle: bool = Field(default=True, description="Start over when items run out; else get_item returns None.")
+    group_timeout_s: float | None = Field(
+        default=1800.0,
+        gt=0,
+        description="A group still sampling or scoring after this many seconds is cut and recorded as a "
+        "failure (reason timeout), its requests cancelled; null: no limit. The cut lands at the group's next "
+        "await: code that blocks the event loop (a busy loop in reward) is not cut, so run such code in the "
+        "sandbox (environments.sandbox) or asyncio.to_thread.",
+    )
+    max_group_tokens: int | None = Field(
+        default=1_048_576,
+        ge=1,
+        description="Most tokens in one group, prompts included (4 bytes each in a shard, plus the mask and "
+        "logprobs); a bigger group is recorded as a failure (reason too-large), never stored; null: no limit.",
+    )
 
 
 class Item(BaseModel):
@@ -50,6 +64,31 @@ class Item(BaseModel):
     extras: dict[str, Any] = Field(default_factory=dict)
 
 
+class GroupTimeoutError(TimeoutError):
+    """A group ran past its environment's group_timeout_s and was cut."""
+
+
+# Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.
+FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "exception")
+
+# A failure keeps this much of its error and traceback: an exception may carry megabytes of text.
+MAX_ERROR_CHARS = 2000
+MAX_TRACEBACK_CHARS = 8000
+
+
+def failure_reason(error: BaseException) -> str:
+    """The kind of a failure (FAILURE_REASONS), what the rollout flow counts failures by."""
+    if isinstance(error, InvalidGroupError):
+        return error.reason
+    if isinstance(error, GroupTimeoutError):
+        return "timeout"
+    if isinstance(error, PolicyServerUnreachable):
+        return "unreachable"
+    if isinstance(error, ValidationError):  # a ScoredSequence or ScoredGroup field of the wrong type
+        return "invalid"
+    return "exception"
+
+
 class RolloutFailure(BaseModel):
     """A rollout or group that failed: recorded as data, never allowed to crash its siblings."""
 
@@ -57,10 +96,17 @@ class RolloutFailure(BaseModel):
     item_id: str
     error: str
     traceback: str = ""
+    reason: str = Field(default="exception", description=f"The kind of failure, one of {FAILURE_REASONS}.")
 
     @classmethod
     def of(cls, env: str, item_id: str, error: BaseException, traceback: str = "") -> RolloutFailure:
-        return cls(env=env, item_id=item_id, error=f"{type(error).__name__}: {error}", traceback=traceback)
+        message = f"{type(error).__name__}: {error}"
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters)"
+        return cls(
+            env=env, item_id=item_id, error=message, traceback=traceback[-MAX_TRACEBACK_CHARS:],
+            reason=failure_reason(error),
+        )  # fmt: skip
 
 
 def prompt_messages(item: Item) -> Messages:
@@ -177,23 +223,36 @@ class Environment(ABC):
         oldest, the one staleness must count from.
 
         An unreachable or key-refusing server is not a bad rollout but a broken run: it is raised,
-        so the caller (a Prefect task with retries) waits for the server or stops.
+        so the caller (a Prefect task with retries) waits for the server or stops. A group past
+        config.group_timeout_s is cut (its requests cancelled) and, like a group over
+        config.max_group_tokens or one that breaks the contract, returned as a RolloutFailure
+        whose `reason` says which.
         """
         version = asyncio.ensure_future(self.client.weight_version())
+        limit = self.config.group_timeout_s
         try:
-            group = await self.collect_trajectories(item)
+            async with asyncio.timeout(limit) as deadline:
+                group = await self.collect_trajectories(item)
             if not isinstance(group, ScoredGroup):
                 raise InvalidGroupError(
                     f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
                 )
-            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size)
+            group.check_limits(
+                vocab_size=self.vocab_size, max_group_size=self.config.group_size, max_tokens=self.config.max_group_tokens
+            )
         except RUN_ERRORS:
             version.cancel()
             raise
         except Exception as error:  # a bad rollout is data, not a crash
             version.cancel()
-            log.warning("env %s item %s failed: %s", self.name, item.id, error)
-            return RolloutFailure.of(self.name, item.id, error, traceback=traceback.format_exc(limit=8))
+            if isinstance(error, TimeoutError) and deadline.expired():
+                error = GroupTimeoutError(
+                    f"env {self.name} item {item.id}: still running after group_timeout_s={limit:g}s, cut; make the "
+                    "environment finish sooner or raise group_timeout_s (--set group_timeout_s=SECONDS)"
+                )
+            failure = RolloutFailure.of(self.name, item.id, error, traceback=traceback.format_exc(limit=8))
+            log.warning("env %s item %s failed (%s): %s", self.name, item.id, failure.reason, failure.error)
+            return failure
         group.env = self.name
         group.policy_version = await version  # errors keep their type (an unreachable server is retried)
         return group
@@ -304,11 +363,12 @@ class Environment(ABC):
         trainer learns from it when not by its shape (ScoredGroup.objective). The checks against
         the run's vocabulary and group size, and the policy version, are the framework's
         (collect_group), for every group however it was made."""
-        if not sequences:
-            raise RuntimeError(
-                f"env {self.name} item {item.id}: every rollout failed; first error: "
-                f"{(errors or ['none recorded'])[0]}"
+        if not sequences and not errors:
+            raise InvalidGroupError(
+                f"env {self.name} item {item.id}: no sequences; a group needs at least one sequence", reason="empty"
             )
+        if not sequences:
+            raise RuntimeError(f"env {self.name} item {item.id}: every rollout failed; first error: {errors[0]}")
         group_extras = dict(extras or {})
         if errors:
             group_extras["rollout_errors"] = errors
@@ -325,12 +385,15 @@ class Environment(ABC):
 
 
 __all__ = [
+    "FAILURE_REASONS",
     "Environment",
     "EnvironmentConfig",
+    "GroupTimeoutError",
     "InvalidGroupError",
     "Item",
     "RolloutFailure",
     "evaluation_report",
+    "failure_reason",
     "final_answer",
     "prompt_messages",
 ]

@@ -19,12 +19,12 @@ import functools
 from typing import Any, ClassVar
 
 import httpx
-from pydantic import ConfigDict, model_validator
+from pydantic import ConfigDict, ValidationError, model_validator
 
 from environments.base import Environment, EnvironmentConfig, Item, RolloutFailure
 from environments.chat import Messages
 from environments.loading import EnvironmentLoadError
-from environments.scored_group import ScoredGroup
+from environments.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import check_env_name
 
@@ -146,8 +146,11 @@ class RemoteEnvironment(Environment):
         self._metrics = answer.get("metrics") or {}
         if "failure" in answer:
             return RolloutFailure.model_validate(answer["failure"])
-        group = ScoredGroup.model_validate(answer["group"])
-        group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size)
+        try:  # what the service sent is checked here too, against this side's vocabulary
+            group = ScoredGroup.model_validate(answer["group"])
+            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size, max_tokens=self.config.max_group_tokens)
+        except (InvalidGroupError, ValidationError) as error:
+            return RolloutFailure.of(self.name, item.id, error)
         return group
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:

@@ -28,10 +28,23 @@ OBJECTIVES: tuple[str, ...] = Objective.__args__
 
 
 class InvalidGroupError(Exception):
-    """A group breaks the contract. The message names the sequence, the field and the fix.
+    """A group breaks the contract. The message names the sequence, the field and the fix;
+    `reason` is the kind of break (one of FAILURE_REASONS), what the rollout flow counts by.
 
     Deliberately not a ValueError, so pydantic lets it through unwrapped.
     """
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
+
+
+# The kinds of contract break, as InvalidGroupError.reason: ids outside the vocabulary (or
+# negative), per-token lists of another length than the tokens, NaN or inf values, no sequence or
+# no token, nothing trained, a group over max_group_tokens or group_size, anything else.
+CONTRACT_REASONS = (
+    "out-of-vocab", "ragged", "non-finite", "empty", "no-trained-token", "too-large", "too-many-sequences", "invalid",
+)
 
 
 def new_group_id() -> str:
@@ -100,33 +113,37 @@ class ScoredSequence(BaseModel):
 
     def problems(self) -> list[str]:
         """Every way this sequence breaks the contract, as 'field: what is wrong; fix' lines."""
+        return [problem for _, problem in self.problems_by_reason()]
+
+    def problems_by_reason(self) -> list[tuple[str, str]]:
+        """problems(), each with its kind (CONTRACT_REASONS)."""
         found = []
         n = len(self.tokens)
         if n == 0:
-            found.append("tokens: empty; a sequence needs at least one trained token")
+            found.append(("empty", "tokens: empty; a sequence needs at least one trained token"))
         optional = tuple(name for name in PER_TOKEN_OPTIONAL if getattr(self, name) is not None)
         for name in ("mask", "logprobs") + optional:
             length = len(getattr(self, name))
             if length != n:
                 found.append(
-                    f"{name}: length {length} != len(tokens) {n}; give one {name} entry per token"
+                    ("ragged", f"{name}: length {length} != len(tokens) {n}; give one {name} entry per token")
                 )
         if n and not any(self.mask):
-            found.append("mask: no trained token (all False); mark the sampled tokens True")
+            found.append(("no-trained-token", "mask: no trained token (all False); mark the sampled tokens True"))
         if not math.isfinite(self.score):
-            found.append(f"score: {self.score} is not finite; return a finite reward")
+            found.append(("non-finite", f"score: {self.score} is not finite; return a finite reward"))
         if self.advantages is not None and not all(math.isfinite(a) for a in self.advantages):
-            found.append("advantages: contains NaN or inf; return finite per-token advantages")
+            found.append(("non-finite", "advantages: contains NaN or inf; return finite per-token advantages"))
         if not all(math.isfinite(lp) for lp in self.logprobs):
-            found.append("logprobs: contains NaN or inf; use 0.0 for tokens that were not sampled")
+            found.append(("non-finite", "logprobs: contains NaN or inf; use 0.0 for tokens that were not sampled"))
         for name in ("ref_logprobs", "teacher_logprobs"):
             values = getattr(self, name)
             if values is not None and not all(math.isfinite(lp) for lp in values):
-                found.append(f"{name}: contains NaN or inf; use 0.0 for tokens that are not trained")
+                found.append(("non-finite", f"{name}: contains NaN or inf; use 0.0 for tokens that are not trained"))
         if any(t < 0 for t in self.tokens):
-            found.append("tokens: negative token id; token ids are >= 0")
+            found.append(("out-of-vocab", "tokens: negative token id; token ids are >= 0"))
         if self.finish_reason not in FINISH_REASONS:
-            found.append(f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}")
+            found.append(("invalid", f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}"))
         return found
 
 
@@ -200,28 +217,42 @@ class ScoredGroup(BaseModel):
         if not self.sequences:
             raise InvalidGroupError(
                 f"group {self.group_id} (env {self.env}, item {self.item_id}): sequences is empty; "
-                "a group needs at least one sequence"
+                "a group needs at least one sequence",
+                reason="empty",
             )
-        found = [f"sequences[{i}].{p}" for i, s in enumerate(self.sequences) for p in s.problems()]
-        found += objective_problems(self)
+        found = [(r, f"sequences[{i}].{p}") for i, s in enumerate(self.sequences) for r, p in s.problems_by_reason()]
+        found += [("invalid", problem) for problem in objective_problems(self)]
         if self.schema_version != SCHEMA_VERSION:
-            found.append(
+            found.append((
+                "invalid",
                 f"schema_version: {self.schema_version} != {SCHEMA_VERSION}; "
-                "convert the data with the matching clotho version"
-            )
+                "convert the data with the matching clotho version",
+            ))  # fmt: skip
         if found:
             raise InvalidGroupError(
                 f"group {self.group_id} (env {self.env}, item {self.item_id}) is invalid:\n  "
-                + "\n  ".join(found)
+                + "\n  ".join(problem for _, problem in found),
+                reason=found[0][0],  # counted by its first problem
             )
         return self
 
-    def check_limits(self, vocab_size: int | None = None, max_group_size: int | None = None) -> None:
-        """Checks that need the run's context: the tokenizer's vocabulary and the configured size."""
+    def check_limits(
+        self, vocab_size: int | None = None, max_group_size: int | None = None, max_tokens: int | None = None
+    ) -> None:
+        """Checks that need the run's context: the configured group size and token budget
+        (EnvironmentConfig.group_size, max_group_tokens) and the tokenizer's vocabulary."""
         if max_group_size is not None and len(self.sequences) > max_group_size:
             raise InvalidGroupError(
                 f"group {self.group_id} (env {self.env}): {len(self.sequences)} sequences > "
-                f"group_size {max_group_size}; return at most group_size sequences or raise group_size"
+                f"group_size {max_group_size}; return at most group_size sequences or raise group_size",
+                reason="too-many-sequences",
+            )
+        if max_tokens is not None and self.num_tokens > max_tokens:
+            raise InvalidGroupError(
+                f"group {self.group_id} (env {self.env}): {self.num_tokens:,} tokens (about "
+                f"{self.num_tokens * 4 / 2**20:.1f} MiB of token ids) > max_group_tokens {max_tokens:,}; "
+                "return shorter or fewer sequences, or raise max_group_tokens (--set max_group_tokens=N)",
+                reason="too-large",
             )
         if vocab_size is not None:
             for i, sequence in enumerate(self.sequences):
@@ -229,7 +260,8 @@ class ScoredGroup(BaseModel):
                 if top >= vocab_size:
                     raise InvalidGroupError(
                         f"group {self.group_id} (env {self.env}): sequences[{i}].tokens: id {top} "
-                        f">= vocab size {vocab_size}; tokenize with the policy's tokenizer"
+                        f">= vocab size {vocab_size}; tokenize with the policy's tokenizer",
+                        reason="out-of-vocab",
                     )
 
     @property

@@ -14,7 +14,6 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from environments.base import Environment, Item, RolloutFailure
-from environments.remote import RemoteServiceError
 from environments.scored_group import ScoredGroup
 from flows.admission import Admission
 from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
@@ -122,14 +121,19 @@ async def rollout(
                     if admission is not None:
                         admission.finished(stored=isinstance(result, ScoredGroup))
                 scored = [result for result in results if isinstance(result, ScoredGroup)]
-                for group in scored:  # the instance that handed out the item learns from it (a curriculum)
-                    await sources[spec.key].observe(group)
-                stats[spec.key].metrics = sources[spec.key].metrics()  # e.g. the level of a curriculum
                 if scored:
                     for url in await asyncio.to_thread(writer.add_many, scored):
                         emit_shard_event(url, run, scored[0].env)
                     if admission is not None and admission.flush_due():
                         await flush_now()
+                # Then the instance that handed out the items learns from them (a curriculum); its
+                # bugs are logged, never a reason to lose a group already counted.
+                try:
+                    for group in scored:
+                        await sources[spec.key].observe(group)
+                    stats[spec.key].metrics = sources[spec.key].metrics()  # e.g. the level of a curriculum
+                except Exception as error:
+                    log.warning("env %s: observe/metrics failed: %s", stats[spec.key].env, error)
                 await progress.update(sum(s.groups + s.failures for s in stats.values()))
 
             await to_the_end(counted())
@@ -187,7 +191,7 @@ class ItemStream:
                  admission: Admission | None = None,
                  on_gone: Callable[[EnvSpec, Exception], None] | None = None):  # fmt: skip
         self.sources, self.groups = sources, groups
-        self.on_gone = on_gone  # told when a remote environment stops answering (it leaves the stream)
+        self.on_gone = on_gone  # told when an environment's get_item fails (it leaves the stream)
         self.rng = random.Random(seed)
         self.live = list(specs)
         self.handed_out = 0
@@ -209,7 +213,7 @@ class ItemStream:
                 spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
                 try:
                     item = await self.sources[spec.key].get_item()
-                except RemoteServiceError as error:  # a remote environment's service is gone
+                except Exception as error:  # a service gone, or a get_item bug: that environment leaves, the run goes on
                     self.live.remove(spec)
                     if self.on_gone is not None:
                         self.on_gone(spec, error)

@@ -33,12 +33,14 @@ class RolloutStats:
     score_sum: float = 0.0
     score_sq_sum: float = 0.0
     last_error: str = ""
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # RolloutFailure.reason -> count
     recent_scores: list[float] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)  # the environment's own (Environment.metrics)
 
     def add(self, result: ScoredGroup | RolloutFailure) -> None:
         if isinstance(result, RolloutFailure):
             self.failures += 1
+            self.failure_reasons[result.reason] = self.failure_reasons.get(result.reason, 0) + 1
             self.last_error = result.error[:300]
             return
         self.groups += 1
@@ -71,9 +73,15 @@ class RolloutStats:
             "tokens": self.tokens,
             "trained tokens": self.trained_tokens,
             "failures": self.failures,
+            "failures by reason": format_reasons(self.failure_reasons),
             "last error": self.last_error,
         }
         return row | {name: value for name, value in self.metrics.items() if name not in row}
+
+
+def format_reasons(counts: dict[str, int]) -> str:
+    """'timeout: 2, ragged: 1': failure counts by reason, the most frequent first."""
+    return ", ".join(f"{reason}: {count}" for reason, count in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 # Seconds between progress-artifact updates. Each update is an API call and an artifact event, CPU
@@ -130,6 +138,15 @@ def emit_shard_event(url: str, run: str, env: str | None) -> None:
     )
 
 
+def failures_by_reason(stats) -> dict[str, int]:
+    """Failure counts by reason summed over environments' RolloutStats."""
+    total: dict[str, int] = {}
+    for one in stats:
+        for reason, count in one.failure_reasons.items():
+            total[reason] = total.get(reason, 0) + count
+    return dict(sorted(total.items()))
+
+
 async def publish_report(
     stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0
 ) -> dict[str, Any]:
@@ -139,6 +156,7 @@ async def publish_report(
     totals = {
         "groups": sum(s.groups for s in stats.values()),
         "failures": sum(s.failures for s in stats.values()),
+        "failures_by_reason": failures_by_reason(stats.values()),
         "tokens": sum(s.tokens for s in stats.values()),
         "shards": len(shards),
         "task_runs": task_runs,

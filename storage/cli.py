@@ -24,12 +24,51 @@ URL = Annotated[
 ]
 
 
+def check_url(url: str) -> str:
+    """A storage URL whose protocol fsspec knows, or ValueError naming the fix."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ValueError(
+            f"{url!r}: unknown storage protocol {protocol!r}; use a local path, file://, s3:// or memory://"
+        ) from None
+    except ImportError as error:
+        raise ValueError(f"{url!r}: the package for {protocol}:// is not installed ({error}); install it (s3fs for s3://)") from None
+    return url
+
+
+def check_run_url(url: str) -> tuple[str, str]:
+    """(storage, run) of a run URL STORAGE_URL/RUN, checked before anything opens it: its shape, its
+    run name and its protocol; ValueError naming the fix otherwise."""
+    from storage.layout import split_run_url
+
+    return split_run_url(check_url(url))
+
+
+def _checked(url: str) -> str:
+    """The URL argument of a shards command, or a usage error (exit 2) naming it and the fix."""
+    from storage.filesystem import resolve
+
+    try:
+        check_url(url)
+        fs, path = resolve(url)
+        missing = not fs.exists(path)
+    except (ValueError, OSError) as error:
+        raise typer.BadParameter(" ".join(str(error).split()), param_hint="URL") from None
+    if missing:
+        raise typer.BadParameter(f"{url} does not exist; give a run, its rollouts/, a partition or a shard file", param_hint="URL")
+    return url
+
+
 @shards_app.command("ls")
 def list_command(url: URL) -> None:
     """List shards with their partition, group and sequence counts and bytes (footers only)."""
     from storage.inspection import summarize
 
-    summaries = summarize(url)
+    summaries = summarize(_checked(url))
     if not summaries:
         console.print(f"no shards under {url}")
         return
@@ -75,7 +114,7 @@ def show_command(
     from storage.schema import table_to_groups
     from storage.shard_file import find_shards, read_shard
 
-    fs, shards = find_shards(url)
+    fs, shards = find_shards(_checked(url))
     if not 0 <= shard < len(shards):
         raise typer.BadParameter(
             f"--shard {shard}: {url} has {len(shards)} shards", param_hint="--shard"
@@ -94,7 +133,7 @@ def verify_command(url: URL) -> None:
     """Read every shard whole and check schema, invariants and duplicates; exit 1 on any problem."""
     from storage.inspection import verify
 
-    checks = verify(url)
+    checks = verify(_checked(url))
     table = Table("shard", "groups", "sequences", "tokens", "status")
     for check in checks:
         status = (
@@ -115,12 +154,12 @@ def verify_command(url: URL) -> None:
 @shards_app.command("compact")
 def compact_command(
     url: URL,
-    target_mb: Annotated[float, typer.Option(help="Size of the merged shards, in MiB.")] = 128.0,
+    target_mb: Annotated[float, typer.Option(min=0.001, help="Size of the merged shards, in MiB.")] = 128.0,
 ) -> None:
     """Merge each partition's small shards into larger ones (not while a trainer consumes them)."""
     from storage.compact import compact
 
-    merged = compact(url, target_bytes=int(target_mb * 2**20))
+    merged = compact(_checked(url), target_bytes=int(target_mb * 2**20))
     for compaction in merged:
         console.print(
             f"{compaction.url}: {compaction.rows} rows from {len(compaction.sources)} shards"
@@ -134,9 +173,11 @@ def index_command(
 ) -> None:
     """Index shards copied into a run by hand: trainers find new shards through the run's index."""
     from storage.index import index_shards
-    from storage.layout import split_run_url
 
-    split_run_url(run_url)  # a run's URL, or the error says what one looks like
+    try:
+        check_run_url(run_url)  # a run's URL, or the error says what one looks like
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="RUN_URL") from None
     if not index_shards(run_url):
         console.print(f"{run_url} holds no shards")
         raise typer.Exit(1)

@@ -19,36 +19,60 @@ import typer
 def train_command(
     run: str = typer.Option(..., help="Run URL STORAGE_URL/RUN (a path, file://, s3://): reads its rollouts, publishes its checkpoints."),
     model: str = typer.Option(..., help="Initial policy: Hugging Face model directory or hub name."),
-    steps: int = typer.Option(..., help="Total optimizer steps; a resumed run continues up to it."),
+    steps: int = typer.Option(..., min=1, help="Total optimizer steps; a resumed run continues up to it."),
     config: Path = typer.Option(None, exists=True, dir_okay=False, help="Trainer YAML (TrainerConfig)."),
     set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set loss.name=dapo (repeatable)."),
     work_dir: Path = typer.Option(
         None, help="Local directory for resume state and metrics "
         "(default RUN_URL/trainer, or .clotho/trainer/RUN for remote storage).",
     ),  # fmt: skip
-    data_timeout_s: float = typer.Option(600.0, help="Seconds to wait for new groups before giving up."),
+    data_timeout_s: float = typer.Option(600.0, min=0.0, help="Seconds to wait for new groups before giving up."),
     local_rank: int = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
 ) -> None:
     """Train the policy on the run's rollout shards with DeepSpeed and publish checkpoints."""
-    import torch
+    import yaml
+    from pydantic import ValidationError
 
+    from storage.cli import check_run_url
+    from storage.reader import TokenizerMismatchError
     from trainer.config import TrainerConfig
-    from trainer.data import DataTimeoutError
-    from storage.layout import split_run_url
-    from trainer.train import train
+    from trainer.data import DataTimeoutError, check_run_tokenizer
 
+    # Everything is checked before anything heavy loads or anything is written.
     try:
-        storage, run_name = split_run_url(run)
+        storage, run_name = check_run_url(run)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--run") from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         # --model and --steps win over the file and --set; JSON quoting keeps a path a string.
         trainer_config = TrainerConfig.from_yaml(
             config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"]
         )
-    except ValueError as error:  # pydantic's ValidationError is a ValueError
-        raise typer.BadParameter(str(error)) from error
+    except ValidationError as error:
+        from clotho.cli import describe_validation_error
+
+        message = describe_validation_error(error, TrainerConfig)
+        if message.startswith("model: "):  # --model, given on the command line
+            raise typer.BadParameter(message.removeprefix("model: "), param_hint="--model") from None
+        raise typer.BadParameter(message, param_hint="--config/--set" if config else "--set") from None
+    except yaml.YAMLError as error:
+        raise typer.BadParameter(f"not valid YAML ({' '.join(str(error).split())}); fix the file", param_hint="--config") from None
+    except ValueError as error:  # an --set that does not apply, a file that is not a mapping
+        raise typer.BadParameter(str(error), param_hint="--set") from None
+    try:
+        check_run_tokenizer(storage, run_name, trainer_config.model)
+    except TokenizerMismatchError as error:
+        typer.echo(f"clotho train: --model: {error}", err=True)
+        raise typer.Exit(2) from None
+    except (FileNotFoundError, PermissionError) as error:  # a bucket that is not there, credentials refused
+        typer.echo(f"clotho train: --run: {' '.join(str(error).split())}", err=True)
+        raise typer.Exit(2) from None
+
+    import torch
+
+    from trainer.train import train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         for _ in train(trainer_config, storage, run_name, work_dir=work_dir, data_timeout_s=data_timeout_s):
             pass

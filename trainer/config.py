@@ -3,16 +3,46 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from clotho.overrides import apply_overrides
 from environments.advantages import AdvantageMode
+
+# A Hugging Face hub id: 'name' or 'org/name' (letters, digits, '-', '_', '.').
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether `name` has the shape of a Hugging Face hub id ('name' or 'org/name'), not of a path."""
+    return _HUB_ID.fullmatch(name) is not None
+
+
+def check_model_source(model: str) -> str:
+    """`model` if it is a local model directory (with config.json) or could be a hub id; a path
+    that names no model directory raises ValueError saying the fix, before anything loads it.
+    ('org/name' that is no directory here is taken for a hub id: transformers downloads it.)"""
+    path = Path(model).expanduser()
+    build = "`clotho model tiny DIR` builds a small one"
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model!r} holds no config.json: not a Hugging Face model directory; point at one ({build})")
+        return model
+    if path.exists():
+        raise ValueError(f"{model!r} is a file; give a Hugging Face model directory ({build}) or a hub id")
+    if not is_hub_id(model):
+        raise ValueError(
+            f"{model!r} does not exist; give a Hugging Face model directory ({build}) or a hub id such as "
+            "Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    return model
+
 
 # The built-in losses by short name; `loss.name` takes either these or any such import path.
 BUILTIN_LOSSES = {
@@ -202,7 +232,7 @@ class TrainerConfig(BaseModel):
             "packed into as many micro-batches as they need; gradients accumulate over all of them."
         ),
     )
-    lr: float = Field(default=1e-6, gt=0.0, description="AdamW learning rate.")
+    lr: float = Field(default=1e-6, gt=0.0, le=1.0, description="AdamW learning rate (above 1 AdamW diverges).")
     grad_clip: float | None = Field(
         default=1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."
     )
@@ -243,6 +273,11 @@ class TrainerConfig(BaseModel):
     seed: int = Field(default=0, description="Seeds torch and the data order.")
     loss: LossConfig = Field(default_factory=LossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, model: str) -> str:
+        return check_model_source(model)
 
     @model_validator(mode="after")
     def _loss_advantage_default(self) -> TrainerConfig:

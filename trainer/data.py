@@ -3,12 +3,16 @@ and the objective each group is trained with."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from environments.scored_group import ScoredGroup, objective_problems
-from storage.reader import ShardReader
+from storage.reader import ShardReader, TokenizerMismatchError
 
 log = logging.getLogger(__name__)
 
@@ -123,3 +127,62 @@ def next_step_groups(
             on_wait(stale)  # rejected groups are consumed too: the caller counts them (on_reject)
             skipped_told = len(stale) + rejected
         time.sleep(poll_s)
+
+
+@functools.lru_cache(maxsize=16)
+def tokenizer_fingerprint(name: str) -> str | None:
+    """A digest of a tokenizer's vocabulary and special tokens (what its ids mean), or None when
+    `name` does not load here (a path on another machine, a hub id not downloaded)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=True)
+    except Exception:  # noqa: BLE001 - whatever keeps it from loading, it cannot be compared
+        return None
+    identity = [sorted(tokenizer.get_vocab().items()), sorted(map(str, tokenizer.all_special_tokens))]
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()
+
+
+def tokenizer_problem(shard_tokenizer: str, model: str) -> str | None:
+    """Why ids from `shard_tokenizer` (a shard's footer) do not mean to `model` what they meant
+    when sampled, or None. The same name, or two tokenizers with the same vocabulary and special
+    tokens (a model directory and its copy), agree; one that does not load here cannot be checked
+    and is let through (logged)."""
+    if shard_tokenizer == model:
+        return None
+    shard_print, model_print = tokenizer_fingerprint(shard_tokenizer), tokenizer_fingerprint(model)
+    if shard_print is None or model_print is None:
+        log.warning("cannot compare the shards' tokenizer %r with the model's %r here; trusting it", shard_tokenizer, model)
+        return None
+    if shard_print == model_print:
+        return None
+    return (
+        f"tokenized with {shard_tokenizer!r}, whose vocabulary differs from the tokenizer of the model {model!r}; "
+        "train the model the run was sampled with (--model), or sample a new run with this one"
+    )
+
+
+def check_run_tokenizer(
+    storage: str, run: str, model: str, *, storage_options: dict[str, Any] | None = None, sample: int = 4
+) -> None:
+    """Refuses, with TokenizerMismatchError, a run whose shards were tokenized by another tokenizer
+    than `model`'s: their token ids would train the wrong tokens. Reads the footers of the run's
+    first and last `sample` shards (one listing of the run, no rows); a run without shards passes."""
+    from storage.layout import rollouts_url
+    from storage.schema import METADATA_TOKENIZER, ShardFormatError
+    from storage.shard_file import find_shards, read_footer
+
+    fs, shards = find_shards(rollouts_url(storage, run), storage_options=storage_options)
+    checked: set[str] = set()
+    for shard in shards[:sample] + shards[-sample:]:
+        try:
+            metadata = read_footer(fs, shard).metadata or {}
+        except (ShardFormatError, FileNotFoundError):  # the reader quarantines or passes it later
+            continue
+        tokenizer = metadata.get(METADATA_TOKENIZER, b"").decode()
+        if not tokenizer or tokenizer in checked:
+            continue
+        checked.add(tokenizer)
+        problem = tokenizer_problem(tokenizer, model)
+        if problem is not None:
+            raise TokenizerMismatchError(f"{shard.url} was {problem}")

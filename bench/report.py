@@ -92,6 +92,16 @@ def rows() -> list[list[str]]:
         table.append(["`bench_sandbox.py`", f"`{r['program']}` in the sandbox ({r['isolation']}: namespaces, rlimits, own uid) vs a bare `python -c` subprocess, wall time per launch (control: bare again)",
                       "none set", f"{r['ratio_sandbox_to_bare']}x{rounds} (control {r['ratio_control']}x), {r['mean_s'][r['isolation']] * 1e3:.0f} ms vs {r['mean_s']['bare'] * 1e3:.0f} ms; by level {levels}",
                       _measured(sandbox)])  # fmt: skip
+    if remote := _load("remote"):
+        adapters = remote["result"]["adapters"]
+
+        def cell(name: str, r: dict) -> str:
+            interval = r.get("ratio_interval") or {}
+            rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
+            return f"{name} {r['ratio_remote_to_inproc']}x{rounds} ({r['added_ms_per_group']:+} ms, control {r['ratio_control']}x, venv {r['venv_mb'] / 1024:.2f} GB)"
+
+        table.append(["`bench_remote.py`", "a group collected through `clotho env serve` vs in process, same venv and config, per adapter (control: in process again)",
+                      "none set", "; ".join(cell(name, r) for name, r in adapters.items()), _measured(remote)])  # fmt: skip
     return table
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import logging
 import os
 import platform
 import secrets
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
 
 LEVELS = ("bwrap", "unshare", "rlimits")
 PATH = "/usr/bin:/bin"
@@ -223,9 +226,32 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
             sweep = "import os, signal; os.kill(-1, signal.SIGKILL)"  # -1: every process of the uid but the caller
             subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", INTERPRETER, "-I", "-c", sweep],
                            env={"PATH": PATH}, capture_output=True, check=False)  # fmt: skip
+        if uid is not None:
+            _wait_until_gone(uid)
         out, err = _tail(stdout, limits.output_bytes), _tail(stderr, limits.output_bytes)
     code = process.returncode
     return SandboxResult(code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds)
+
+
+def _wait_until_gone(uid: int, timeout_s: float = 5.0) -> None:
+    """Returns once no process of `uid` is left: the kernel tears a dead pid namespace down after
+    its first process exits, not before, so a fork bomb's processes may outlive it by a moment."""
+    marker = f"\t{uid}\t"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = False
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                uids = next(line for line in status.read_text().splitlines() if line.startswith("Uid:"))
+            except (OSError, StopIteration):  # it ended while we looked
+                continue
+            if marker in uids + "\t":
+                left = True
+                break
+        if not left:
+            return
+        time.sleep(0.01)
+    log.warning("sandbox uid %d still has processes %.0f s after its program ended", uid, timeout_s)
 
 
 def drops_uid(level: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,3 +91,24 @@ def create_bucket(server: S3Server, bucket: str) -> None:
         key="testing", secret="testing", endpoint_url=server.endpoint_url, skip_instance_cache=True
     )
     fs.mkdir(bucket)
+
+
+@contextlib.contextmanager
+def s3_environment(variables: dict[str, str]) -> Iterator[None]:
+    """Sets the AWS variables that point s3fs at a test server, and restores them after. fsspec
+    caches S3 filesystems by their arguments, not the environment: the cache is dropped on the way
+    in (no filesystem made for another server) and out (none left pointing at a stopped one)."""
+    import s3fs
+
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        s3fs.S3FileSystem.clear_instance_cache()

@@ -614,31 +614,19 @@ def run_storage_fault_soak(trials: int = 20, seed: int = 0, *, report: Any = pri
     """`trials` randomized storage-fault trials against a moto server of their own behind a fault
     proxy (seeds seed..seed+trials-1); returns one soak-table row per trial, `report`ed as it ends.
     Sets AWS_ENDPOINT_URL and test credentials for the duration, and restores them."""
-    import os
-
-    import s3fs
-
-    from tests.s3_server import CREDENTIALS, create_bucket, start_s3_server, stop_s3_server
+    from tests.s3_server import CREDENTIALS, create_bucket, s3_environment, start_s3_server, stop_s3_server
 
     server = start_s3_server()
     proxy = S3FaultProxy(server.endpoint_url).start()
-    variables = {**CREDENTIALS, "AWS_ENDPOINT_URL": proxy.endpoint_url}
-    saved = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
     rows = []
     try:
-        create_bucket(server, "clotho-soak")
-        for index in range(trials):
-            row = run_storage_fault_trial(seed + index, proxy, "clotho-soak").row()
-            report(row)
-            rows.append(row)
+        with s3_environment({**CREDENTIALS, "AWS_ENDPOINT_URL": proxy.endpoint_url}):
+            create_bucket(server, "clotho-soak")
+            for index in range(trials):
+                row = run_storage_fault_trial(seed + index, proxy, "clotho-soak").row()
+                report(row)
+                rows.append(row)
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        s3fs.S3FileSystem.clear_instance_cache()
         proxy.close()
         stop_s3_server(server)
     return rows

@@ -5,8 +5,9 @@ VENV := .venv
 INFERENCE_VENV := .venv-inference
 PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
+SOAK_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean-venvs
+.PHONY: setup demo test test-fast bench soak clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -64,6 +65,12 @@ bench: setup
 	$(VENV)/bin/python bench/bench_reprocess.py
 	$(VENV)/bin/python bench/bench_sandbox.py
 	$(VENV)/bin/python bench/report.py --readme
+
+# Fault injection into a running loop (soak/run.py): SIGKILL of the rollout flow, the trainer, the
+# reload watcher, vLLM (also mid-reload) and the Prefect server, 20 trials each; prints the table.
+# `make soak SOAK_ARGS="--trials 3 --fault trainer --fault vllm"` for fewer.
+soak: setup
+	$(VENV)/bin/python -m soak.run $(SOAK_ARGS)
 
 clean-venvs:
 	rm -rf $(VENV) $(INFERENCE_VENV) .venv-env-*

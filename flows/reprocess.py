@@ -34,8 +34,8 @@ from prefect.futures import as_completed
 from flows.artifacts import artifact_key
 from storage.filesystem import is_local, publish, resolve, storage_errors
 from storage.index import add_entry
-from storage.layout import ROLLOUTS, TEMPORARY, join, rollouts_url, split_run_url
-from storage.schema import METADATA_NUM_GROUPS, METADATA_TOKENIZER, concat_shard_tables, table_to_groups
+from storage.layout import ROLLOUTS, TEMPORARY, ShardLocation, join, new_shard_id, parse_shard_name, rollouts_url, split_run_url
+from storage.schema import METADATA_COMPACTED_FROM, METADATA_NUM_GROUPS, METADATA_TOKENIZER, concat_shard_tables, table_to_groups
 from storage.shard_file import ShardInfo, find_shards, read_footers, read_shard, write_shard
 from tasks.exports import EXPORT_FUNCTIONS
 from tasks.reprocess import (
@@ -68,11 +68,32 @@ class Job:
         return self.operations[-1].name if self.operations[-1].name in EXPORTS else None
 
     def output_path(self, first: ShardInfo) -> str:
-        """The output file of a bin whose first input shard is `first`."""
+        """The output file of a bin whose first input shard is `first`: for an export named after
+        it; in a run a new shard id, stamped now, since a run's readers take a shard whose id is
+        older than their clock less storage.index.GRACE_S as consumed (the input's may be days old)."""
         _, base = resolve(self.output_url)
         if self.export:
             return join(base, "data", f"{first.location.shard_id}.parquet")
-        return join(base, ROLLOUTS, first.location.name)
+        return join(base, ROLLOUTS, ShardLocation(first.env, first.policy_version, new_shard_id()).name)
+
+
+# Output shards name the input shards they were made from (JSON list), so a job run again skips
+# them: their own names are stamped when they are written.
+REPROCESSED_FROM = b"clotho.reprocessed_from"
+
+
+def written_bins(job: Job) -> dict[str, str]:
+    """First input shard name -> output shard path, for the bins an earlier run of the job wrote
+    into the output run (read from the output shards' footers)."""
+    fs, shards = find_shards(rollouts_url(*split_run_url(job.output_url)))
+    written = {}
+    for shard, footer in zip(shards, read_footers(fs, shards) if shards else [], strict=True):
+        if isinstance(footer, Exception):
+            raise footer
+        sources = json.loads((footer.metadata or {}).get(REPROCESSED_FROM, b"[]"))
+        if sources:
+            written[sources[0]] = shard.path
+    return written
 
 
 def plan_operations(operations: list[str]) -> list[Operation]:
@@ -143,11 +164,11 @@ def export_table(job: Job, table: pa.Table) -> pa.Table:
 
 
 @task(name="reprocess shards", retries=2, retry_delay_seconds=2)
-def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int]]) -> dict[str, int]:
-    """One output file from `shards` (already there: skipped); the counts in and out."""
+def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int]], written: str | None = None) -> dict[str, int]:
+    """One output file from `shards` (already there, `written` for a run: skipped); the counts in and out."""
     in_fs, _ = resolve(job.input_run_url)
     out_fs, out_base = resolve(job.output_url)
-    path = job.output_path(shards[0])
+    path = written or job.output_path(shards[0])
     counts = {"shards_in": len(shards), "rows_in": 0, "groups_in": 0, "rows_out": 0, "groups_out": 0, "files_out": 0}
     with storage_errors(job.output_url):
         exists = out_fs.exists(path)
@@ -181,9 +202,15 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
             publish(out_fs, path, memoryview(_parquet_bytes(output)), join(out_base, TEMPORARY))
         counts.update(rows_out=output.num_rows, groups_out=output.num_rows, files_out=1)
         return counts
+    location = parse_shard_name("/".join(path.split("/")[-3:]))
+    metadata = {key: value for key, value in merged.schema.metadata.items() if key != METADATA_COMPACTED_FROM}
+    metadata[REPROCESSED_FROM] = json.dumps([shard.name for shard in shards]).encode()
     with storage_errors(job.output_url):
-        add_entry(out_fs, out_base, shards[0].location)  # before the shard, as every writer does (storage.index)
-        write_shard(out_fs, path, merged, join(out_base, TEMPORARY))
+        write_shard(
+            out_fs, path, merged.replace_schema_metadata(metadata), join(out_base, TEMPORARY),
+            # its index entry just before the shard, as every writer does (storage.index)
+            before=lambda: add_entry(out_fs, out_base, location),
+        )  # fmt: skip
     counts.update(rows_out=merged.num_rows, groups_out=_groups_of(merged), files_out=1)
     return counts
 
@@ -260,8 +287,12 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
             out_fs.pipe_file(job_path, json.dumps(description).encode())
 
     work = bins(shards, ops)
+    written = {} if job.export else written_bins(job)
     progress = create_progress_artifact(progress=0.0, key=artifact_key("reprocess-progress", input_run), description=f"{len(work)} output files")
-    futures = [process_bin.submit(job, shard_bin, {s.name: duplicates.get(s.name, set()) for s in shard_bin}) for shard_bin in work]
+    futures = [
+        process_bin.submit(job, shard_bin, {s.name: duplicates.get(s.name, set()) for s in shard_bin}, written.get(shard_bin[0].name))
+        for shard_bin in work
+    ]
     totals: dict[str, int] = {}
     for done, future in enumerate(as_completed(futures), start=1):
         for key, value in future.result().items():

@@ -57,8 +57,11 @@ class ReloadWatcher:
     serves any more are deleted. A server that fails is reported, restored to its verified weights
     when possible, and tried again (next poll if restored, else with backoff up to a minute); a
     version that fails parity or the preflight on a server is not retried there (the next
-    checkpoint is). Each server pins the step it serves and the one it is loading
-    (storage.checkpoints.pin_steps), so the trainer's checkpoint retention leaves them alone.
+    checkpoint is). Every poll also asks each healthy server which version it announces: one that
+    restarted (a fresh vLLM announces 0 on its base weights) or stopped answering is restored the
+    same way, not left behind until the next checkpoint. Each server pins the step it serves and
+    the one it is loading (storage.checkpoints.pin_steps), so the trainer's checkpoint retention
+    leaves them alone.
     """
 
     def __init__(
@@ -104,19 +107,44 @@ class ReloadWatcher:
         """Picks up where a previous watcher left off: a server already announcing version N (>0) of
         this run gets checkpoint N as its verified weights, so fallbacks return there."""
         for target in self.servers:
-            try:
-                async with target.client() as client:
+            await self._adopt(target, resume=True)
+
+    async def _adopt(self, target: ServedPolicy, *, resume: bool = False) -> None:
+        """Takes the version `target` announces as what it serves, when that checkpoint is this
+        run's; marks it unhealthy (restored by the next poll) when it cannot say or it is not."""
+        try:
+            async with target.client() as client:
+                if resume:
                     await ensure_resumed(client)
-                    version = await client.weight_version()
-                if version > 0 and version != target.version:
-                    url = checkpoint_url(self.root, self.run_name, version)
-                    info = await asyncio.to_thread(read_checkpoint, url, storage_options=self.storage_options)
-                    target.weights_dir, target.version = await self.local_copy(info), version
-                    log.info("%s already serves version %d of run %s", target.base_url, version, self.run_name)
-            except Exception as error:  # noqa: BLE001 - restored (or reported) by the first poll
-                log.error("%s: cannot tell what it serves (%s); restoring it to %s",
-                          target.base_url, error, target.weights_dir)  # fmt: skip
-                target.healthy = False
+                version = await client.weight_version()
+            if version > 0 and version != target.version:
+                url = checkpoint_url(self.root, self.run_name, version)
+                info = await asyncio.to_thread(read_checkpoint, url, storage_options=self.storage_options)
+                target.weights_dir, target.version = await self.local_copy(info), version
+                log.info("%s already serves version %d of run %s", target.base_url, version, self.run_name)
+        except Exception as error:  # noqa: BLE001 - restored (or reported) by the first poll
+            log.error("%s: cannot tell what it serves (%s); restoring it to %s",
+                      target.base_url, error, target.weights_dir)  # fmt: skip
+            target.healthy = False
+
+    async def _check_announced(self, target: ServedPolicy) -> None:
+        """A server this watcher left healthy must still announce the version it gave it. One that
+        answers with less (a restart on its base weights announces 0) or not at all is unhealthy,
+        and restored to its verified weights like a failed reload, instead of serving other
+        weights than the run's newest until the next checkpoint comes (maybe never: a trainer
+        waiting for groups the samplers hold back until the servers catch up)."""
+        try:
+            async with target.client() as client:
+                announced = await client.weight_version()
+        except Exception as error:  # noqa: BLE001 - unreachable or failing: the restore says which
+            log.error("%s does not answer (%s); restoring it to version %d", target.base_url, error, target.version)
+            target.healthy = False
+            return
+        if announced < target.version:
+            log.error("%s announces version %d, not %d (restarted?); restoring it", target.base_url, announced, target.version)
+            target.healthy = False
+        elif announced > target.version:  # another watcher moved it on: take its version if it is this run's
+            await self._adopt(target)
 
     async def poll_once(self) -> list[ReloadOutcome]:
         """One look at the run: every server behind the newest checkpoint is reloaded, concurrently."""
@@ -124,6 +152,7 @@ class ReloadWatcher:
         info = await asyncio.to_thread(latest_checkpoint, self.root, self.run_name, storage_options=options)
         due = [t for t in self.servers if self._retry.get(t.base_url, (0, 0.0))[1] <= time.monotonic()]
         behind = [t for t in due if info is not None and info.step > t.version and info.step not in t.rejected]
+        await asyncio.gather(*(self._check_announced(t) for t in due if t.healthy and t not in behind))
         unhealthy = [t for t in due if not t.healthy and t not in behind]
         for target in self.servers:
             await asyncio.to_thread(self.pin, target, *([info.step] if target in behind else []))

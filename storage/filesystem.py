@@ -239,7 +239,8 @@ def _credential_errors() -> tuple[type[Exception], ...]:
 
 
 def publish(
-    fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview, temp_dir: str
+    fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview, temp_dir: str,
+    before: Callable[[], None] | None = None,
 ) -> None:
     """Make `data` appear at `path` all at once, never replacing an existing file.
 
@@ -250,6 +251,10 @@ def publish(
     transiently; a retry whose earlier try landed unanswered (the connection dropped after the
     store took the object) finds the object there: when it holds exactly `data`, the write is ours
     and done, else it is another writer's and FileExistsError stands.
+
+    `before` runs once, when the bytes are staged (on a local disk: written and synced to the
+    temporary file), just before they become visible: what must exist before the file does (its
+    index entry) is then never left alone for longer than a link by a writer killed mid-write.
     """
     if "://" in path or "://" in temp_dir:
         raise ValueError(
@@ -257,9 +262,11 @@ def publish(
         )
     try:
         if is_local(fs):
-            _publish_local(path, data, temp_dir)
+            _publish_local(path, data, temp_dir, before)
         else:
             body = bytes(data) if isinstance(data, memoryview) else data
+            if before is not None:
+                before()
             try:
                 retrying(fs, path, fs.pipe_file, path, body, mode="create")
             except FileExistsError:
@@ -278,7 +285,7 @@ def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
         return None
 
 
-def _publish_local(path: str, data: bytes | memoryview, temp_dir: str) -> None:
+def _publish_local(path: str, data: bytes | memoryview, temp_dir: str, before: Callable[[], None] | None = None) -> None:
     os.makedirs(temp_dir, exist_ok=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temp_path = os.path.join(temp_dir, f".{os.path.basename(path)}.{os.urandom(4).hex()}.tmp")
@@ -289,6 +296,8 @@ def _publish_local(path: str, data: bytes | memoryview, temp_dir: str) -> None:
             os.fsync(
                 file.fileno()
             )  # the name must never point at bytes still in flight after a crash
+        if before is not None:
+            before()
         try:
             os.link(temp_path, path)
         except FileExistsError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,10 +82,13 @@ def decode(data: bytes | pa.Buffer, url: str) -> pa.Table:
     return table
 
 
-def write_shard(fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, temp_dir: str) -> None:
-    """Encode and publish a checked shard table at `path`; raises FileExistsError if it exists."""
+def write_shard(
+    fs: fsspec.AbstractFileSystem, path: str, table: pa.Table, temp_dir: str, before: Callable[[], None] | None = None
+) -> None:
+    """Encode and publish a checked shard table at `path`; raises FileExistsError if it exists.
+    `before` runs once the bytes are staged, just before the shard becomes visible (publish)."""
     check_table(table)
-    publish(fs, path, memoryview(encode(table)), temp_dir)
+    publish(fs, path, memoryview(encode(table)), temp_dir, before)
 
 
 def read_shard(fs: fsspec.AbstractFileSystem, shard: ShardInfo) -> pa.Table:

@@ -167,12 +167,15 @@ class ShardWriter:
             url = join(self.url, ROLLOUTS, location.name)
             with storage_errors(url):
                 try:
-                    add_entry(self._fs, self._run_path, location)  # first: see storage.index
                     write_shard(
                         self._fs,
                         join(self._rollouts_path, location.name),
                         groups_to_table(groups, self.tokenizer),
                         self._temp_path,
+                        # The entry comes first (see storage.index), once the bytes are staged: a
+                        # writer killed while it encodes or syncs leaves no entry without its
+                        # shard, which every reader of the run would wait on for GRACE_S.
+                        before=lambda: add_entry(self._fs, self._run_path, location),
                     )
                 except FileExistsError:
                     raise

@@ -97,12 +97,16 @@ def publish_step(
     step: int,
     extra: dict[str, Any],
     storage_options: dict[str, Any] | None = None,
+    staging_dir: Path | None = None,
 ) -> str | None:
     """Publish the engine's weights as checkpoint step N (rank 0 writes; call on every rank).
 
     Returns the checkpoint URL on rank 0, None on other ranks. A step already published (STABLE)
     is left alone: it was written by an earlier run of the same steps that died before saving its
-    resume state, and training is deterministic, so it holds these weights.
+    resume state, and training is deterministic, so it holds these weights. The HF files are
+    saved to a temporary directory under `staging_dir` (the system's temporary directory when
+    None) and uploaded from there; a trainer killed meanwhile leaves it behind, so give a
+    directory that the next start empties (`clear_staging`).
     """
     state_dict = hf_state_dict(engine, zero_stage)
     if state_dict is None:
@@ -115,12 +119,23 @@ def publish_step(
     else:
         log.warning("%s is already published (by a run that died before saving its state)", url)
         return url
-    with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-") as temporary:
+    with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary))
         publish_checkpoint(
             temporary, storage, run, step, extra=extra, storage_options=storage_options
         )
     return url
+
+
+def clear_staging(staging_dir: Path) -> None:
+    """Empty the run's staging directory at start: what is there is a checkpoint a killed trainer
+    was publishing (a whole model's weights), which nothing will ever upload."""
+    if staging_dir.exists():
+        left = list(staging_dir.iterdir())
+        if left:
+            log.info("removing %d checkpoint(s) a previous trainer left staged in %s", len(left), staging_dir)
+        shutil.rmtree(staging_dir, ignore_errors=True)
+    staging_dir.mkdir(parents=True, exist_ok=True)
 
 
 def rng_state() -> dict[str, Any]:

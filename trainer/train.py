@@ -26,7 +26,7 @@ from storage.layout import run_url
 from storage.ledger import Ledger
 from storage.progress import TrainerPosition, remove_sampler_positions, retire_closed_samplers, write_trainer_position
 from storage.reader import ShardReader
-from trainer.checkpointing import load_resume_state, publish_step, rng_state, save_resume_state
+from trainer.checkpointing import clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
@@ -63,6 +63,7 @@ def train(
     torch.manual_seed(config.seed)
     work_dir = Path(work_dir) if work_dir is not None else default_work_dir(storage, run)
     state_dir = work_dir / "state"
+    staging_dir = work_dir / "staging"  # checkpoints on their way to storage (see publish_step)
     # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
     # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
     model = load_policy(config.model, config.dtype)
@@ -83,6 +84,7 @@ def train(
     reader = metrics_log = None
     where = dict(config=config, storage=storage, run=run, storage_options=storage_options, totals=totals)
     if rank == 0:
+        clear_staging(staging_dir)
         ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
         reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
         metrics_log = MetricsLog(work_dir)
@@ -160,7 +162,7 @@ def train(
                 url = publish_step(
                     engine, zero_stage=config.zero_stage, base_model=config.model,
                     storage=storage, run=run, step=step, storage_options=storage_options,
-                    extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
+                    extra={"ledger": ledger_state, "trainer_config": config.model_dump()}, staging_dir=staging_dir,
                 )  # fmt: skip
                 policy_version = step
                 retiring = []

@@ -15,9 +15,9 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from clotho.cli import drain_prefect_reporting
 from environments.scored_group import ScoredGroup, ScoredSequence
-from flows.reprocess import reprocess
+from flows.reprocess import REPROCESSED_FROM, reprocess
 from storage.reader import ShardReader
-from storage.shard_file import find_shards
+from storage.shard_file import find_shards, read_footers
 from storage.writer import ShardWriter
 from tests.flows.test_rollout_flow import api, flow_run_state
 
@@ -55,7 +55,13 @@ def prefect(prefect_server):
 
 def output_rows(run_url: str) -> list[tuple[str, list[float]]]:
     root, run = run_url.rsplit("/", 1)
-    return [(g.item_id, g.scores) for g in ShardReader(root, run).groups()]
+    return sorted((g.item_id, g.scores) for g in ShardReader(root, run).groups())  # shards in the order written
+
+
+def sources(run_url: str) -> list[list[str]]:
+    """The input shards each output shard of a run names in its metadata."""
+    fs, shards = find_shards(run_url)
+    return sorted(json.loads(footer.metadata[REPROCESSED_FROM]) for footer in read_footers(fs, shards))
 
 
 def test_filter_then_advantages_writes_a_run_a_trainer_reads_with_lineage(source, tmp_path, prefect) -> None:
@@ -65,7 +71,8 @@ def test_filter_then_advantages_writes_a_run_a_trainer_reads_with_lineage(source
     assert lineage["counts"] | {"files_out": 0} == {"shards_in": 4, "rows_in": 36, "groups_in": 12, "rows_out": 24, "groups_out": 8, "files_out": 0}
     root, run = out.rsplit("/", 1)
     stored = list(ShardReader(root, run).groups())
-    assert [g.item_id for g in stored] == [f"item-{i}" for i in range(12) if i % 3]
+    assert sorted(g.item_id for g in stored) == sorted(f"item-{i}" for i in range(12) if i % 3)
+    assert sources(out) == [[shard.name] for shard in sorted(find_shards(source)[1], key=lambda s: s.name)]
     assert all([s.advantages[-1] for s in g.sequences] == [0.5, -0.5, 0.0] for g in stored)
     written = json.loads(Path(tmp_path / "out" / "run" / "lineage.json").read_text())
     assert written["inputs"] == [source] and written["operations"][0] == {"op": "filter", "drop_equal_scores": True}
@@ -91,8 +98,7 @@ def test_a_job_killed_half_way_and_run_again_ends_with_the_same_output(source, t
     process.kill()
     process.wait(timeout=30)
     reprocess(input_run_url=source, output_url=killed, operations=operations)
-    names = lambda url: sorted(s.name for s in find_shards(url)[1])  # noqa: E731
-    assert names(killed) == names(whole) and output_rows(killed) == output_rows(whole)
+    assert sources(killed) == sources(whole) and output_rows(killed) == output_rows(whole)
     assert (tmp_path / "killed" / "run" / "lineage.json").exists()
 
 
@@ -183,4 +189,6 @@ def test_compact_merges_a_partitions_outputs(source, tmp_path, prefect) -> None:
     lineage = reprocess(input_run_url=source, output_url=out, operations=["advantages", "compact:target_mb=64"])
     shards = find_shards(out)[1]
     assert len(shards) == 1 and lineage["counts"]["files_out"] == 1 and lineage["counts"]["shards_in"] == 4
-    assert [item for item, _ in output_rows(out)] == [f"item-{i}" for i in range(12)]  # every group, in order
+    root, run = out.rsplit("/", 1)
+    in_order = [g.item_id for g in ShardReader(root, run).groups()]
+    assert in_order == [f"item-{i}" for i in range(12)]  # every group, in the input's order

@@ -11,7 +11,7 @@ import pytest
 
 from inference.client import PolicyServerError
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
-from inference.reload import ServedPolicy, restore_server, swap_weights
+from inference.reload import ServedPolicy, announce, restore_server, swap_weights
 from inference.server import free_port
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import publish_checkpoint
@@ -213,6 +213,28 @@ async def test_s3_checkpoint_is_copied_to_local_disk_and_reloaded(untied_policy,
         assert await announced(policy) == step and await served_matches(policy, checkpoint) < 1e-4
     finally:
         stop_s3_server(s3)
+
+
+async def test_a_server_restarted_on_other_weights_is_restored_without_a_new_checkpoint(untied_policy, guard, tmp_path):
+    """A vLLM restarted behind the watcher's back (by a supervisor, on its base weights) announces
+    version 0: the next poll restores it to the run's newest version, though no checkpoint is new."""
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    base = policy.weights_dir
+    step = next_step(policy)
+    checkpoint = perturbed_checkpoint(base, tmp_path / "new", seed=83)
+    publish_checkpoint(checkpoint, root, "run", step)
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "reloaded" and await announced(policy) == step
+    async with policy.client() as client:  # what a restart does: the base weights, version 0
+        await swap_weights(client, base)
+        await announce(client, 0)
+    assert await served_matches(policy, base) < 1e-4
+    [outcome] = await watcher.poll_once()  # the same newest checkpoint: nothing is behind it on paper
+    assert outcome.status == "restored", outcome
+    assert policy.healthy and await announced(policy) == step
+    assert await served_matches(policy, checkpoint) < 1e-4
+    assert await watcher.poll_once() == []  # and then left alone
 
 
 @pytest.mark.slow

@@ -1,0 +1,164 @@
+"""`make soak`: fault injection into a running loop, every fault `--trials` times, then the table.
+
+    python -m soak.run [--trials 20] [--fault rollout --fault trainer ...] [--seed 0] [--work .clotho/soak]
+
+Starts a tiny model's vLLM server and a Prefect server (shared by every fault's loop), then per
+fault a loop (soak.loop) and its trials (soak.faults); prints one row per fault (trials, committed
+groups, lost, trained twice, torn, result) and the measurements behind it, and writes them to
+`WORK/results.json`. Exit code 1 when a trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from inference.server import free_port
+from soak import checks
+from soak.faults import FAULTS, run_trials
+from soak.loop import Loop, Settings, Trial
+from soak.parts import PolicyPart, PrefectPart
+
+# The --fault names of the faults (soak.faults.FAULTS).
+CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server"}
+assert sorted(CHOICES.values()) == sorted(FAULTS)
+# Per fault: how its loop samples. The vLLM fault samples real completions, so requests are in
+# flight when the server dies; the others draw them (inference is not what they test).
+SETTINGS = {
+    "rollout flow": Settings(delay_s=0.5),
+    "trainer": Settings(delay_s=0.5),
+    "reload watcher": Settings(delay_s=0.5),
+    "vLLM server": Settings(delay_s=0.0, sample_tokens=4),
+    "Prefect server": Settings(delay_s=0.5),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=20, help="Trials per fault (>= 1).")
+    parser.add_argument("--fault", action="append", choices=list(CHOICES), help="Only this fault (repeatable); default all.")
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the kill moments.")
+    parser.add_argument("--work", type=Path, default=Path(".clotho/soak"), help="Where runs, logs and results go.")
+    args = parser.parse_args(argv)
+    if args.trials < 1:
+        parser.error(f"--trials {args.trials}: use 1 or more")
+    faults = [CHOICES[name] for name in args.fault or CHOICES]
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(args.seed)
+
+    from inference.tiny_model import build_tiny_model
+
+    model = work / "model"
+    if not (model / "model.safetensors").exists():
+        build_tiny_model(model, seed=0)
+    say(f"soak: {args.trials} trials of {', '.join(faults)}; work in {work}")
+    prefect = PrefectPart(work / "prefect", free_port())
+    policy = PolicyPart(model, free_port(), work / "logs" / "vllm.log")
+    results: dict[str, list[Trial]] = {}
+    replays: dict[str, dict] = {}
+    started = time.monotonic()
+    try:
+        prefect.start()
+        say(f"Prefect server up at {prefect.api_url}; starting vLLM (about a minute on 2 cores)")
+        policy.start()
+        say(f"vLLM up at {policy.base_url}")
+        for index, fault in enumerate(faults):
+            loop = Loop(work / slug(fault), model, policy.base_url, settings=SETTINGS[fault], prefect=prefect, policy=policy, seed=index)
+            say(f"{fault}: {args.trials} trials")
+            try:
+                loop.start()
+                results[fault] = run_trials(loop, fault, args.trials, rng, log=say)
+                comparisons = loop.replay(results[fault])
+                replays[fault] = {
+                    "steps": len(comparisons),
+                    "bitwise_equal_steps": sum(c.equal for c in comparisons),
+                    "same_groups_steps": sum(c.same_groups for c in comparisons),
+                    "max_difference": max((c.max_difference for c in comparisons), default=0.0),
+                    "flow_runs": checks.flow_run_states(prefect.api_url, loop.run_url),
+                    # What killed parts left behind: clotho's temporary files, checkpoints still staged.
+                    "temporary_left": sorted(
+                        [path.name for path in (loop.work / "tmp").glob("clotho-*")]
+                        + [f"staging/{path.name}" for path in loop.staging_dir.glob("*")]
+                    ),
+                }
+                say(f"{fault}: replay {replays[fault]}")
+            finally:
+                loop.stop()
+    finally:
+        policy.stop()
+        prefect.stop()
+    report = render(results, replays, time.monotonic() - started)
+    print(report)
+    (work / "results.json").write_text(json.dumps(
+        {"trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()}, "replays": replays}, indent=1
+    ))  # fmt: skip
+    return 0 if all(passed(trials, replays.get(fault)) for fault, trials in results.items()) else 1
+
+
+def passed(trials: list[Trial], replay: dict | None) -> bool:
+    """Every trial's checks held, and the replay matched every step (segments without a kill too)."""
+    whole = replay is not None and replay["bitwise_equal_steps"] == replay["same_groups_steps"] == replay["steps"]
+    return whole and all(t.ok for t in trials)
+
+
+def slug(fault: str) -> str:
+    return fault.lower().replace(" ", "-")
+
+
+def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float) -> str:
+    """The table, one row per fault, and the measurements under it."""
+    lines = ["", "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]
+    for fault, trials in results.items():
+        ok = passed(trials, replays.get(fault))
+        lines.append(
+            f"| {fault} | {len(trials)} | {sum(t.committed for t in trials)} | {sum(t.lost for t in trials)} | "
+            f"{sum(t.twice for t in trials)} | {sum(t.torn for t in trials)} | {'pass' if ok else 'FAIL'} |"
+        )
+    lines.append("")
+    for fault, trials in results.items():
+        landed: dict[str, int] = {}
+        for trial in trials:
+            landed[trial.landed] = landed.get(trial.landed, 0) + 1
+        per_trial = statistics.mean(t.seconds for t in trials)
+        notes = [f"{per_trial:.0f} s per trial", "kills: " + ", ".join(f"{where} {count}" for where, count in sorted(landed.items()))]
+        uncommitted = [t.uncommitted for t in trials if t.uncommitted is not None]
+        if uncommitted:
+            oldest = max(t.uncommitted_oldest_s or 0.0 for t in trials)
+            notes.append(f"finished but uncommitted at the kill: {sum(uncommitted)} groups in all, at most {max(uncommitted)} per kill, "
+                         f"the oldest {oldest:.1f} s old")  # fmt: skip
+        mid_flush = [t for t in trials if "mid-flush" in t.landed]
+        if mid_flush:
+            notes.append(f"{len(mid_flush)} kills left a shard's index entry without its shard: the trainer waited for it "
+                         f"(storage.index.GRACE_S), those trials took {', '.join(f'{t.seconds:.0f}' for t in mid_flush)} s")  # fmt: skip
+        caught_up = [t.caught_up_s for t in trials if t.caught_up_s is not None]
+        if caught_up:
+            notes.append(f"kill to newest version served: median {statistics.median(caught_up):.0f} s, max {max(caught_up):.0f} s")
+        if fault in replays:
+            replay = replays[fault]
+            notes.append(f"replay: {replay['bitwise_equal_steps']}/{replay['steps']} steps bit-identical weights, "
+                         f"{replay['same_groups_steps']}/{replay['steps']} the same groups (max |diff| {replay['max_difference']:.3g})")  # fmt: skip
+            shown = ", ".join(f"{state.lower()} {count}" for state, count in sorted(replay["flow_runs"].items()))
+            notes.append(f"rollout flow runs in the Prefect UI: {shown}")
+            if replay["temporary_left"]:
+                notes.append(f"left in the parts' TMPDIR: {len(replay['temporary_left'])} ({', '.join(replay['temporary_left'][:3])})")
+        failed = [t for t in trials if not t.ok]
+        if failed:
+            notes.append("failed: " + " | ".join(f"#{t.trial}: {'; '.join(t.problems)}" for t in failed))
+        lines.append(f"- {fault}: " + "; ".join(notes))
+    lines.append(f"- total {seconds / 60:.1f} min")
+    return "\n".join(lines)
+
+
+def say(message: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {message}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

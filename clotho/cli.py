@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +13,8 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
+from clotho.flow_runtime import Stopped, _interrupt, drain_prefect_reporting, run_flow, start_local_prefect_server  # noqa: F401
+from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error  # noqa: F401
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
 
@@ -45,84 +45,6 @@ class OneLineErrors(TyperGroup):
         sys.exit(result if isinstance(result, int) else 0)  # an Exit's code, else success
 
 
-def describe_validation_error(error: Any, model: Any = None) -> str:
-    """A pydantic ValidationError as one line: 'field.path: what (got VALUE); ...', plus the valid
-    fields where a name is unknown (`model`: the validated class, to list them)."""
-    problems = []
-    for problem in error.errors():
-        where = ".".join(map(str, problem["loc"])) or "(top level)"
-        message = problem["msg"].removeprefix("Value error, ")
-        value = problem.get("input")
-        if problem["type"] == "extra_forbidden":
-            known = _fields_at(model, problem["loc"][:-1])
-            message = "unknown field; check the spelling" + (f" (fields: {', '.join(known)})" if known else "")
-        elif isinstance(value, (int, float, str, bool)) and len(repr(value)) <= 60 and repr(value) not in message:
-            message += f" (got {value!r})"
-        problems.append(f"{where}: {message}")
-    return " ".join("; ".join(problems).split())
-
-
-def _fields_at(model: Any, loc: tuple) -> list[str]:
-    """The field names of the pydantic model at `loc` inside `model` (lists and optionals followed)."""
-    from pydantic import BaseModel
-
-    def model_of(annotation: Any) -> Any:
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            return annotation
-        for argument in getattr(annotation, "__args__", ()):
-            if (found := model_of(argument)) is not None:
-                return found
-        return None
-
-    for part in loc:
-        if model is None or isinstance(part, int):
-            continue
-        field = model.model_fields.get(part)
-        model = model_of(field.annotation) if field is not None else None
-    return list(model.model_fields) if model is not None else []
-
-
-def check_server_url(url: str, option: str = "--server") -> str:
-    """An http(s) URL with a host, or typer.BadParameter naming the option and what one looks like."""
-    import httpx
-
-    try:
-        parsed = httpx.URL(url)
-    except Exception:
-        parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise typer.BadParameter(f"{url!r} is not an http(s) URL; give the server's base URL, e.g. http://127.0.0.1:8000",
-                                 param_hint=option)  # fmt: skip
-    return url
-
-
-def check_tokenizer(tokenizer: str, option: str = "--tokenizer") -> str:
-    """A tokenizer directory holding tokenizer files, or what could be a hub id: checked on disk
-    only (loading it would cost seconds the flow spends anyway)."""
-    from trainer.config import is_hub_id
-
-    fix = "give the policy model's directory or Hugging Face id (by default, the model the server serves)"
-    path = Path(tokenizer).expanduser()
-    if path.is_dir():
-        if not any((path / name).is_file() for name in TOKENIZER_FILES):
-            raise typer.BadParameter(f"{tokenizer!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)}); {fix}",
-                                     param_hint=option)  # fmt: skip
-    elif path.exists() or not is_hub_id(tokenizer):
-        raise typer.BadParameter(f"{tokenizer!r} {'is a file' if path.exists() else 'does not exist'}; {fix}", param_hint=option)
-    return tokenizer
-
-
-# Any of these makes a directory a tokenizer transformers can load.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
-
-
-def check_model(model: str, option: str = "--model") -> str:
-    from trainer.config import check_model_source
-
-    try:
-        return check_model_source(model)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint=option) from None
 
 
 app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True, cls=OneLineErrors)
@@ -162,103 +84,6 @@ def model_tiny(
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--size") from None
     typer.echo(f"{size} model written to {out} in {time.monotonic() - started:.1f}s")
-
-
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
-class Stopped(Exception):
-    """The flow was cancelled by SIGINT or SIGTERM; its finished work is stored."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def start_local_prefect_server() -> None:
-    """Without PREFECT_API_URL a flow runs against a temporary local Prefect server that Prefect
-    starts on first use, as a child in our process group: a Ctrl-C in the terminal (sent to the
-    whole group) would stop it in the middle of the flow's cleanup, which then hangs reporting to
-    it. Start it here in a session of its own (uvicorn installs its own SIGINT handler, so ignoring
-    the signal is not enough); Prefect still stops it when this process exits."""
-    import subprocess
-
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    from prefect.server.api import server as prefect_server
-
-    class OwnSession(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, start_new_session=True, **kwargs)
-
-    popen = prefect_server.subprocess.Popen
-    prefect_server.subprocess.Popen = OwnSession  # only while this one server starts
-    try:
-        prefect_server.SubprocessASGIServer().start()  # the instance Prefect's client then uses
-    finally:
-        prefect_server.subprocess.Popen = popen
-
-
-def drain_prefect_reporting(timeout_s: float = 15.0) -> None:
-    """Send the flow's last logs and events while the Prefect server is still up: at exit Prefect
-    may stop its temporary server first, and the log worker then retries a dead server for minutes."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    for service in (APILogWorker, EventsWorker):
-        service.drain_all(timeout=timeout_s)
-
-
-def run_flow(coroutine):
-    """Runs an async flow to its end on an event loop of its own thread; Ctrl-C or SIGTERM (a
-    supervisor's stop) cancels it there, at an await, so its cleanup stores every finished group.
-
-    Why a thread: in the main thread Prefect answers SIGTERM by raising an exception wherever the
-    interpreter happens to be, event-loop internals included, which can leave the flow's cleanup
-    half-run; off the main thread it installs no handler. SIGINT is handled explicitly too, because
-    a shell starts background jobs with it ignored. Raises Stopped after a signal.
-    """
-    start_local_prefect_server()
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    outcome: dict = {}
-    holder: dict = {}
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        holder["task"] = loop.create_task(coroutine)
-        started.set()
-        try:
-            outcome["value"] = loop.run_until_complete(holder["task"])
-        except BaseException as error:  # handed to the main thread
-            outcome["error"] = error
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
-
-    def stop(signum, _frame) -> None:
-        outcome.setdefault("signal", signum)
-        started.wait()
-        loop.call_soon_threadsafe(holder["task"].cancel)
-
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=run, name="clotho-flow")
-    thread.start()
-    try:
-        while thread.is_alive():
-            thread.join(0.2)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        drain_prefect_reporting()
-    if "signal" in outcome:
-        raise Stopped(outcome["signal"])
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 @app.command()

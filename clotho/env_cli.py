@@ -89,7 +89,7 @@ def check_command(
     from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError, served_model
 
-    from clotho.cli import check_server_url, check_tokenizer
+    from clotho.input_checks import check_server_url, check_tokenizer
 
     try:
         env_class = load_environment_class(environment)

@@ -19,7 +19,7 @@ def reprocess_command(
 ) -> None:
     """Reprocess stored shards offline into a new dataset: rescore, recompute advantages, filter,
     dedupe, compact, or export SFT / DPO sets (a Prefect flow; lineage in OUTPUT/lineage.json)."""
-    from clotho.cli import drain_prefect_reporting, start_local_prefect_server
+    from clotho.flow_runtime import drain_prefect_reporting, start_local_prefect_server
     from flows.reprocess import check_job
     from flows.reprocess import reprocess as reprocess_flow
 
@@ -59,7 +59,7 @@ def evaluate_command(
 ) -> None:
     """Evaluate one checkpoint on an environment's held-out items; the result goes next to the
     checkpoint (evaluation-ENV.json) and into the Prefect UI."""
-    from clotho.cli import drain_prefect_reporting, start_local_prefect_server
+    from clotho.flow_runtime import drain_prefect_reporting, start_local_prefect_server
     from clotho.overrides import apply_overrides
     from flows.evaluate import EvaluationError, find_checkpoint
     from flows.evaluate import evaluate as evaluate_flow

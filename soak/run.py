@@ -3,9 +3,10 @@
     python -m soak.run [--trials 20] [--fault rollout --fault trainer ...] [--seed 0] [--work .clotho/soak]
 
 Starts a tiny model's vLLM server and a Prefect server (shared by every fault's loop), then per
-fault a loop (soak.loop) and its trials (soak.faults); prints one row per fault (trials, committed
-groups, lost, trained twice, torn, result) and the measurements behind it, and writes them to
-`WORK/results.json`. Exit code 1 when a trial failed.
+fault a loop (soak.loop) and its trials (soak.faults); then the storage faults, randomized trials of
+writers and readers against a moto S3 server behind a fault proxy (tests.reliability.storage_soak).
+Prints one row per fault (trials, committed groups, lost, trained twice, torn, result) and the
+measurements behind it, and writes them to `WORK/results.json`. Exit code 1 when a trial failed.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from soak.faults import FAULTS, run_trials
 from soak.loop import Loop, Settings, Trial
 from soak.parts import PolicyPart, PrefectPart
 
-# The --fault names of the faults (soak.faults.FAULTS).
-CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server"}
-assert sorted(CHOICES.values()) == sorted(FAULTS)
+STORAGE = "storage (S3 API)"  # no loop: writers and readers against a faulty S3 server
+# The --fault names of the faults (soak.faults.FAULTS, and STORAGE).
+CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server",
+           "storage": STORAGE}  # fmt: skip
+assert sorted(CHOICES.values()) == sorted([*FAULTS, STORAGE])
 # Per fault: how its loop samples. The vLLM fault samples real completions, so requests are in
 # flight when the server dies; the others draw them (inference is not what they test).
 SETTINGS = {
@@ -48,22 +51,43 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error(f"--trials {args.trials}: use 1 or more")
-    faults = [CHOICES[name] for name in args.fault or CHOICES]
+    chosen = [CHOICES[name] for name in args.fault or CHOICES]
+    faults = [fault for fault in chosen if fault != STORAGE]
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
 
+    say(f"soak: {args.trials} trials of {', '.join(chosen)}; work in {work}")
+    started = time.monotonic()
+    results, replays = run_loop_faults(faults, args.trials, rng, work) if faults else ({}, {})
+    storage: list[dict] = []
+    if STORAGE in chosen:
+        from tests.reliability.storage_soak import run_storage_fault_soak
+
+        say(f"{STORAGE}: {args.trials} trials")
+        storage = run_storage_fault_soak(args.trials, rng.randrange(10**6), report=lambda row: say(f"  {row}"))
+    report = render(results, replays, time.monotonic() - started, storage)
+    print(report)
+    (work / "results.json").write_text(json.dumps(
+        {"trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()}, "replays": replays,
+         "storage": storage}, indent=1,
+    ))  # fmt: skip
+    ok = all(passed(trials, replays.get(fault)) for fault, trials in results.items())
+    return 0 if ok and all(row["result"] == "ok" for row in storage) else 1
+
+
+def run_loop_faults(faults: list[str], trials: int, rng: random.Random, work: Path) -> tuple[dict[str, list[Trial]], dict[str, dict]]:
+    """Each fault's trials in a loop of its own, over one vLLM and one Prefect server; the trials
+    and each loop's replay against an uninterrupted run."""
     from inference.tiny_model import build_tiny_model
 
     model = work / "model"
     if not (model / "model.safetensors").exists():
         build_tiny_model(model, seed=0)
-    say(f"soak: {args.trials} trials of {', '.join(faults)}; work in {work}")
     prefect = PrefectPart(work / "prefect", free_port())
     policy = PolicyPart(model, free_port(), work / "logs" / "vllm.log")
     results: dict[str, list[Trial]] = {}
     replays: dict[str, dict] = {}
-    started = time.monotonic()
     try:
         prefect.start()
         say(f"Prefect server up at {prefect.api_url}; starting vLLM (about a minute on 2 cores)")
@@ -71,10 +95,10 @@ def main(argv: list[str] | None = None) -> int:
         say(f"vLLM up at {policy.base_url}")
         for index, fault in enumerate(faults):
             loop = Loop(work / slug(fault), model, policy.base_url, settings=SETTINGS[fault], prefect=prefect, policy=policy, seed=index)
-            say(f"{fault}: {args.trials} trials")
+            say(f"{fault}: {trials} trials")
             try:
                 loop.start()
-                results[fault] = run_trials(loop, fault, args.trials, rng, log=say)
+                results[fault] = run_trials(loop, fault, trials, rng, log=say)
                 comparisons = loop.replay(results[fault])
                 replays[fault] = {
                     "steps": len(comparisons),
@@ -94,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         policy.stop()
         prefect.stop()
-    report = render(results, replays, time.monotonic() - started)
-    print(report)
-    (work / "results.json").write_text(json.dumps(
-        {"trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()}, "replays": replays}, indent=1
-    ))  # fmt: skip
-    return 0 if all(passed(trials, replays.get(fault)) for fault, trials in results.items()) else 1
+    return results, replays
 
 
 def passed(trials: list[Trial], replay: dict | None) -> bool:
@@ -112,7 +131,7 @@ def slug(fault: str) -> str:
     return fault.lower().replace(" ", "-")
 
 
-def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float) -> str:
+def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float, storage: list[dict] = ()) -> str:
     """The table, one row per fault, and the measurements under it."""
     lines = ["", "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]
     for fault, trials in results.items():
@@ -120,6 +139,12 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
         lines.append(
             f"| {fault} | {len(trials)} | {sum(t.committed for t in trials)} | {sum(t.lost for t in trials)} | "
             f"{sum(t.twice for t in trials)} | {sum(t.torn for t in trials)} | {'pass' if ok else 'FAIL'} |"
+        )
+    if storage:
+        ok = all(row["result"] == "ok" for row in storage)
+        lines.append(
+            f"| {STORAGE} | {len(storage)} | {sum(r['committed'] for r in storage)} | {sum(r['lost'] for r in storage)} | "
+            f"{sum(r['twice'] for r in storage)} | {sum(r['torn'] for r in storage)} | {'pass' if ok else 'FAIL'} |"
         )
     lines.append("")
     for fault, trials in results.items():
@@ -152,6 +177,12 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
         if failed:
             notes.append("failed: " + " | ".join(f"#{t.trial}: {'; '.join(t.problems)}" for t in failed))
         lines.append(f"- {fault}: " + "; ".join(notes))
+    if storage:
+        per_trial = statistics.mean(row["seconds"] for row in storage)
+        failed = [str(row["seed"]) for row in storage if row["result"] != "ok"]
+        lines.append(f"- {STORAGE}: {per_trial:.0f} s per trial; faults armed {sum(r['armed'] for r in storage)}, requests hit "
+                     f"{sum(r['fired'] for r in storage)}; {sum(r['checkpoints'] for r in storage)} checkpoints verified against "
+                     f"their STABLE" + (f"; failed seeds: {', '.join(failed)}" if failed else ""))  # fmt: skip
     lines.append(f"- total {seconds / 60:.1f} min")
     return "\n".join(lines)
 

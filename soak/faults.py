@@ -39,7 +39,7 @@ from storage.checkpoints import published_steps
 
 
 def trainer_phase(loop: Loop) -> str:
-    """What the trainer about to be killed is doing, from its log and its files."""
+    """What the trainer just killed was doing, from its log and the files it left."""
     log = loop.trainer.log_since_start()
     if "rank(s); state in" not in log:
         return "starting"
@@ -176,16 +176,21 @@ def kill_rollout(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
     return killed_at
 
 
+# The tiny model's whole step, training and publishing, takes about 50 ms on 2 cores: a kill later
+# than this after staging starts lands once the publish is over.
+PUBLISH_WINDOW_S = 0.03
+
+
 def kill_trainer(loop: Loop, trial: Trial, rng: random.Random) -> float:
-    """SIGKILL the trainer: every fourth trial while it publishes a checkpoint (in the first
-    0.8 s after it starts staging one: the upload, STABLE, LATEST, the state save); else three
+    """SIGKILL the trainer: every fourth trial while it publishes a checkpoint (within
+    PUBLISH_WINDOW_S of its staging one: the save, the upload, STABLE, LATEST); else three
     times in four at a random moment of one of the segment's steps (reading, training,
     publishing, saving its state), else anywhere in the segment (a data wait)."""
     started = time.monotonic()
     first_step = loop.last_step() - loop.settings.steps_per_trial
     loop.start_rollout(loop.goal() - loop.committed())
     if trial.trial % 4 == 0 and wait_for_staging(loop, timeout_s=loop.settings.segment_timeout_s):
-        wait_until(time.monotonic() + rng.uniform(0.0, 0.8))
+        wait_until(time.monotonic() + rng.uniform(0.0, PUBLISH_WINDOW_S))
     elif rng.random() < 0.75:
         steps_done = rng.randrange(loop.settings.steps_per_trial)
         period = step_period(loop)
@@ -195,8 +200,10 @@ def kill_trainer(loop: Loop, trial: Trial, rng: random.Random) -> float:
         wait_until(time.monotonic() + rng.uniform(0.0, period))
     else:
         wait_until(started + rng.uniform(0.0, estimate(loop.segment_s, 15.0)))
-    trial.landed = trainer_phase(loop)
     killed_at = loop.trainer.kill()
+    # Read from what the dead trainer left (its log, staging directory, steps without STABLE):
+    # reading them first would take longer than a publish lasts.
+    trial.landed = trainer_phase(loop)
     loop.trainer.start()
     return killed_at
 

@@ -75,6 +75,7 @@ class Admission:
 
     DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
     HEARTBEAT_S = 5.0
+    BLOCKED_SAY_S = 60.0  # while admission stays blocked, its reason is logged at INFO this often
 
     def __init__(
         self,
@@ -105,6 +106,7 @@ class Admission:
         self.written_at = -float("inf")
         self.written: tuple[int, int] | None = None
         self.blocked_since: float | None = None
+        self.blocked_said = 0.0
         self.lock = asyncio.Lock()
 
     @property
@@ -136,8 +138,11 @@ class Admission:
                     self.sampling += 1
                     return True
                 if self.blocked_since is None:
-                    self.blocked_since = time.monotonic()
+                    self.blocked_since = self.blocked_said = time.monotonic()
                     (self.log.info if self.trainer is None else self.log.debug)(self._why_blocked())
+                elif time.monotonic() - self.blocked_said >= self.BLOCKED_SAY_S:  # a long wait is worth a line
+                    self.blocked_said = time.monotonic()
+                    self.log.info("%s (for %.0f s)", self._why_blocked(), self.blocked_said - self.blocked_since)
                 if self.buffered():
                     await self.flush()
                 await asyncio.sleep(self.refresh_s)

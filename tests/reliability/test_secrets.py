@@ -202,7 +202,11 @@ def test_a_run_with_dummy_secrets_leaves_them_in_no_output(tmp_path, prefect_ser
         watch.close()
     text = output.read_bytes()
     try:
-        assert pipeline.returncode == 0, text[-5000:].decode(errors="replace")
+        if pipeline.returncode != 0:  # the trainer's log goes with its directory below: show its end too
+            trainer_log = REPO / ".clotho" / "trainer" / run / "trainer.log"
+            tail = trainer_log.read_bytes()[-4000:] if trainer_log.exists() else b"(no trainer.log)"
+            pytest.fail(f"clotho run exited {pipeline.returncode}:\n{text[-5000:].decode(errors='replace')}\n"
+                        f"--- {trainer_log} ---\n{tail.decode(errors='replace')}")  # fmt: skip
         assert refused == 401, f"the pipeline's server answered {refused} to a request without the key"
         found = leaks("clotho run's output", text) + watch.leaks
         assert any(CLOTHO in line or "trainer.cli" in line for line in watch.ours), watch.ours  # the watch saw the run

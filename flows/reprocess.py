@@ -34,8 +34,16 @@ from prefect.futures import as_completed
 from flows.artifacts import artifact_key
 from storage.filesystem import is_local, publish, resolve, storage_errors
 from storage.index import add_entry
-from storage.layout import ROLLOUTS, TEMPORARY, ShardLocation, join, new_shard_id, parse_shard_name, rollouts_url, split_run_url
-from storage.schema import METADATA_COMPACTED_FROM, METADATA_NUM_GROUPS, METADATA_TOKENIZER, concat_shard_tables, table_to_groups
+from storage.layout import ROLLOUTS, TEMPORARY, ShardLocation, join, new_shard_id, rollouts_url, split_run_url
+from storage.schema import (
+    METADATA_COMPACTED_FROM,
+    METADATA_NUM_GROUPS,
+    METADATA_REPROCESSED_FROM,
+    METADATA_TOKENIZER,
+    concat_shard_tables,
+    reprocessed_from,
+    table_to_groups,
+)
 from storage.shard_file import ShardInfo, find_shards, read_footers, read_shard, write_shard
 from tasks.exports import EXPORT_FUNCTIONS
 from tasks.reprocess import (
@@ -67,31 +75,23 @@ class Job:
     def export(self) -> str | None:
         return self.operations[-1].name if self.operations[-1].name in EXPORTS else None
 
-    def output_path(self, first: ShardInfo) -> str:
-        """The output file of a bin whose first input shard is `first`: for an export named after
-        it; in a run a new shard id, stamped now, since a run's readers take a shard whose id is
-        older than their clock less storage.index.GRACE_S as consumed (the input's may be days old)."""
+    def export_path(self, first: ShardInfo) -> str:
+        """The export file of a bin whose first input shard is `first`: named after it. (A run's
+        output shards get new ids when written, see process_bin, and name their inputs.)"""
         _, base = resolve(self.output_url)
-        if self.export:
-            return join(base, "data", f"{first.location.shard_id}.parquet")
-        return join(base, ROLLOUTS, ShardLocation(first.env, first.policy_version, new_shard_id()).name)
-
-
-# Output shards name the input shards they were made from (JSON list), so a job run again skips
-# them: their own names are stamped when they are written.
-REPROCESSED_FROM = b"clotho.reprocessed_from"
+        return join(base, "data", f"{first.location.shard_id}.parquet")
 
 
 def written_bins(job: Job) -> dict[str, str]:
     """First input shard name -> output shard path, for the bins an earlier run of the job wrote
-    into the output run (read from the output shards' footers)."""
+    into the output run (the input shards each output shard names in its metadata), so a job
+    run again skips them."""
     fs, shards = find_shards(rollouts_url(*split_run_url(job.output_url)))
     written = {}
     for shard, footer in zip(shards, read_footers(fs, shards) if shards else [], strict=True):
         if isinstance(footer, Exception):
             raise footer
-        sources = json.loads((footer.metadata or {}).get(REPROCESSED_FROM, b"[]"))
-        if sources:
+        if sources := reprocessed_from(footer.metadata):
             written[sources[0]] = shard.path
     return written
 
@@ -165,13 +165,14 @@ def export_table(job: Job, table: pa.Table) -> pa.Table:
 
 @task(name="reprocess shards", retries=2, retry_delay_seconds=2)
 def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int]], written: str | None = None) -> dict[str, int]:
-    """One output file from `shards` (already there, `written` for a run: skipped); the counts in and out."""
+    """One output file from `shards` (already there: skipped; for a run, `written` is where an
+    earlier run of the job wrote it); the counts in and out."""
     in_fs, _ = resolve(job.input_run_url)
     out_fs, out_base = resolve(job.output_url)
-    path = written or job.output_path(shards[0])
+    path = job.export_path(shards[0]) if job.export else written
     counts = {"shards_in": len(shards), "rows_in": 0, "groups_in": 0, "rows_out": 0, "groups_out": 0, "files_out": 0}
     with storage_errors(job.output_url):
-        exists = out_fs.exists(path)
+        exists = path is not None and out_fs.exists(path)
     if exists:
         with storage_errors(job.output_url), out_fs.open(path, "rb") as file:
             metadata = pq.read_metadata(file)
@@ -202,12 +203,15 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
             publish(out_fs, path, memoryview(_parquet_bytes(output)), join(out_base, TEMPORARY))
         counts.update(rows_out=output.num_rows, groups_out=output.num_rows, files_out=1)
         return counts
-    location = parse_shard_name("/".join(path.split("/")[-3:]))
     metadata = {key: value for key, value in merged.schema.metadata.items() if key != METADATA_COMPACTED_FROM}
-    metadata[REPROCESSED_FROM] = json.dumps([shard.name for shard in shards]).encode()
+    metadata[METADATA_REPROCESSED_FROM] = json.dumps([shard.name for shard in shards]).encode()
+    # A new id, stamped now that the bin is transformed (a rescore may take minutes): a run's
+    # readers take a shard whose id is older than their clock less storage.index.GRACE_S as
+    # consumed, and the input's ids may be days old.
+    location = ShardLocation(shards[0].env, shards[0].policy_version, new_shard_id())
     with storage_errors(job.output_url):
         write_shard(
-            out_fs, path, merged.replace_schema_metadata(metadata), join(out_base, TEMPORARY),
+            out_fs, join(out_base, ROLLOUTS, location.name), merged.replace_schema_metadata(metadata), join(out_base, TEMPORARY),
             # its index entry just before the shard, as every writer does (storage.index)
             before=lambda: add_entry(out_fs, out_base, location),
         )  # fmt: skip

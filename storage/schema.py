@@ -63,6 +63,8 @@ METADATA_TOKENIZER = b"clotho.tokenizer"
 METADATA_NUM_GROUPS = b"clotho.num_groups"
 # JSON list of the shard names a compaction merged into this shard.
 METADATA_COMPACTED_FROM = b"clotho.compacted_from"
+# JSON list of the input shard names (of another run) a reprocess job made this shard from.
+METADATA_REPROCESSED_FROM = b"clotho.reprocessed_from"
 
 
 class ShardFormatError(Exception):
@@ -265,7 +267,16 @@ def check_metadata(schema: pa.Schema) -> tuple[str, int]:
 
 def compacted_from(metadata: dict[bytes, bytes] | None) -> list[str]:
     """Names of the shards a compacted shard replaced; [] for a shard written by a ShardWriter."""
-    raw = (metadata or {}).get(METADATA_COMPACTED_FROM)
+    return _names(metadata, METADATA_COMPACTED_FROM)
+
+
+def reprocessed_from(metadata: dict[bytes, bytes] | None) -> list[str]:
+    """Names of the input shards a reprocess job made this shard from; [] for any other shard."""
+    return _names(metadata, METADATA_REPROCESSED_FROM)
+
+
+def _names(metadata: dict[bytes, bytes] | None, key: bytes) -> list[str]:
+    raw = (metadata or {}).get(key)
     return json.loads(raw) if raw else []
 
 

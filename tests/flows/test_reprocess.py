@@ -13,10 +13,11 @@ import datasets
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from clotho.cli import drain_prefect_reporting
+from clotho.flow_runtime import drain_prefect_reporting
 from environments.scored_group import ScoredGroup, ScoredSequence
-from flows.reprocess import REPROCESSED_FROM, reprocess
+from flows.reprocess import reprocess
 from storage.reader import ShardReader
+from storage.schema import reprocessed_from
 from storage.shard_file import find_shards, read_footers
 from storage.writer import ShardWriter
 from tests.flows.test_rollout_flow import api, flow_run_state
@@ -61,7 +62,7 @@ def output_rows(run_url: str) -> list[tuple[str, list[float]]]:
 def sources(run_url: str) -> list[list[str]]:
     """The input shards each output shard of a run names in its metadata."""
     fs, shards = find_shards(run_url)
-    return sorted(json.loads(footer.metadata[REPROCESSED_FROM]) for footer in read_footers(fs, shards))
+    return sorted(reprocessed_from(footer.metadata) for footer in read_footers(fs, shards))
 
 
 def test_filter_then_advantages_writes_a_run_a_trainer_reads_with_lineage(source, tmp_path, prefect) -> None:

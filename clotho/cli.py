@@ -13,8 +13,8 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import Stopped, _interrupt, drain_prefect_reporting, run_flow, start_local_prefect_server  # noqa: F401
-from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error  # noqa: F401
+from clotho.flow_runtime import Stopped, run_flow
+from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
 
@@ -84,6 +84,10 @@ def model_tiny(
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--size") from None
     typer.echo(f"{size} model written to {out} in {time.monotonic() - started:.1f}s")
+
+
+def _interrupt(*_) -> None:
+    raise KeyboardInterrupt
 
 
 @app.command()

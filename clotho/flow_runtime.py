@@ -8,10 +8,6 @@ import signal
 import threading
 
 
-def _interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
 class Stopped(Exception):
     """The flow was cancelled by SIGINT or SIGTERM; its finished work is stored."""
 

@@ -109,14 +109,16 @@ class ReloadWatcher:
         for target in self.servers:
             await self._adopt(target, resume=True)
 
-    async def _adopt(self, target: ServedPolicy, *, resume: bool = False) -> None:
-        """Takes the version `target` announces as what it serves, when that checkpoint is this
-        run's; marks it unhealthy (restored by the next poll) when it cannot say or it is not."""
+    async def _adopt(self, target: ServedPolicy, *, resume: bool = False, version: int | None = None) -> None:
+        """Takes the version `target` announces (`version`, when just asked) as what it serves,
+        when that checkpoint is this run's; marks it unhealthy (restored by the next poll) when it
+        cannot say or it is not."""
         try:
-            async with target.client() as client:
-                if resume:
-                    await ensure_resumed(client)
-                version = await client.weight_version()
+            if version is None:
+                async with target.client() as client:
+                    if resume:
+                        await ensure_resumed(client)
+                    version = await client.weight_version()
             if version > 0 and version != target.version:
                 url = checkpoint_url(self.root, self.run_name, version)
                 info = await asyncio.to_thread(read_checkpoint, url, storage_options=self.storage_options)
@@ -144,7 +146,7 @@ class ReloadWatcher:
             log.error("%s announces version %d, not %d (restarted?); restoring it", target.base_url, announced, target.version)
             target.healthy = False
         elif announced > target.version:  # another watcher moved it on: take its version if it is this run's
-            await self._adopt(target)
+            await self._adopt(target, version=announced)
 
     async def poll_once(self) -> list[ReloadOutcome]:
         """One look at the run: every server behind the newest checkpoint is reloaded, concurrently."""

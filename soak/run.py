@@ -131,21 +131,19 @@ def slug(fault: str) -> str:
     return fault.lower().replace(" ", "-")
 
 
+def table_row(fault: str, trials: list[dict], ok: bool) -> str:
+    """One fault's row of the table: its trials' counts summed."""
+    counts = " | ".join(str(sum(t[key] for t in trials)) for key in ("committed", "lost", "twice", "torn"))
+    return f"| {fault} | {len(trials)} | {counts} | {'pass' if ok else 'FAIL'} |"
+
+
 def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float, storage: list[dict] = ()) -> str:
     """The table, one row per fault, and the measurements under it."""
     lines = ["", "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]
     for fault, trials in results.items():
-        ok = passed(trials, replays.get(fault))
-        lines.append(
-            f"| {fault} | {len(trials)} | {sum(t.committed for t in trials)} | {sum(t.lost for t in trials)} | "
-            f"{sum(t.twice for t in trials)} | {sum(t.torn for t in trials)} | {'pass' if ok else 'FAIL'} |"
-        )
+        lines.append(table_row(fault, [asdict(t) for t in trials], passed(trials, replays.get(fault))))
     if storage:
-        ok = all(row["result"] == "ok" for row in storage)
-        lines.append(
-            f"| {STORAGE} | {len(storage)} | {sum(r['committed'] for r in storage)} | {sum(r['lost'] for r in storage)} | "
-            f"{sum(r['twice'] for r in storage)} | {sum(r['torn'] for r in storage)} | {'pass' if ok else 'FAIL'} |"
-        )
+        lines.append(table_row(STORAGE, storage, all(row["result"] == "ok" for row in storage)))
     lines.append("")
     for fault, trials in results.items():
         landed: dict[str, int] = {}

@@ -12,7 +12,7 @@ import pytest
 def test_a_rollout_mixing_chat_and_base_model_environments_writes_both_to_one_run(prefect_server, policy_server, tiny_model_dir, tmp_path) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from clotho.cli import drain_prefect_reporting
+    from clotho.flow_runtime import drain_prefect_reporting
     from flows.rollout import rollout
     from storage.reader import ShardReader
     from tasks.rollout import EnvSpec
@@ -50,7 +50,7 @@ def test_the_curriculum_learns_from_the_groups_the_flow_stores_in_process_and_se
     also through `clotho env serve`; the level shows in the flow's per-environment stats."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from clotho.cli import drain_prefect_reporting
+    from clotho.flow_runtime import drain_prefect_reporting
     from environments.testing import serve_environment
     from flows.rollout import rollout
     from tasks.rollout import EnvSpec

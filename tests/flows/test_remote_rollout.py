@@ -19,7 +19,7 @@ def test_a_remote_environment_killed_mid_run_leaves_its_finished_groups_stored_a
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     import environments.remote
-    from clotho.cli import drain_prefect_reporting
+    from clotho.flow_runtime import drain_prefect_reporting
     from environments.testing import serve_environment
     from flows.rollout import rollout
     from storage.reader import ShardReader

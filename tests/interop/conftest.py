@@ -45,7 +45,7 @@ def rollout_groups(prefect_server, policy_server, tokenizer: str, env_url: str, 
     group read back from the shards."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from clotho.cli import drain_prefect_reporting
+    from clotho.flow_runtime import drain_prefect_reporting
     from flows.rollout import rollout
     from storage.layout import split_run_url
     from storage.reader import ShardReader

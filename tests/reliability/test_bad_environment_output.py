@@ -134,7 +134,7 @@ def test_an_environment_whose_get_item_or_observe_raises_loses_no_stored_group(p
     others go on; observe raising: logged, its groups already stored and counted once."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from clotho.cli import drain_prefect_reporting
+    from clotho.flow_runtime import drain_prefect_reporting
     from flows.rollout import rollout
     from tasks.rollout import EnvSpec
 

@@ -178,7 +178,6 @@ def _step_dirs(root: str, run: str, storage_options: dict[str, Any] | None) -> l
     base = checkpoints_url(root, run)
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
-        fs.invalidate_cache(path)
         if not _exists(fs, path):
             return []
         return [
@@ -204,7 +203,6 @@ def pinned_steps(root: str, run: str, *, storage_options: dict[str, Any] | None 
     fs, path = resolve(url, storage_options)
     steps: set[int] = set()
     with storage_errors(url):
-        fs.invalidate_cache(path)
         try:
             names = retrying(fs, path, fs.ls, path, detail=False)
         except FileNotFoundError:

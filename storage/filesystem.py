@@ -56,13 +56,21 @@ def resolve(
     `storage_options` go to the filesystem (for s3fs: key, secret, endpoint_url, ...). Without them
     s3fs follows the AWS variables, AWS_ENDPOINT_URL included, which points every process of a run at
     MinIO or another S3-compatible server.
+
+    A remote filesystem gets no listings cache: the files of a run are written by other processes,
+    and s3fs answers `info`, `exists` and even `cat_file` (which asks the size first) from a cached
+    listing of the directory, so a shard written after its partition was listed was "not found"
+    without a request for as long as the process lived.
     """
     if not isinstance(url, str) or not url:
         raise ValueError(
             f"storage URL {url!r} must be a non-empty string such as 's3://bucket/runs'"
         )
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        options = dict(storage_options or {})
+        if _is_remote_class(fsspec.get_filesystem_class(fsspec.core.split_protocol(url)[0] or "file")):
+            options["use_listings_cache"] = False
+        fs, path = fsspec.core.url_to_fs(url, **options)
     except ImportError as error:
         raise ImportError(
             f"{url}: no fsspec filesystem for this protocol is installed ({error}); "
@@ -90,7 +98,11 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 def is_remote(fs: fsspec.AbstractFileSystem) -> bool:
     """An object store or other network filesystem: its failures may pass, so they are retried."""
-    return not isinstance(fs, (LocalFileSystem, MemoryFileSystem))
+    return _is_remote_class(type(fs))
+
+
+def _is_remote_class(cls: type) -> bool:
+    return not issubclass(cls, (LocalFileSystem, MemoryFileSystem))
 
 
 def is_transient(error: BaseException) -> bool:
@@ -278,7 +290,6 @@ def publish(
 
 
 def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
-    fs.invalidate_cache(path)
     try:
         return fs.cat_file(path)
     except FileNotFoundError:
@@ -313,7 +324,6 @@ def _publish_local(path: str, data: bytes | memoryview, temp_dir: str, before: C
 
 def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
     """Every file below `path` with its size in bytes; {} when `path` does not exist yet."""
-    fs.invalidate_cache(path)  # s3fs caches listings; new shards must show up on the next poll
     try:
         found = retrying(fs, path, fs.find, path, detail=True)
     except FileNotFoundError:

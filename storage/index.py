@@ -143,7 +143,6 @@ def _children(fs: fsspec.AbstractFileSystem, path: str, pattern: re.Pattern | No
         except FileNotFoundError:
             return []
     else:
-        fs.invalidate_cache(path)  # s3fs caches listings; new entries must show on the next poll
         try:
             names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in retrying(fs, path, fs.ls, path, detail=False)]
         except FileNotFoundError:

@@ -98,7 +98,6 @@ def read_sampler_positions(
     """Every sampler's last position (one file per rollout flow run that ever sampled this run)."""
     url = join(run_url(root, run), PROGRESS, SAMPLERS)
     fs, path = resolve(url, storage_options)
-    fs.invalidate_cache(path)
     with storage_errors(url):
         try:
             names = [name for name in retrying(fs, path, fs.ls, path, detail=False) if name.endswith(".json")]

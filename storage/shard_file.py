@@ -202,7 +202,6 @@ def _child_dirs(
     fs: fsspec.AbstractFileSystem, path: str, prefix: str
 ) -> list[tuple[str, str]] | None:
     """(value, path) of the `prefix`VALUE subdirectories of path; None if it has none."""
-    fs.invalidate_cache(path)
     try:
         children = fs.ls(path, detail=True)
     except FileNotFoundError:

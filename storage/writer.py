@@ -205,7 +205,6 @@ class ShardWriter:
             url = join(self.url, ROLLOUTS, location.name)
             path = join(self._rollouts_path, location.name)
             with storage_errors(url):
-                self._fs.invalidate_cache(path)
                 landed = retrying(self._fs, path, self._fs.exists, path)
                 if not landed:
                     retrying(self._fs, path, remove_entries, self._fs, self._run_path, [location])

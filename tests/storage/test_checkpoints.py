@@ -7,6 +7,7 @@ import fsspec
 import pytest
 
 import storage.checkpoints as checkpoints
+from storage.filesystem import resolve
 from storage.checkpoints import (
     CheckpointError,
     apply_retention,
@@ -77,7 +78,7 @@ def test_a_step_pinned_during_its_deletion_is_put_back(root: str, model_dir, mon
 
 def test_a_deletion_killed_half_way_leaves_no_published_looking_step(root: str, model_dir, monkeypatch) -> None:
     publish(root, model_dir, range(1, 4))
-    fs, _ = fsspec.core.url_to_fs(root)  # the instance storage uses too (fsspec caches them)
+    fs, _ = resolve(root)  # the instance storage uses too (fsspec caches them)
     real_rm = fs.rm
 
     def killed_after_stable(path, *args, **kwargs):

@@ -148,6 +148,24 @@ def test_a_listed_shard_that_cannot_be_read_ends_the_pass_in_order(root: str, ca
     assert list(reader.groups()) == groups  # the next pass takes both, in order
 
 
+def test_a_shard_written_after_its_partition_was_listed_is_read(root: str) -> None:
+    """The trainer lists the run once when it starts (check_run_tokenizer); a shard written to the
+    same partition afterwards must still be read. On S3, s3fs answered a read of it from that old
+    listing (FileNotFoundError, no request), so the reader waited out the grace period and then
+    passed it as never written: its groups were lost and the loop stalled (test_secrets, CI)."""
+    from storage.layout import rollouts_url
+    from storage.shard_file import find_shards
+
+    groups = write_shards(root, 1, seed=10)
+    assert len(find_shards(rollouts_url(root, "run"))[1]) == 1  # the partition is listed now
+    later = make_groups(3, seed=11)
+    # Another process's writer: its own filesystem instance, so this process's cache hears nothing.
+    with ShardWriter(root, "run", tokenizer="tok", storage_options={"skip_instance_cache": True}) as writer:
+        writer.add_many(later)
+    reader = ShardReader(root, "run", grace_s=0.0)  # a shard it cannot read would be passed at once
+    assert list(reader.groups()) == groups + later
+
+
 def test_stream_follows_new_shards_until_idle(root: str) -> None:
     groups = write_shards(root, 2)
     reader = ShardReader(root, "run")

@@ -185,7 +185,9 @@ class Admission:
         if self.trainer is None:
             return "waiting for the trainer's position (progress/trainer.json): is a trainer running?"
         return (
-            f"waiting for the trainer: {self.pending()} groups admitted and not consumed, trainer at "
+            f"waiting for the trainer: {self.pending()} groups admitted and not consumed (this flow: "
+            f"{self.sampling} sampling, {self.buffered()} buffered, {self.committed} in shards; other flows "
+            f"{self.others}; trainer consumed {self.trainer.groups_consumed}), trainer at "
             f"step {self.trainer.steps} (published {self.trainer.policy_version}), servers at "
             f"{self.version}, max lag {self.max_lag}"
         )

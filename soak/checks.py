@@ -17,11 +17,11 @@ never from the parts' own claims.
 
 from __future__ import annotations
 
-import shutil
+import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint
+from storage.checkpoints import checkpoint_url, fetch_checkpoint, published_steps, read_checkpoint, step_directories, step_name
 from storage.filesystem import list_files, relative, resolve
 from storage.index import id_at, index_shards, list_entries
 from storage.layout import ROLLOUTS, is_hidden, join, parse_shard_name, split_run_url
@@ -157,11 +157,10 @@ def unstable_checkpoints(run_url: str, up_to_step: int) -> list[str]:
     """Step directories up to `up_to_step` without STABLE: half a checkpoint (readers skip it, but
     a trainer that trained the step again must have published it whole)."""
     root, run = split_run_url(run_url)
-    checkpoints = Path(resolve(checkpoint_url(root, run, 0))[1]).parent
     return [
-        f"checkpoints/{path.name} has no STABLE"
-        for path in sorted(checkpoints.glob("step-*"))
-        if int(path.name.removeprefix("step-")) <= up_to_step and not (path / "STABLE").exists()
+        f"checkpoints/{step_name(step)} has no STABLE"
+        for step, stable in sorted(step_directories(root, run))
+        if step <= up_to_step and not stable
     ]
 
 
@@ -186,19 +185,24 @@ def tally(run_url: str, up_to_step: int, groups_per_step: int) -> Tally:
 
 
 def copy_shards(run_url: str, replay_run_url: str) -> int:
-    """The run's committed shards, names included, into a fresh run, indexed as a trainer finds them."""
-    source = Path(resolve(run_url)[1]) / ROLLOUTS
+    """The run's committed shards, names included, into a fresh local run (`replay_run_url`, a
+    file:// URL), indexed as a trainer finds them."""
+    fs, source = resolve(join(run_url, ROLLOUTS))
     target = Path(resolve(replay_run_url)[1]) / ROLLOUTS
-    shutil.copytree(source, target)
+    for path in list_files(fs, source):
+        destination = target / relative(path, source)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.write_bytes(fs.cat_file(path))
     index_shards(replay_run_url)
     return sum(1 for _ in target.rglob("*.parquet"))
 
 
 def checkpoint_weights(run_url: str, step: int):
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     root, run = split_run_url(run_url)
-    return load_file(Path(resolve(checkpoint_url(root, run, step))[1]) / "model.safetensors")
+    fs, path = resolve(join(checkpoint_url(root, run, step), "model.safetensors"))
+    return load(fs.cat_file(path))
 
 
 @dataclass
@@ -243,9 +247,10 @@ class ServerState:
         return found
 
 
-async def server_state(base_url: str, run_url: str, guard, base_model: Path) -> ServerState:
+async def server_state(base_url: str, run_url: str, guard, base_model: Path, cache_dir: Path) -> ServerState:
     """Paused or not, the announced version, and how far the served logprobs are from that
-    version's checkpoint (the base model for version 0)."""
+    version's checkpoint (the base model for version 0; a checkpoint on an object store is fetched
+    into `cache_dir` first)."""
     from inference.client import PolicyClient
 
     root, run = split_run_url(run_url)
@@ -254,7 +259,10 @@ async def server_state(base_url: str, run_url: str, guard, base_model: Path) -> 
         version = await client.weight_version()
         if paused:
             return ServerState(True, version, None)
-        weights = base_model if version == 0 else Path(resolve(checkpoint_url(root, run, version))[1])
+        weights = base_model
+        if version > 0:
+            checkpoint = read_checkpoint(checkpoint_url(root, run, version))
+            weights = await asyncio.to_thread(fetch_checkpoint, checkpoint, cache_dir)
         report = await guard.measure(client, weights)
     return ServerState(False, version, report.max_difference)
 

@@ -25,14 +25,15 @@ import random
 import re
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import httpx
 
 from soak import checks
 from soak.groups import read_journal
 from soak.loop import Loop, Trial, estimate, wait_until, wait_version
-from storage.checkpoints import published_steps
+from storage.checkpoints import STABLE, checkpoint_url, published_steps, step_directories
+from storage.filesystem import resolve
+from storage.layout import join
 
 
 # ---- where a kill lands ------------------------------------------------------------------------
@@ -43,8 +44,7 @@ def trainer_phase(loop: Loop) -> str:
     log = loop.trainer.log_since_start()
     if "rank(s); state in" not in log:
         return "starting"
-    run_dir = Path(loop.root.removeprefix("file://")) / loop.run
-    state = run_dir / "trainer" / "state"
+    state = loop.trainer_dir / "state"
     try:
         saved = int((state / "latest").read_text().strip().rsplit("-", 1)[-1]) if (state / "latest").exists() else 0
     except ValueError:  # DeepSpeed is writing it
@@ -54,7 +54,7 @@ def trainer_phase(loop: Loop) -> str:
     # publish_step saves the weights to a staging directory, then uploads them as the step.
     if staging_now(loop):
         return "staging a checkpoint"
-    if any(int(p.name.rsplit("-", 1)[-1]) > published for p in (run_dir / "checkpoints").glob("step-*")):
+    if any(step > published for step, _ in step_directories(loop.root, loop.run)):
         return "publishing a checkpoint"
     if being_saved:
         return "saving its state"
@@ -67,7 +67,7 @@ def trainer_phase(loop: Loop) -> str:
 async def server_phase(loop: Loop) -> str:
     """What a server whose watcher was just killed is left doing."""
     newest = max(published_steps(loop.root, loop.run), default=0)
-    state = await checks.server_state(loop.server_url, loop.run_url, loop.parity_guard(), loop.model)
+    state = await loop.server_state()
     if state.paused:
         return "mid-swap (left paused)"
     if state.parity is not None and state.parity > loop.parity_guard().tolerance:
@@ -90,8 +90,9 @@ async def watch_pause(base_url: str, until: float, paused: bool = True) -> bool:
 
 
 def stable(loop: Loop, step: int) -> bool:
-    """Whether step `step` is published (one stat, cheap enough to poll)."""
-    return (Path(loop.root.removeprefix("file://")) / loop.run / "checkpoints" / f"step-{step:08d}" / "STABLE").exists()
+    """Whether step `step` is published (one stat or HEAD, cheap enough to poll)."""
+    fs, path = resolve(join(checkpoint_url(loop.root, loop.run, step), STABLE))
+    return fs.exists(path)
 
 
 def new_checkpoint_moment(loop: Loop, timeout_s: float = 120.0) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,8 @@ from soak import checks
 from soak.groups import read_journal
 from soak.parts import Part, PolicyPart, PrefectPart, part_environment, rollout_part, trainer_part, watcher_part
 from storage.checkpoints import published_steps
-from storage.layout import split_run_url
+from storage.filesystem import list_files, resolve
+from storage.layout import ROLLOUTS, SHARD_SUFFIX, join, split_run_url
 
 
 @dataclass(frozen=True)
@@ -81,8 +83,10 @@ class Loop:
     def __init__(
         self, work: Path, model: Path, server_url: str, *, settings: Settings, prefect: PrefectPart | None = None,
         prefect_api_url: str | None = None, prefect_home: Path | None = None, policy: PolicyPart | None = None,
-        watch: bool = True, seed: int = 0,
+        watch: bool = True, seed: int = 0, storage: str | None = None,
     ):  # fmt: skip
+        """`storage`: the root URL the run is written to (e.g. s3://bucket/soak, with the store's
+        credentials and endpoint in the environment); by default a directory in `work`."""
         if work.exists():
             shutil.rmtree(work)
         work.mkdir(parents=True)
@@ -93,10 +97,12 @@ class Loop:
         # The parts' temporary files where what a kill leaves behind can be counted.
         self.env["TMPDIR"] = str(work / "tmp")
         (work / "tmp").mkdir()
-        self.run_url = f"file://{work}/store/run"
+        # On a shared store each loop's run has a name of its own.
+        self.run_url = f"file://{work}/store/run" if storage is None else f"{storage.rstrip('/')}/{work.name}-{uuid.uuid4().hex[:8]}"
         self.root, self.run = split_run_url(self.run_url)
-        self.staging_dir = work / "store" / "run" / "trainer" / "staging"  # the trainer's default work dir
-        self.trainer = trainer_part(self.run_url, model, 10**6, settings.trainer_settings(), work, self.env)
+        self.trainer_dir = work / "trainer"  # the trainer's resume state, metrics and staged checkpoints
+        self.staging_dir = self.trainer_dir / "staging"
+        self.trainer = trainer_part(self.run_url, model, 10**6, settings.trainer_settings(), work, self.env, work_dir=self.trainer_dir)
         self.watcher = watcher_part(self.run_url, server_url, model, work, self.env, settings.watcher_poll_s) if watch else None
         self.rollouts: list[Part] = []
         self.next_seed = seed * 10_000
@@ -149,7 +155,8 @@ class Loop:
 
     def shard_count(self) -> int:
         """Shards under rollouts/ (a listing, no reads: cheap enough to poll)."""
-        return sum(1 for _ in (Path(self.root.removeprefix("file://")) / self.run / "rollouts").rglob("*.parquet"))
+        fs, rollouts = resolve(join(self.run_url, ROLLOUTS))
+        return sum(1 for path in list_files(fs, rollouts) if path.endswith(SHARD_SUFFIX))
 
     def fill(self, problems: list[str]) -> None:
         """Wait for the running rollout flows, then top up with new ones until the segment's
@@ -222,7 +229,7 @@ class Loop:
                 trial.problems.append(str(error))
             if killed_at is not None:
                 trial.caught_up_s = time.time() - killed_at
-            state = asyncio.run(checks.server_state(self.server_url, self.run_url, self.parity_guard(), self.model))
+            state = asyncio.run(self.server_state())
             trial.problems += state.problems(self.last_step(), self.parity_guard().tolerance)
         counted = checks.tally(self.run_url, self.last_step(), self.settings.groups_per_step)
         new = {name: getattr(counted, name) - self.seen[name] for name in ("lost", "twice", "torn")}
@@ -232,6 +239,9 @@ class Loop:
         trial.problems += [problem for problem in counted.wrong_steps if problem not in self.seen["wrong"]]
         self.seen = {"committed": counted.committed, "lost": counted.lost, "twice": counted.twice, "torn": counted.torn,
                      "wrong": set(counted.wrong_steps)}  # fmt: skip
+
+    async def server_state(self) -> checks.ServerState:
+        return await checks.server_state(self.server_url, self.run_url, self.parity_guard(), self.model, self.work / "checkpoints")
 
     def parity_guard(self):
         if self.guard is None:

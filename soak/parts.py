@@ -201,8 +201,11 @@ def watcher_part(run_url: str, server_url: str, model: Path, work: Path, env: di
 
 
 def trainer_part(run_url: str, model: Path, steps: int, settings: dict[str, object], work: Path, env: dict[str, str],
-                 name: str = "trainer", ranks: int = 1) -> Part:  # fmt: skip
+                 name: str = "trainer", ranks: int = 1, work_dir: Path | None = None) -> Part:  # fmt: skip
+    """`work_dir`: the trainer's own (resume state, staging); by default the run's (trainer.train.default_work_dir)."""
     args = ["--run", run_url, "--model", str(model), "--steps", str(steps), "--data-timeout-s", "3600"]
+    if work_dir is not None:
+        args += ["--work-dir", str(work_dir)]
     for key, value in settings.items():
         args += ["--set", f"{key}={value}"]
     if ranks == 1:

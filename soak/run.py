@@ -1,10 +1,13 @@
 """`make soak`: fault injection into a running loop, every fault `--trials` times, then the table.
 
     python -m soak.run [--trials 20] [--fault rollout --fault trainer ...] [--seed 0] [--work .clotho/soak]
+                       [--storage s3]
 
 Starts a tiny model's vLLM server and a Prefect server (shared by every fault's loop), then per
 fault a loop (soak.loop) and its trials (soak.faults); then the storage faults, randomized trials of
 writers and readers against a moto S3 server behind a fault proxy (tests.reliability.storage_soak).
+The loops write their runs to a local directory, or with `--storage s3` to a moto S3 server of
+their own (every part then reads and writes the run through the S3 API, as on a cluster).
 Prints one row per fault (trials, committed groups, lost, trained twice, torn, result) and the
 measurements behind it, and writes them to `WORK/results.json`. Exit code 1 when a trial failed.
 """
@@ -12,11 +15,13 @@ measurements behind it, and writes them to `WORK/results.json`. Exit code 1 when
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -48,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fault", action="append", choices=list(CHOICES), help="Only this fault (repeatable); default all.")
     parser.add_argument("--seed", type=int, default=0, help="Seed of the kill moments.")
     parser.add_argument("--work", type=Path, default=Path(".clotho/soak"), help="Where runs, logs and results go.")
+    parser.add_argument("--storage", choices=["file", "s3"], default="file",
+                        help="Where the loops' runs are stored: a local directory, or a moto S3 server started for the soak.")
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error(f"--trials {args.trials}: use 1 or more")
@@ -57,26 +64,49 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
 
-    say(f"soak: {args.trials} trials of {', '.join(chosen)}; work in {work}")
+    say(f"soak: {args.trials} trials of {', '.join(chosen)}; runs on {args.storage}; work in {work}")
     started = time.monotonic()
-    results, replays = run_loop_faults(faults, args.trials, rng, work) if faults else ({}, {})
+    with loop_storage(args.storage) as storage_root:
+        results, replays = run_loop_faults(faults, args.trials, rng, work, storage_root) if faults else ({}, {})
     storage: list[dict] = []
     if STORAGE in chosen:
         from tests.reliability.storage_soak import run_storage_fault_soak
 
         say(f"{STORAGE}: {args.trials} trials")
         storage = run_storage_fault_soak(args.trials, rng.randrange(10**6), report=lambda row: say(f"  {row}"))
-    report = render(results, replays, time.monotonic() - started, storage)
+    report = render(results, replays, time.monotonic() - started, storage, args.storage)
     print(report)
     (work / "results.json").write_text(json.dumps(
         {"trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()}, "replays": replays,
-         "storage": storage}, indent=1,
+         "storage": storage, "runs_on": args.storage}, indent=1,
     ))  # fmt: skip
     ok = all(passed(trials, replays.get(fault)) for fault, trials in results.items())
     return 0 if ok and all(row["result"] == "ok" for row in storage) else 1
 
 
-def run_loop_faults(faults: list[str], trials: int, rng: random.Random, work: Path) -> tuple[dict[str, list[Trial]], dict[str, dict]]:
+@contextlib.contextmanager
+def loop_storage(kind: str) -> Iterator[str | None]:
+    """The root URL the loops' runs go to: None (a directory in each loop's work) for "file"; for
+    "s3" a bucket on a moto server started here, its endpoint and credentials in the environment
+    every part inherits."""
+    if kind == "file":
+        yield None
+        return
+    from tests.s3_server import create_bucket, s3_environment, start_s3_server, stop_s3_server
+
+    server = start_s3_server()
+    try:
+        with s3_environment(server.environment):
+            create_bucket(server, "clotho-soak")
+            say(f"S3 API server (moto) at {server.endpoint_url}; its request log {server.log_path}")
+            yield "s3://clotho-soak"
+    finally:
+        stop_s3_server(server)
+
+
+def run_loop_faults(
+    faults: list[str], trials: int, rng: random.Random, work: Path, storage: str | None = None
+) -> tuple[dict[str, list[Trial]], dict[str, dict]]:
     """Each fault's trials in a loop of its own, over one vLLM and one Prefect server; the trials
     and each loop's replay against an uninterrupted run."""
     from inference.tiny_model import build_tiny_model
@@ -94,7 +124,8 @@ def run_loop_faults(faults: list[str], trials: int, rng: random.Random, work: Pa
         policy.start()
         say(f"vLLM up at {policy.base_url}")
         for index, fault in enumerate(faults):
-            loop = Loop(work / slug(fault), model, policy.base_url, settings=SETTINGS[fault], prefect=prefect, policy=policy, seed=index)
+            loop = Loop(work / slug(fault), model, policy.base_url, settings=SETTINGS[fault], prefect=prefect, policy=policy,
+                        seed=index, storage=storage)  # fmt: skip
             say(f"{fault}: {trials} trials")
             try:
                 loop.start()
@@ -137,9 +168,11 @@ def table_row(fault: str, trials: list[dict], ok: bool) -> str:
     return f"| {fault} | {len(trials)} | {counts} | {'pass' if ok else 'FAIL'} |"
 
 
-def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float, storage: list[dict] = ()) -> str:
+def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float, storage: list[dict] = (),
+           runs_on: str = "file") -> str:  # fmt: skip
     """The table, one row per fault, and the measurements under it."""
-    lines = ["", "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]
+    lines = ["", f"Runs stored on {'a moto S3 server (S3 API)' if runs_on == 's3' else 'local disk'}.", "",
+             "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for fault, trials in results.items():
         lines.append(table_row(fault, [asdict(t) for t in trials], passed(trials, replays.get(fault))))
     if storage:

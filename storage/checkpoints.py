@@ -170,11 +170,12 @@ def _exists(fs: Any, path: str) -> bool:
 
 def published_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> list[int]:
     """Every STABLE step of the run, oldest first (lists the checkpoints directory)."""
-    return sorted(step for step, stable in _step_dirs(root, run, storage_options) if stable)
+    return sorted(step for step, stable in step_directories(root, run, storage_options=storage_options) if stable)
 
 
-def _step_dirs(root: str, run: str, storage_options: dict[str, Any] | None) -> list[tuple[int, bool]]:
-    """(step, has STABLE) for every step directory."""
+def step_directories(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> list[tuple[int, bool]]:
+    """(step, has STABLE) for every step directory: a step without STABLE is half a checkpoint (being
+    published, or left by a publisher that died), which readers never see."""
     base = checkpoints_url(root, run)
     fs, path = resolve(base, storage_options)
     with storage_errors(base):
@@ -234,7 +235,7 @@ def apply_retention(
         raise ValueError(f"keep_last is {keep_last}; keep at least the newest step (1)")
     base = checkpoints_url(root, run)
     fs, path = resolve(base, storage_options)
-    dirs = _step_dirs(root, run, storage_options)
+    dirs = step_directories(root, run, storage_options=storage_options)
     published = sorted(step for step, stable in dirs if stable)
     if not published:
         return []

@@ -18,6 +18,7 @@ from storage.checkpoints import publish_checkpoint
 from storage.layout import ROLLOUTS
 from storage.ledger import Ledger, shard_id_of
 from storage.writer import ShardWriter
+from tests.s3_server import create_bucket, s3_environment, start_s3_server, stop_s3_server
 
 
 def groups(count: int, first: int) -> list[ScoredGroup]:
@@ -61,32 +62,63 @@ def test_the_checks_count_lost_twice_and_torn(tmp_path):
     assert counted.wrong_steps == ["step 2's ledger lost 2 groups step 1's held"]
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_killed_rollout_flows_and_trainer_lose_nothing_and_train_nothing_twice(tmp_path, policy_server, tiny_model_dir, prefect_server):
-    """Two rollout-flow kills and two trainer kills on one run (4 segments of 2 steps of 4
-    groups), at moments drawn from a fixed seed; then the uninterrupted replay. The flush window
-    (5 s) is longer than a segment's sampling, so a flow killed mid-sampling loses every group it
-    finished (bounded by the window) and a top-up flow makes them again. No reload watcher: the
+# Kills land while the flow samples, never in its exit flush: a kill between a shard's index entry
+# and the shard stalls the trainer for storage.index.GRACE_S (soak/run.py reports it).
+SETTINGS = Settings(steps_per_trial=2, delay_s=0.3, shard_max_age_s=5.0, rollout_kill_tail_s=-0.2, rollout_anywhere=0.0)
+
+
+def run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, plan: dict[str, int], seed: int,
+                    storage: str | None = None):  # fmt: skip
+    """Segments of 2 steps of 4 groups, `plan[fault]` trials of each fault (killed at moments
+    drawn from `seed`), then the uninterrupted replay; asserts every check. No reload watcher: the
     session's policy server keeps its base weights for the other tests."""
-    # Kills land while the flow samples, never in its exit flush: a kill between a shard's index
-    # entry and the shard stalls the trainer for storage.index.GRACE_S (soak/run.py reports it).
-    settings = Settings(steps_per_trial=2, delay_s=0.3, shard_max_age_s=5.0, rollout_kill_tail_s=-0.2, rollout_anywhere=0.0)
     loop = Loop(
-        tmp_path / "loop", tiny_model_dir, policy_server.base_url, settings=settings,
-        prefect_api_url=prefect_server.api_url, prefect_home=prefect_server.home, watch=False,
+        tmp_path / "loop", tiny_model_dir, policy_server.base_url, settings=SETTINGS,
+        prefect_api_url=prefect_server.api_url, prefect_home=prefect_server.home, watch=False, storage=storage,
     )  # fmt: skip
-    rng = random.Random(20)
+    rng = random.Random(seed)
     try:
         loop.start()
-        trials = run_trials(loop, "rollout flow", 2, rng) + run_trials(loop, "trainer", 2, rng)
+        trials = [trial for fault, count in plan.items() for trial in run_trials(loop, fault, count, rng)]
         comparisons = loop.replay(trials)
     finally:
         loop.stop()
     described = "\n".join(str(trial) for trial in trials)
     assert all(trial.ok for trial in trials), described
-    assert [trial.committed for trial in trials] == [8] * 4, described
+    assert [trial.committed for trial in trials] == [8] * sum(plan.values()), described
     assert sum(trial.lost + trial.twice + trial.torn for trial in trials) == 0, described
-    assert all(trial.uncommitted_oldest_s <= 5.0 + 2.0 for trial in trials[:2]), described
-    assert len(comparisons) == loop.last_step() >= 8
+    assert len(comparisons) == loop.last_step() >= 2 * sum(plan.values())
     assert all(c.equal and c.same_groups for c in comparisons), comparisons
+    return trials
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_killed_rollout_flows_and_trainer_lose_nothing_and_train_nothing_twice(tmp_path, policy_server, tiny_model_dir, prefect_server):
+    """Two rollout-flow kills and two trainer kills on one run. The flush window (5 s) is longer
+    than a segment's sampling, so a flow killed mid-sampling loses every group it finished
+    (bounded by the window) and a top-up flow makes them again."""
+    trials = run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, {"rollout flow": 2, "trainer": 2}, seed=20)
+    assert all(trial.uncommitted_oldest_s <= 5.0 + 2.0 for trial in trials[:2]), trials
+
+
+@pytest.fixture
+def s3_store():
+    """A bucket on a moto S3 server of the test's own, the AWS variables pointing at it."""
+    server = start_s3_server()
+    try:
+        with s3_environment(server.environment):
+            create_bucket(server, "clotho-faults")
+            yield "s3://clotho-faults"
+    finally:
+        stop_s3_server(server)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_trainer_killed_on_s3_loses_nothing(tmp_path, policy_server, tiny_model_dir, prefect_server, s3_store):
+    """The same on a run stored through the S3 API, with trainer kills. A restarted trainer lists
+    the run when it starts (the tokenizer check); s3fs used to answer later reads in the listed
+    partitions from that listing, so the trainer passed shards written afterwards as never
+    written and lost their groups (storage.filesystem.resolve turns that cache off)."""
+    run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, {"trainer": 2}, seed=21, storage=s3_store)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import publish, resolve, retrying, storage_errors
+from storage.filesystem import is_local, publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 from storage.progress import PROGRESS, replace_json
 
@@ -275,7 +275,7 @@ def _ranges(steps: list[int]) -> str:
 def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_options: dict[str, Any] | None = None) -> Path:
     """A local directory holding the checkpoint: the path itself on local disk, else a cached copy."""
     fs, path = resolve(info.url, storage_options)
-    if type(fs).__name__ == "LocalFileSystem":
+    if is_local(fs):
         return Path(path)
     target = Path(cache_dir) / step_name(info.step)
     if (target / STABLE).exists():

@@ -92,16 +92,11 @@ def loop_storage(kind: str) -> Iterator[str | None]:
     if kind == "file":
         yield None
         return
-    from tests.s3_server import create_bucket, s3_environment, start_s3_server, stop_s3_server
+    from tests.s3_server import s3_bucket
 
-    server = start_s3_server()
-    try:
-        with s3_environment(server.environment):
-            create_bucket(server, "clotho-soak")
-            say(f"S3 API server (moto) at {server.endpoint_url}; its request log {server.log_path}")
-            yield "s3://clotho-soak"
-    finally:
-        stop_s3_server(server)
+    with s3_bucket("clotho-soak") as server:
+        say(f"S3 API server (moto) at {server.endpoint_url}; its request log {server.log_path}")
+        yield "s3://clotho-soak"
 
 
 def run_loop_faults(

@@ -94,6 +94,19 @@ def create_bucket(server: S3Server, bucket: str) -> None:
 
 
 @contextlib.contextmanager
+def s3_bucket(bucket: str) -> Iterator[S3Server]:
+    """A moto server with `bucket` created, the AWS variables pointing at it while it runs (every
+    process started meanwhile inherits them); stopped on the way out."""
+    server = start_s3_server()
+    try:
+        with s3_environment(server.environment):
+            create_bucket(server, bucket)
+            yield server
+    finally:
+        stop_s3_server(server)
+
+
+@contextlib.contextmanager
 def s3_environment(variables: dict[str, str]) -> Iterator[None]:
     """Sets the AWS variables that point s3fs at a test server, and restores them after. fsspec
     caches S3 filesystems by their arguments, not the environment: the cache is dropped on the way

@@ -18,7 +18,7 @@ from storage.checkpoints import publish_checkpoint
 from storage.layout import ROLLOUTS
 from storage.ledger import Ledger, shard_id_of
 from storage.writer import ShardWriter
-from tests.s3_server import create_bucket, s3_environment, start_s3_server, stop_s3_server
+from tests.s3_server import s3_bucket
 
 
 def groups(count: int, first: int) -> list[ScoredGroup]:
@@ -105,13 +105,8 @@ def test_killed_rollout_flows_and_trainer_lose_nothing_and_train_nothing_twice(t
 @pytest.fixture
 def s3_store():
     """A bucket on a moto S3 server of the test's own, the AWS variables pointing at it."""
-    server = start_s3_server()
-    try:
-        with s3_environment(server.environment):
-            create_bucket(server, "clotho-faults")
-            yield "s3://clotho-faults"
-    finally:
-        stop_s3_server(server)
+    with s3_bucket("clotho-faults"):
+        yield "s3://clotho-faults"
 
 
 @pytest.mark.integration

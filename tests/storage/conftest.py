@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 
-from tests.s3_server import S3Server, create_bucket, s3_environment, start_s3_server, stop_s3_server
+from tests.s3_server import S3Server, s3_bucket
 
 BUCKET = "clotho-test"
 BACKENDS = ["file", "memory", pytest.param("s3", marks=pytest.mark.integration)]
@@ -17,13 +17,8 @@ BACKENDS = ["file", "memory", pytest.param("s3", marks=pytest.mark.integration)]
 
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[S3Server]:
-    server = start_s3_server()
-    try:
-        with s3_environment(server.environment):
-            create_bucket(server, BUCKET)
-            yield server
-    finally:
-        stop_s3_server(server)
+    with s3_bucket(BUCKET) as server:
+        yield server
 
 
 @pytest.fixture(params=BACKENDS)

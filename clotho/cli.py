@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import Stopped, run_flow
+from clotho.flow_runtime import PrefectStartError, Stopped, run_flow
 from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
@@ -39,7 +39,7 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             typer.echo("Aborted!", err=True)
             sys.exit(1)
-        except StorageUnavailableError as error:  # retried for CLOTHO_STORAGE_RETRY_S already: say it once
+        except (StorageUnavailableError, PrefectStartError) as error:  # waited for already: say it once
             typer.echo(f"{prog_name or 'clotho'}: {error}", err=True)
             sys.exit(1)
         sys.exit(result if isinstance(result, int) else 0)  # an Exit's code, else success

@@ -16,19 +16,56 @@ class Stopped(Exception):
         self.signum = signum
 
 
-def start_local_prefect_server() -> None:
-    """Without PREFECT_API_URL a flow runs against a temporary local Prefect server that Prefect
-    starts on first use, as a child in our process group: a Ctrl-C in the terminal (sent to the
-    whole group) would stop it in the middle of the flow's cleanup, which then hangs reporting to
-    it. Start it here in a session of its own (uvicorn installs its own SIGINT handler, so ignoring
-    the signal is not enough); Prefect still stops it when this process exits."""
-    import subprocess
+# Seconds to wait for the local Prefect server. Its first start in a new PREFECT_HOME creates and
+# migrates the SQLite database, which on 2 loaded cores takes longer than Prefect's 20 s default.
+FIRST_START_TIMEOUT_S = 300
 
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+class PrefectStartError(RuntimeError):
+    """The local Prefect server did not come up; the message says what was waited for and the fix."""
+
+
+def start_local_prefect_server() -> None:
+    """Without PREFECT_API_URL a flow runs against a temporary local Prefect server. Start it here,
+    on a new machine as on a used one:
+
+    - PREFECT_HOME is created first: with its parent missing, SQLite cannot open the database, the
+      server exits with uvicorn's start-up failure code 3, which Prefect takes for a busy port and
+      restarts it on another one, forever.
+    - The wait fits a first start (FIRST_START_TIMEOUT_S, or Prefect's setting when larger), and a
+      start that still fails says what it waited for and how to fix it.
+    - The server gets a session of its own: as Prefect's child in our process group, a Ctrl-C in
+      the terminal (sent to the whole group) would stop it in the middle of the flow's cleanup,
+      which then hangs reporting to it (uvicorn installs its own SIGINT handler, so ignoring the
+      signal is not enough). Prefect still stops it when this process exits.
+    """
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from prefect.settings import (
+        PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )  # fmt: skip
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
     from prefect.server.api import server as prefect_server
+
+    home = Path(PREFECT_HOME.value()).expanduser()
+    first_start = not (home / "prefect.db").exists()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / ".clotho-write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:  # else the server fails to open its database and Prefect restarts it forever
+        raise PrefectStartError(
+            f"PREFECT_HOME={home}: cannot create or write it ({error}); point PREFECT_HOME at a writable directory"
+        ) from None
+    if first_start:
+        print(f"clotho: first start of the local Prefect server: creating its database in {home}", file=sys.stderr)
+    timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
 
     class OwnSession(subprocess.Popen):
         def __init__(self, *args, **kwargs):
@@ -36,8 +73,18 @@ def start_local_prefect_server() -> None:
 
     popen = prefect_server.subprocess.Popen
     prefect_server.subprocess.Popen = OwnSession  # only while this one server starts
+    server = prefect_server.SubprocessASGIServer()  # the instance Prefect's client then uses
+    started = time.monotonic()
     try:
-        prefect_server.SubprocessASGIServer().start()  # the instance Prefect's client then uses
+        server.start(timeout=timeout_s)
+    except RuntimeError as error:
+        raise PrefectStartError(
+            f"the local Prefect server did not answer {server.api_url}/health within {timeout_s} s "
+            f"(waited {time.monotonic() - started:.0f} s; its database: {home / 'prefect.db'}): {error}\n"
+            "Fix: give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600), or run a server "
+            "of your own (`prefect server start`) and point clotho at it "
+            "(PREFECT_API_URL=http://127.0.0.1:4200/api)."
+        ) from error
     finally:
         prefect_server.subprocess.Popen = popen
 

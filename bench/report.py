@@ -1,7 +1,10 @@
 """The benchmark table of the README, rendered from bench/results/*.json (what `make bench` wrote).
 
     python bench/report.py            print the table
-    python bench/report.py --readme   rewrite the README's table between its bench markers
+    python bench/report.py --readme   rewrite the README's table between its bench markers, and its
+                                      demo figures between the demo markers
+    python bench/report.py --record-demo [.clotho/demo/summary.json]
+                                      keep what a `make demo` measured as bench/results/demo.json
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
+DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
+DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
 
 
 def _load(name: str) -> dict | None:
@@ -115,20 +120,64 @@ def readme_block() -> str:
     return f"{START}\n{markdown()}\n{END}"
 
 
+def demo_text() -> str:
+    """The README's demo figures, from bench/results/demo.json (what a `make demo` measured)."""
+    record = _load("demo")
+    if record is None:
+        return "No demo run is recorded yet (`make demo`, then `python bench/report.py --record-demo`)."
+    r = record["result"]
+    curve, verdict = r["curve"], r["verdict"]
+    last = curve[-1]
+    training = [row["train_reward"] for row in curve if row.get("train_reward") is not None]
+    stopped = r.get("stopped_by_rule")
+    ending = (f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}" if stopped
+              else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
+    return (
+        f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
+        f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
+        f"{verdict['sft_plateau']:.2f} after SFT (the demonstrations teach the format and some of the answers), "
+        f"{verdict['end']:.2f} at step {last['step']} after RL (training reward, sampled at temperature 1.25, "
+        f"{training[-1]:.2f}); {ending}, {last['minutes']:.1f} minutes after the start; "
+        f"the whole command took {r['minutes']:.1f} minutes."
+        if training else f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
+    )
+
+
+def demo_block() -> str:
+    return f"{DEMO_START}\n{demo_text()}\n{DEMO_END}"
+
+
+def record_demo(summary_path: Path) -> None:
+    """bench/results/demo.json from a demo's summary: the curve, the verdict, the stop and minutes."""
+    sys.path.insert(0, str(RESULTS.parent))
+    from results import write_result
+
+    summary = json.loads(summary_path.read_text())
+    kept = ("steps", "minutes", "curve", "verdict", "stopped_by_rule", "groups_sampled", "groups_trained", "reload_s_median")
+    write_result("demo", {"command": "make demo", **{key: summary[key] for key in kept if key in summary}})
+
+
+def replace_block(text: str, start: str, end: str, block: str) -> str:
+    if start not in text or end not in text:
+        sys.exit(f"{README} has no markers {start} ... {end}")
+    before, rest = text.split(start, 1)
+    return before + block + rest.split(end, 1)[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="rewrite the README's table")
+    parser.add_argument("--readme", action="store_true", help="rewrite the README's table and demo figures")
+    parser.add_argument("--record-demo", nargs="?", const=DEMO_SUMMARY, type=Path, metavar="SUMMARY",
+                        help="keep a demo's summary.json as bench/results/demo.json")  # fmt: skip
     args = parser.parse_args()
+    if args.record_demo:
+        record_demo(args.record_demo)
     if not args.readme:
-        print(markdown())
+        print(markdown() + "\n\n" + demo_text())
         return
-    text = README.read_text()
-    if START not in text or END not in text:
-        sys.exit(f"{README} has no bench markers ({START} ... {END})")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    README.write_text(before + readme_block() + after)
-    print(f"README table rewritten from {RESULTS}")
+    text = replace_block(README.read_text(), START, END, readme_block())
+    README.write_text(replace_block(text, DEMO_START, DEMO_END, demo_block()))
+    print(f"README table and demo figures rewritten from {RESULTS}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,7 +14,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import PrefectStartError, Stopped, run_flow
+from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, run_flow
 from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
@@ -27,6 +28,8 @@ class OneLineErrors(TyperGroup):
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        with contextlib.suppress(PrefectStartError):  # before prefect is imported; said when a flow starts
+            make_prefect_home()
         try:
             result = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.TyperException as error:  # typer's click exceptions (UsageError, BadParameter, ...)

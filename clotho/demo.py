@@ -17,6 +17,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = REPO / "runs" / "demo.yaml"
 COLORS = {"sft": (52, 101, 164), "rl": (204, 0, 0)}
+TRAINING_COLOR = (230, 145, 56)
 
 
 def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dict[str, Any]:
@@ -46,11 +47,14 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     draw_curve(curve, workdir / "reward-curve.png")
 
     table = Table(title=f"clotho demo: {summary['steps']} steps in {(time.monotonic() - started) / 60:.1f} min")
-    for column in ("phase", "step", "reward (greedy, held out)", "minutes"):
+    for column in ("phase", "step", "held-out reward (greedy)", "training reward (sampled)", "minutes"):
         table.add_column(column)
     for row in curve:
-        table.add_row(row["phase"], str(row["step"]), f"{row['reward']:.3f}", f"{row['minutes']:.1f}")
+        training = f"{row['train_reward']:.3f}" if row.get("train_reward") is not None else "-"
+        table.add_row(row["phase"], str(row["step"]), f"{row['reward']:.3f}", training, f"{row['minutes']:.1f}")
     console.print(table)
+    if summary.get("stopped_by_rule"):
+        console.print(f"stopped at version {summary['stopped_by_rule']['version']}: {summary['stopped_by_rule']['rule']}")
     console.print(verdict["line"])
     console.print(f"summary: {workdir / 'summary.json'}  curve: {workdir / 'reward-curve.png'}")
     return {**summary, "verdict": verdict}
@@ -68,19 +72,21 @@ def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0) -> dict
     gain = end - plateau
     met = (end >= 0.8 or end - start >= 0.5) and gain >= 0.2 and curve[-1]["minutes"] <= minutes
     line = (
-        f"reward {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
+        f"held-out reward {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
         f"(RL added {gain:+.2f}) in {curve[-1]['minutes']:.1f} minutes: "
         + ("learned (>= 0.8 or +0.5, and RL +0.2 over SFT, within 15 minutes)" if met else "the learning criterion is not met")
     )
     return {"start": start, "sft_plateau": plateau, "end": end, "rl_gain": gain, "criterion_met": met, "line": line}
 
 
-def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (720, 400)) -> None:
-    """The curve as a PNG: reward (0-1) over steps, one color per phase."""
+def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (760, 460)) -> None:
+    """The curve as a PNG: the greedy held-out reward over steps (a color per phase) and the
+    training reward (sampled rollouts on training items) as a thin line; the x axis in steps, with
+    the minutes of each evaluation under it; the legend above the plot, where no line runs."""
     from PIL import Image, ImageDraw
 
     width, height = size
-    left, right, top, bottom = 60, 20, 30, 50
+    left, right, top, bottom = 64, 24, 56, 78
     image = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(image)
     last_step = max((row["step"] for row in curve), default=1) or 1
@@ -91,16 +97,37 @@ def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = 
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
         y = point(0, tick)[1]
         draw.line([(left, y), (width - right, y)], fill=(225, 225, 225))
-        draw.text((10, y - 6), f"{tick:.2f}", fill="black")
+        draw.text((left - 34, y - 6), f"{tick:.2f}", fill="black")
     draw.line([(left, top), (left, height - bottom), (width - right, height - bottom)], fill="black")
-    draw.text((left, height - bottom + 10), "0", fill="black")
-    draw.text((width - right - 30, height - bottom + 10), f"step {last_step}", fill="black")
-    draw.text((left, 8), "greedy reward on held-out items", fill="black")
+    draw.text((8, top - 18), "reward", fill="black")
+    # Steps and minutes under the evaluations: the last one always, the others where they fit.
+    labelled, last_x = [], point(curve[-1]["step"], 0)[0] if curve else 0
+    for row in curve:
+        x = point(row["step"], 0)[0]
+        if row is curve[-1] or ((not labelled or x - labelled[-1][0] >= 44) and last_x - x >= 44):
+            labelled.append((x, row))
+    for x, row in labelled:
+        draw.line([(x, height - bottom), (x, height - bottom + 4)], fill="black")
+        draw.text((x - 10, height - bottom + 8), f"{row['step']}", fill="black")
+        draw.text((x - 10, height - bottom + 24), f"{row['minutes']:.1f}", fill=(90, 90, 90))
+    draw.text((8, height - bottom + 8), "step", fill="black")
+    draw.text((8, height - bottom + 24), "minutes", fill=(90, 90, 90))
+    draw.text((left, height - 22), "x: trainer step (policy version), minutes since the start under it", fill=(90, 90, 90))
+
+    trained = [row for row in curve if row.get("train_reward") is not None]
+    for previous, row in zip(trained, trained[1:]):
+        draw.line([point(previous["step"], previous["train_reward"]), point(row["step"], row["train_reward"])], fill=TRAINING_COLOR, width=1)
     for previous, row in zip(curve, curve[1:]):
         draw.line([point(previous["step"], previous["reward"]), point(row["step"], row["reward"])], fill=COLORS.get(row["phase"], "gray"), width=3)
     for row in curve:
         x, y = point(row["step"], row["reward"])
         draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=COLORS.get(row["phase"], "gray"))
-    for index, (phase, color) in enumerate(COLORS.items()):
-        draw.text((width - right - 80, top + 10 + 14 * index), phase, fill=color)
+
+    draw.text((left, 8), "clotho demo: greedy reward on held-out items (never trained on)", fill="black")
+    legend = [(f"held out, {phase}", color, 3) for phase, color in COLORS.items()] + [("training (sampled)", TRAINING_COLOR, 1)]
+    x = left
+    for label, color, line_width in legend:
+        draw.line([(x, 32), (x + 18, 32)], fill=color, width=line_width)
+        draw.text((x + 22, 26), label, fill=color)
+        x += 28 + 7 * len(label)
     image.save(path)

@@ -4,8 +4,10 @@ cancel, a local Prefect server in a session of its own, logs drained before exit
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import threading
+from pathlib import Path
 
 
 class Stopped(Exception):
@@ -25,6 +27,23 @@ class PrefectStartError(RuntimeError):
     """The local Prefect server did not come up; the message says what was waited for and the fix."""
 
 
+def make_prefect_home(home: Path | None = None) -> Path:
+    """Creates the Prefect home (PREFECT_HOME, else ~/.prefect) with its parents: Prefect makes only
+    the last directory (and warns at import when it cannot). PrefectStartError if it cannot be
+    made or written, the one thing to fix named."""
+    home = home or Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        probe = home / ".clotho-write-probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:  # else the server fails to open its database and Prefect restarts it forever
+        raise PrefectStartError(
+            f"PREFECT_HOME={home}: cannot create or write it ({error}); point PREFECT_HOME at a writable directory"
+        ) from None
+    return home
+
+
 def start_local_prefect_server() -> None:
     """Without PREFECT_API_URL a flow runs against a temporary local Prefect server. Start it here,
     on a new machine as on a used one:
@@ -42,7 +61,6 @@ def start_local_prefect_server() -> None:
     import subprocess
     import sys
     import time
-    from pathlib import Path
 
     from prefect.settings import (
         PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
@@ -54,15 +72,7 @@ def start_local_prefect_server() -> None:
 
     home = Path(PREFECT_HOME.value()).expanduser()
     first_start = not (home / "prefect.db").exists()
-    try:
-        home.mkdir(parents=True, exist_ok=True)
-        probe = home / ".clotho-write-probe"
-        probe.touch()
-        probe.unlink()
-    except OSError as error:  # else the server fails to open its database and Prefect restarts it forever
-        raise PrefectStartError(
-            f"PREFECT_HOME={home}: cannot create or write it ({error}); point PREFECT_HOME at a writable directory"
-        ) from None
+    make_prefect_home(home)
     if first_start:
         print(f"clotho: first start of the local Prefect server: creating its database in {home}", file=sys.stderr)
     timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())

@@ -1,5 +1,9 @@
 """Single-turn comparison: which of two numbers is larger (or smaller)? The answer is one of the
-prompt's own numbers, so a small model can learn it by attending to them: the demo's RL task."""
+prompt's own numbers, so a small model can learn it by attending to them: the demo's RL task.
+
+The problems are split once, the same way for every instance: a share of the pairs {a, b} (both
+orders) is held out for `evaluate` and never handed out by `get_item`, so neither RL nor an SFT
+warm start on this environment's gold answers ever sees an evaluation problem."""
 
 from __future__ import annotations
 
@@ -12,6 +16,8 @@ from pydantic import Field
 from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 _NUMBER = re.compile(r"-?\d+")
+# The split's own seed: not the item stream's, so instances with different seeds agree on it.
+_SPLIT_SEED = 20261203
 
 
 class CompareConfig(EnvironmentConfig):
@@ -20,9 +26,27 @@ class CompareConfig(EnvironmentConfig):
     pool: int | None = Field(
         default=None,
         ge=1,
-        description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations, "
-        "with as many different answers as the pool and the range allow; None: fresh problems.",
+        description="Draw from a fixed pool of this many training problems (seeded), e.g. a few demonstrations, "
+        "with as many different answers as the pool and the range allow; None: fresh training problems.",
     )
+    held_out: float = Field(
+        default=0.3,
+        ge=0.0,
+        lt=1.0,
+        description="Share of the pairs {a, b} (both orders) set aside for evaluate and never trained on "
+        "(at least one pair when above 0, and at least one pair is left to train on); 0: evaluate draws "
+        "from the training problems.",
+    )
+
+
+def split_pairs(max_value: int, held_out: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(training problems, held-out problems): every ordered pair (a, b), a != b, in 0..max_value,
+    with both orders of a pair on the same side; the same split for the same arguments."""
+    pairs = [(a, b) for a in range(max_value + 1) for b in range(a + 1, max_value + 1)]
+    random.Random(_SPLIT_SEED).shuffle(pairs)
+    count = 0 if held_out == 0 else min(len(pairs) - 1, max(1, round(len(pairs) * held_out)))
+    both_orders = lambda chosen: sorted([(a, b) for a, b in chosen] + [(b, a) for a, b in chosen])  # noqa: E731
+    return both_orders(pairs[count:]), both_orders(pairs[:count])
 
 
 class Compare(Environment):
@@ -35,13 +59,15 @@ class Compare(Environment):
     async def setup(self) -> None:
         self.rng = random.Random(self.config.seed)
         self.count = 0
+        self.training, self.held_out = split_pairs(self.config.max_value, self.config.held_out)
         self.problems = self.diverse_pool(self.config.pool or 0)
+        self.evaluation_order = self.rng.sample(self.held_out or self.training, len(self.held_out or self.training))
 
     def diverse_pool(self, size: int) -> list[tuple[int, int]]:
-        """`size` problems, each with an answer no earlier one has while answers remain: a few
-        demonstrations that show every answer the task can have, not one answer many times."""
+        """`size` training problems, each with an answer no earlier one has while answers remain: a
+        few demonstrations that show every answer the task can have, not one answer many times."""
         pick = max if self.config.which == "larger" else min
-        candidates = [(a, b) for a in range(self.config.max_value + 1) for b in range(self.config.max_value + 1) if a != b]
+        candidates = list(self.training)
         self.rng.shuffle(candidates)
         pool: list[tuple[int, int]] = []
         for problem in candidates:
@@ -52,18 +78,26 @@ class Compare(Environment):
         return pool + [self.problem() for _ in range(size - len(pool))]
 
     def problem(self) -> tuple[int, int]:
-        a, b = self.rng.sample(range(self.config.max_value + 1), 2)
-        return a, b
+        return self.rng.choice(self.training)
 
-    async def get_item(self) -> Item:
-        a, b = self.problems[self.count % len(self.problems)] if self.problems else self.problem()
+    def item(self, a: int, b: int) -> Item:
         self.count += 1
         pick = max if self.config.which == "larger" else min
         return Item(
             id=f"{self.config.seed}-{self.count}",
             prompt=[{"role": "user", "content": f"Which is {self.config.which}, {a} or {b}? Give only the number."}],
             answer=pick(a, b),
+            extras={"pair": [a, b]},
         )
+
+    async def get_item(self) -> Item:
+        return self.item(*(self.problems[self.count % len(self.problems)] if self.problems else self.problem()))
+
+    async def get_eval_item(self) -> Item | None:
+        """Each held-out problem once (in an order seeded by eval_seed), then None."""
+        if self.count >= len(self.evaluation_order):
+            return None
+        return self.item(*self.evaluation_order[self.count])
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         match = _NUMBER.search(final_answer(messages))

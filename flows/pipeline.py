@@ -90,8 +90,12 @@ async def pipeline(
         stop_watching = asyncio.Event()
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=measured.reloads))
         stack.push_async_callback(finish, watching, stop_watching)
+        # Resolved with the evaluated version when the last phase's stop rule is met.
+        stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         if config.evaluation is not None:
-            evaluating = asyncio.ensure_future(evaluate_versions(config, urls[0], api_key, tokenizer, curve, measured, started, log))
+            evaluating = asyncio.ensure_future(
+                evaluate_versions(config, urls[0], api_key, tokenizer, curve, measured, started, log, stop_rule_met)
+            )
             stack.push_async_callback(cancel_and_wait, [evaluating])
 
         end_step = 0
@@ -110,35 +114,41 @@ async def pipeline(
                 for index in range(config.rollout.flows)
             ]
             try:
-                while trainer.poll() is None:
+                while trainer.poll() is None and not stop_rule_met.done():
                     await asyncio.sleep(1.0)
                     await show_new_steps(phase)
                     failed = [task for task in rollouts if task.done() and task.exception() is not None]
                     if failed:
                         raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
-                if trainer.returncode != 0:
+                if stop_rule_met.done():  # the trainer is stopped like a Ctrl-C: its state stays resumable
+                    log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
+                elif trainer.returncode != 0:
                     raise RuntimeError(
                         f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
                     )
+                else:
+                    # The rollout flows end on their own once the trainer took the phase's last groups.
+                    await asyncio.wait(rollouts, timeout=60)
                 await show_new_steps(phase)
-                # The rollout flows end on their own once the trainer took the phase's last groups.
-                await asyncio.wait(rollouts, timeout=60)
             finally:
                 stop_process(trainer)
                 await cancel_and_wait(rollouts)
             await show_tables()
 
-        # The last checkpoint is served (and evaluated) before the pipeline stops.
-        await wait_until_served(urls, api_key, end_step, timeout_s=120)
-        if config.evaluation is not None:
-            await curve.wait_for(end_step, timeout_s=300)
+        if not stop_rule_met.done():
+            # The last checkpoint is served (and evaluated) before the pipeline stops.
+            await wait_until_served(urls, api_key, end_step, timeout_s=120)
+            if config.evaluation is not None:
+                await curve.wait_for(end_step, timeout_s=300)
 
     await aupdate_progress_artifact(progress, 100.0)
     await show_tables()  # with the last reloads
     summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
     summary |= measured.summary() | sample_utilization(storage, run, steps)
+    if stop_rule_met.done():
+        summary["stopped_by_rule"] = {"version": stop_rule_met.result(), "rule": config.phases[-1].stop.describe()}
     if curve.rows:
-        summary["curve"] = curve.rows
+        summary["curve"] = with_training_reward(curve.rows, steps.rows)
     await acreate_markdown_artifact(report_markdown(run, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
     log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
     return summary
@@ -300,11 +310,12 @@ def sample_utilization(storage: str, run: str, steps: StepLog) -> dict[str, floa
 
 async def evaluate_versions(
     config: PipelineConfig, url: str, api_key: str | None, tokenizer: str, curve: Curve, measured: PipelineLog,
-    started: float, log,
+    started: float, log, stop_rule_met: asyncio.Future[int],
 ) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
-    at the last step: the curve, the same measure in every phase."""
+    at the last step: the curve, the same measure in every phase. Resolves `stop_rule_met` with
+    the version at which the last phase's stop rule holds, and ends there."""
     from environments.loading import load_config, load_environment_class
 
     evaluation = config.evaluation
@@ -323,4 +334,22 @@ async def evaluate_versions(
                 measured.evaluation(row)
                 log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
                 evaluated = version
+                last_phase = config.phases[-1]
+                if last_phase.stop is not None and config.phase_of(version) is last_phase:
+                    rewards = [r["reward"] for r in curve.rows if r["step"] > last_step - last_phase.steps]
+                    if last_phase.stop.met(rewards):
+                        stop_rule_met.set_result(version)
+                        return
             await asyncio.sleep(0.5)
+
+
+def with_training_reward(curve: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The curve's rows, each with `train_reward`: the mean reward of the groups trained in the
+    steps since the row before (sampled rollouts on training items; None where the steps had no
+    reward, e.g. SFT's demonstrations), beside its greedy held-out `reward`."""
+    rows, previous = [], -1
+    for row in curve:
+        scores = [s["score_mean"] for s in steps if previous < s["step"] <= row["step"] and s.get("score_mean") is not None]
+        rows.append({**row, "train_reward": sum(scores) / len(scores) if scores else None})
+        previous = row["step"]
+    return rows

@@ -41,12 +41,40 @@ class ServersConfig(Strict):
         return self
 
 
+class StopRule(Strict):
+    """Ends the run before its last phase has used all its steps: once the held-out reward (the
+    evaluation curve) has reached `reward` and then stopped rising, i.e. `patience` evaluations in a
+    row brought no new best (a new best beats the old by more than `min_delta`)."""
+
+    reward: float = Field(description="The held-out reward (the evaluation's mean score) to reach.")
+    patience: int = Field(default=2, ge=1, description="Evaluations in a row without a new best that end the run, once `reward` is reached.")
+    min_delta: float = Field(default=0.0, ge=0.0, description="How much a new best must beat the old one by.")
+
+    def met(self, rewards: list[float]) -> bool:
+        """Whether the run ends after these evaluations (the phase's, oldest first)."""
+        best, since_best = None, 0
+        for reward in rewards:
+            if best is None or reward > best + self.min_delta:
+                best, since_best = reward, 0
+            else:
+                since_best += 1
+        return best is not None and best >= self.reward and since_best >= self.patience
+
+    def describe(self) -> str:
+        return f"held-out reward >= {self.reward:g} reached and no new best in {self.patience} evaluations"
+
+
 class Phase(Strict):
     name: str = Field(description="Shown in the curve and the logs, e.g. sft, rl.")
-    steps: int = Field(gt=0, description="Trainer steps of this phase.")
+    steps: int = Field(gt=0, description="Trainer steps of this phase (its most, with `stop`).")
     environments: list[EnvironmentEntry] = Field(min_length=1)
     trainer: dict[str, Any] = Field(
         default_factory=dict, description="TrainerConfig fields for this phase, on top of the pipeline's `trainer`."
+    )
+    stop: StopRule | None = Field(
+        default=None,
+        description="End the run early on the evaluation curve (the last phase only; needs `evaluation`), "
+        "e.g. {reward: 0.9, patience: 2}: the run takes its learning time, not a fixed step count.",
     )
 
 
@@ -94,6 +122,20 @@ class PipelineConfig(Strict):
                 raise ValueError(
                     f"{where}: {sorted(clash)} are the pipeline's (model, phases[].steps, max_lag); set them there"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _stop_rule(self) -> PipelineConfig:
+        for index, phase in enumerate(self.phases):
+            if phase.stop is None:
+                continue
+            if index != len(self.phases) - 1:
+                raise ValueError(
+                    f"phases.{index}.stop: only the last phase can end the run early (the steps of a later phase "
+                    "are counted from the end of the earlier ones); move the rule to the last phase"
+                )
+            if self.evaluation is None:
+                raise ValueError(f"phases.{index}.stop: the rule reads the evaluation curve; add an `evaluation` section")
         return self
 
     @property

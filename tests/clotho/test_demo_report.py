@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from clotho.demo import draw_curve, learning_verdict
+from clotho.demo import TRAINING_COLOR, draw_curve, learning_verdict
 
 CURVE = [
     {"phase": "sft", "step": 0, "reward": 0.0, "minutes": 0.5},
@@ -28,10 +28,27 @@ def test_the_verdict_reads_start_plateau_end_and_the_gain_of_rl():
     assert learning_verdict([]) == {"line": "no evaluation ran"}
 
 
-def test_the_curve_is_drawn_in_each_phase_color(tmp_path):
+def test_the_curve_is_drawn_in_each_phase_color_with_the_training_reward(tmp_path):
     path = tmp_path / "curve.png"
-    draw_curve(CURVE, path)
+    curve = [{**row, "train_reward": 0.5 if row["phase"] == "rl" else None} for row in CURVE]
+    draw_curve(curve, path)
     image = Image.open(path).convert("RGB")
     colors = set(image.getdata())
-    assert image.size == (720, 400)
-    assert (52, 101, 164) in colors and (204, 0, 0) in colors
+    assert image.size == (760, 460)
+    assert (52, 101, 164) in colors and (204, 0, 0) in colors and TRAINING_COLOR in colors
+    # The training line runs between the two RL evaluations at reward 0.5: the plot's middle row.
+    middle = (56 + (460 - 78)) // 2
+    assert any(image.getpixel((x, middle)) == TRAINING_COLOR for x in range(400, 700))
+
+
+def test_the_legend_sits_above_the_plot_not_on_the_curve(tmp_path):
+    path = tmp_path / "curve.png"
+    high = [{"phase": "rl", "step": step, "reward": 0.9, "minutes": step / 10, "train_reward": 0.95} for step in (0, 150, 155, 157, 160)]
+    draw_curve(high, path)
+    image = Image.open(path).convert("RGB")
+    legend_row = {image.getpixel((x, y)) for x in range(image.size[0]) for y in range(20, 40)}
+    assert (204, 0, 0) in legend_row and TRAINING_COLOR in legend_row
+    # The plot's top right, where the labels used to sit over the end of a rising curve: only the
+    # white background and the grid lines between the frame and the curves (reward 0.95 at y 72).
+    corner = {image.getpixel((x, y)) for x in range(560, 730) for y in range(58, 68)}
+    assert corner <= {(255, 255, 255), (225, 225, 225)}, corner

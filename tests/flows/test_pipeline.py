@@ -45,6 +45,12 @@ def write_config(tmp_path: Path, model: Path, steps: int, **fields) -> Path:
     return path
 
 
+def marked(environment: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The environment of a command whose every process left_behind(str(tmp_path)) must find:
+    children inherit the variable (the model path, shared with the session server, names no test)."""
+    return {**environment, "CLOTHO_TEST_MARKER": str(tmp_path)}
+
+
 def left_behind(marker: str) -> list[str]:
     """Processes whose command line or environment names this test's directory (servers, trainer,
     flows, a temporary Prefect server with its PREFECT_HOME there)."""
@@ -62,10 +68,9 @@ def left_behind(marker: str) -> list[str]:
 
 
 def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_server, tiny_model_dir):
-    model = tmp_path / "model"
-    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
     config = write_config(tmp_path, model, steps=4, evaluation={"env": "arithmetic", "config": {"max_tokens": 4}, "items": 4, "every": 2})
-    done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+    done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-5000:]
     summary = json.loads(done.stdout[done.stdout.index("{") :])
@@ -99,11 +104,30 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_serve
     assert "versions_behind" in staleness, staleness
 
 
+def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(tmp_path, prefect_server, tiny_model_dir):
+    """phases[-1].stop: the run ends on the evaluation curve, not its step count. With a target of
+    0 and no possible new best (min_delta 1), the rule holds at the phase's second evaluation."""
+    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
+    config = write_config(tmp_path, model, steps=1000, evaluation={"env": "compare", "config": {"max_tokens": 4}, "items": 4, "every": 2})
+    settings = yaml.safe_load(config.read_text())
+    settings["phases"][0]["stop"] = {"reward": 0.0, "patience": 1, "min_delta": 1.0}
+    config.write_text(yaml.safe_dump(settings))
+    done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    summary = json.loads(done.stdout[done.stdout.index("{") :])
+    evaluated = [int(v) for v in re.findall(r"evaluation at version (\d+) \(rl\)", output)]
+    assert len([v for v in evaluated if v > 0]) == 2, evaluated  # version 0 is the start, not the phase's
+    assert summary["stopped_by_rule"]["version"] == evaluated[-1] and "no new best in 1 evaluations" in output
+    assert summary["steps"] < 30, summary  # of 1000
+    assert all(not check.problems for check in verify(f"file://{tmp_path}/store/run"))
+    assert left_behind(str(tmp_path)) == []
+
+
 def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):
     """As in a terminal: the temporary local Prefect server, and Ctrl-C sent to the whole process
     group (which must not take that server down in the middle of the pipeline's cleanup)."""
-    model = tmp_path / "model"
-    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
     config = write_config(tmp_path, model, steps=1000)
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
@@ -137,8 +161,7 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
 
     prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process", "--overwrite")
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
-    model = tmp_path / "model"
-    subprocess.run(["cp", "-r", str(tiny_model_dir), str(model)], check=True)
+    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
     config = write_config(tmp_path, model, steps=8, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
     logs = [tmp_path / f"worker-{name}.log" for name in ("a", "b")]
     workers = [
@@ -150,7 +173,7 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
         for log in logs
     ]
     try:
-        done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=prefect_server.env(), capture_output=True, text=True, timeout=900)
+        done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
     finally:
         for worker in workers:
             with contextlib.suppress(ProcessLookupError):

@@ -155,15 +155,22 @@ class Admission:
             self.stored += 1
 
     @property
+    def end_step(self) -> int | None:
+        """The last step anything sampled here will be trained in: `last_step`, or earlier where the
+        run was ended early (the trainer position's last_step, written by the pipeline)."""
+        ends = [step for step in (self.last_step, self.trainer.last_step if self.trainer else None) if step is not None]
+        return min(ends, default=None)
+
+    @property
     def done(self) -> bool:
-        return self.trainer is not None and self.last_step is not None and self.trainer.steps >= self.last_step
+        return self.trainer is not None and self.end_step is not None and self.trainer.steps >= self.end_step
 
     def _admits(self) -> bool:
-        """The rule, and with a `last_step` nothing that only a later step would train."""
+        """The rule, and with an end step nothing that only a later step would train."""
         if self.trainer is None:
             return False
-        pending, trainer = self.pending(), self.trainer
-        if self.last_step is not None and training_step(pending, trainer.steps, trainer.groups_per_step) > self.last_step:
+        pending, trainer, end = self.pending(), self.trainer, self.end_step
+        if end is not None and training_step(pending, trainer.steps, trainer.groups_per_step) > end:
             return False
         return admits(
             pending=pending, steps=trainer.steps, served_version=self.version,

@@ -120,8 +120,11 @@ async def pipeline(
                     failed = [task for task in rollouts if task.done() and task.exception() is not None]
                     if failed:
                         raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
-                if stop_rule_met.done():  # the trainer is stopped like a Ctrl-C: its state stays resumable
+                if stop_rule_met.done():
                     log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
+                    stop_process(trainer)  # as by a Ctrl-C: its state stays resumable
+                    end_run_here(storage, run)
+                    await asyncio.wait(rollouts, timeout=60)  # they end on their own, as at a phase's end
                 elif trainer.returncode != 0:
                     raise RuntimeError(
                         f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
@@ -194,6 +197,16 @@ def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run
         retired_committed=known.retired_committed if known else 0,
     )  # fmt: skip
     write_trainer_position(storage, run, position)
+
+
+def end_run_here(storage: str, run: str) -> None:
+    """The run ends at the stopped trainer's position: the samplers read it (flows.admission), store
+    what they are sampling and end, as at a phase's last step."""
+    import dataclasses
+
+    position = read_trainer_position(storage, run)
+    if position is not None:
+        write_trainer_position(storage, run, dataclasses.replace(position, last_step=position.steps))
 
 
 def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher:

@@ -46,6 +46,9 @@ class TrainerPosition:
     # the samplers' directory holds the live ones only: a poll reads it whole).
     retired_committed: int = 0
     updated_at: float = field(default_factory=time.time)
+    # The run's last step when it ended before its configured end (a pipeline's stop rule, written
+    # once the trainer is stopped): the samplers sample nothing past it and end.
+    last_step: int | None = None
 
 
 @dataclass(frozen=True)

@@ -229,6 +229,24 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
     assert not await admitted_within(admission, 0.2)
 
 
+async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_path):
+    """A pipeline whose stop rule held writes the stopped trainer's position with last_step: the
+    sampler admits nothing more and acquire says it is done (False), as at a phase's last step."""
+    import dataclasses
+
+    root = str(tmp_path)
+    admission = Admission(
+        root, "run", max_lag=1, served_version=Served(3), buffered=lambda: 0, flush=lambda: asyncio.sleep(0),
+        sampler="a", refresh_s=0.02, last_step=100,
+    )  # fmt: skip
+    write_trainer_position(root, "run", position(steps=3, consumed=6, version=3, max_staleness=1))
+    assert await admitted_within(admission, 1) and admission.end_step == 100
+    write_trainer_position(root, "run", dataclasses.replace(position(steps=3, consumed=6, version=3, max_staleness=1), last_step=3))
+    await asyncio.sleep(0.05)  # past refresh_s: the next acquire reads the positions again
+    assert await asyncio.wait_for(admission.acquire(), timeout=1) is False
+    assert admission.done and admission.end_step == 3
+
+
 async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(tmp_path):
     root = str(tmp_path)
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=4))

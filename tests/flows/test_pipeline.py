@@ -120,6 +120,9 @@ def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(tmp_path, pre
     assert len([v for v in evaluated if v > 0]) == 2, evaluated  # version 0 is the start, not the phase's
     assert summary["stopped_by_rule"]["version"] == evaluated[-1] and "no new best in 1 evaluations" in output
     assert summary["steps"] < 30, summary  # of 1000
+    # An end by the rule is a normal end: the rollout flows end on their own, nothing crashed.
+    assert "Crash detected" not in output and "Crashed" not in output, output[-5000:]
+    assert "rollout finished" in output, output[-5000:]
     assert all(not check.problems for check in verify(f"file://{tmp_path}/store/run"))
     assert left_behind(str(tmp_path)) == []
 

@@ -68,17 +68,12 @@ async def test_serve_watch_follows_the_run_until_stopped(untied_policy, tmp_path
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
+def prefect_api(prefect_server):
+    """The session's Prefect server (tests/conftest.py), as this module's API."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.prefect_server import start_prefect_server
-
-    server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
-    try:
-        with temporary_settings({PREFECT_API_URL: server.api_url}):
-            yield server.api_url
-    finally:
-        server.stop()
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        yield prefect_server.api_url
 
 
 async def test_reload_flow_reloads_and_reports_an_artifact(untied_policy, prefect_api, tmp_path):

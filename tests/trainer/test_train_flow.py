@@ -44,21 +44,23 @@ def test_table_columns_put_the_known_ones_first_then_whatever_was_logged():
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_flow_trains_and_reports(tmp_path, tiny_model_dir, in_process_trainer):
+def test_flow_trains_and_reports(tmp_path, tiny_model_dir, in_process_trainer, prefect_server):
     from prefect.client.orchestration import get_client
-    from prefect.testing.utilities import prefect_test_harness
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from clotho.flow_runtime import drain_prefect_reporting
     from flows.train import train
 
     root = str(tmp_path)
     write_shards(root, "flow-run", sampled_groups(tiny_model_dir, 4, seed=40), groups_per_shard=4)
-    with prefect_test_harness(server_startup_timeout=120):
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         result = train(
             run_url=f"{root}/flow-run", model=str(tiny_model_dir), steps=2,
             overrides=["groups_per_step=2", "save_every=2", "lr=1e-3"], data_timeout_s=60,
         )  # fmt: skip
         with get_client(sync_client=True) as client:
             keys = {artifact.key for artifact in client.read_artifacts()}
+        drain_prefect_reporting()  # while the server is still the one the logs go to
     assert result["steps"] == 2 and result["checkpoint"].endswith("step-00000002")
     assert {"loss", "score_mean", "tokens_per_s"} <= set(result["final_metrics"])
     assert {"train-flow-run-metrics", "train-flow-run-report", "train-flow-run-progress"} <= keys

@@ -68,7 +68,7 @@ def left_behind(marker: str) -> list[str]:
 
 
 def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_server, tiny_model_dir):
-    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
+    model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
     config = write_config(tmp_path, model, steps=4, evaluation={"env": "arithmetic", "config": {"max_tokens": 4}, "items": 4, "every": 2})
     done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
     output = done.stdout + done.stderr
@@ -107,7 +107,7 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(tmp_path, prefect_serve
 def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(tmp_path, prefect_server, tiny_model_dir):
     """phases[-1].stop: the run ends on the evaluation curve, not its step count. With a target of
     0 and no possible new best (min_delta 1), the rule holds at the phase's second evaluation."""
-    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
+    model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
     config = write_config(tmp_path, model, steps=1000, evaluation={"env": "compare", "config": {"max_tokens": 4}, "items": 4, "every": 2})
     settings = yaml.safe_load(config.read_text())
     settings["phases"][0]["stop"] = {"reward": 0.0, "patience": 1, "min_delta": 1.0}
@@ -130,7 +130,7 @@ def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(tmp_path, pre
 def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):
     """As in a terminal: the temporary local Prefect server, and Ctrl-C sent to the whole process
     group (which must not take that server down in the middle of the pipeline's cleanup)."""
-    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
+    model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
     config = write_config(tmp_path, model, steps=1000)
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
@@ -164,7 +164,7 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
 
     prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process", "--overwrite")
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
-    model = tiny_model_dir  # the session server's path: vLLM's compile cache (keyed by it) is warm
+    model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
     config = write_config(tmp_path, model, steps=8, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
     logs = [tmp_path / f"worker-{name}.log" for name in ("a", "b")]
     workers = [

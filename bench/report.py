@@ -129,18 +129,20 @@ def demo_text() -> str:
     curve, verdict = r["curve"], r["verdict"]
     last = curve[-1]
     training = [row["train_reward"] for row in curve if row.get("train_reward") is not None]
+    if not training:
+        return f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
     stopped = r.get("stopped_by_rule")
     ending = (f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}" if stopped
               else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
+    whole = (f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
+             if "demo_minutes" in r else ".")  # fmt: skip
     return (
         f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
         f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
         f"{verdict['sft_plateau']:.2f} after SFT (the demonstrations teach the format and some of the answers), "
         f"{verdict['end']:.2f} at step {last['step']} after RL (training reward, sampled at temperature 1.25, "
         f"{training[-1]:.2f}); {ending}, {last['minutes']:.1f} minutes after the pipeline started (the "
-        f"policy server's start-up included)"
-        + (f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes." if "demo_minutes" in r else ".")
-        if training else f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
+        f"policy server's start-up included){whole}"
     )
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -124,14 +125,13 @@ async def pipeline(
                     log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
                     stop_process(trainer)  # as by a Ctrl-C: its state stays resumable
                     end_run_here(storage, run)
-                    await asyncio.wait(rollouts, timeout=60)  # they end on their own, as at a phase's end
                 elif trainer.returncode != 0:
                     raise RuntimeError(
                         f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
                     )
-                else:
-                    # The rollout flows end on their own once the trainer took the phase's last groups.
-                    await asyncio.wait(rollouts, timeout=60)
+                # The rollout flows end on their own once the trainer took the phase's last groups
+                # (or, stopped by the rule, those of the step it ended at).
+                await asyncio.wait(rollouts, timeout=60)
                 await show_new_steps(phase)
             finally:
                 stop_process(trainer)
@@ -202,8 +202,6 @@ def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run
 def end_run_here(storage: str, run: str) -> None:
     """The run ends at the stopped trainer's position: the samplers read it (flows.admission), store
     what they are sampling and end, as at a phase's last step."""
-    import dataclasses
-
     position = read_trainer_position(storage, run)
     if position is not None:
         write_trainer_position(storage, run, dataclasses.replace(position, last_step=position.steps))
@@ -347,9 +345,10 @@ async def evaluate_versions(
                 measured.evaluation(row)
                 log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
                 evaluated = version
-                last_phase = config.phases[-1]
-                if last_phase.stop is not None and config.phase_of(version) is last_phase:
-                    rewards = [r["reward"] for r in curve.rows if r["step"] > last_step - last_phase.steps]
+                # The last phase's evaluations: of the versions it trained (not the one it started from).
+                last_phase, last_phase_start = config.phases[-1], last_step - config.phases[-1].steps
+                if last_phase.stop is not None and version > last_phase_start:
+                    rewards = [r["reward"] for r in curve.rows if r["step"] > last_phase_start]
                     if last_phase.stop.met(rewards):
                         stop_rule_met.set_result(version)
                         return

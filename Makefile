@@ -7,7 +7,7 @@ PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup demo test test-fast bench soak clean-venvs
+.PHONY: setup adapters demo test test-fast bench soak clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -36,7 +36,13 @@ $(INFERENCE_VENV)/.installed: requirements/inference.lock
 	@touch $@
 
 # An adapter's own environment (.venv-env-atropos, ...): clotho's environment side from env-base.lock
-# plus one framework, for `clotho env serve` (tests build the ones they use: `make .venv-env-textarena/.installed`).
+# plus one framework, for `clotho env serve` (one of them: `make .venv-env-textarena/.installed`).
+# `make adapters` builds every one, in parallel; `make test` does so before the tests start.
+ADAPTER_VENVS := $(patsubst requirements/env-%.lock,.venv-env-%/.installed,$(filter-out requirements/env-base.lock,$(wildcard requirements/env-*.lock)))
+
+adapters:
+	@$(MAKE) --no-print-directory -j$(words $(ADAPTER_VENVS)) $(ADAPTER_VENVS)
+
 .venv-env-%/.installed: requirements/env-base.lock requirements/env-%.lock pyproject.toml
 	@echo ">> creating .venv-env-$* (the $* adapter's environment)"
 	$(call need_disk,1.5,.venv-env-$*)
@@ -48,7 +54,7 @@ $(INFERENCE_VENV)/.installed: requirements/inference.lock
 demo: setup
 	$(VENV)/bin/clotho demo
 
-test: setup
+test: setup adapters
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 # Unit tests only: no vLLM, Prefect or S3 server.

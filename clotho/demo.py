@@ -42,7 +42,7 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     settings = [f"model={json.dumps(str(model))}", f"run={json.dumps(str(storage / 'demo'))}", *(overrides or [])]
     summary = run_flow(pipeline(config_path=str(DEMO_CONFIG), overrides=settings))
     curve = summary.get("curve", [])
-    verdict = learning_verdict(curve)
+    verdict = learning_verdict(curve, window=stop_window(DEMO_CONFIG, settings))
     demo_minutes = (time.monotonic() - started) / 60  # the local Prefect server's start included
     (workdir / "summary.json").write_text(json.dumps({**summary, "verdict": verdict, "demo_minutes": demo_minutes}, indent=1))
     draw_curve(curve, workdir / "reward-curve.png")
@@ -61,23 +61,40 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     return {**summary, "verdict": verdict}
 
 
-def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0) -> dict[str, Any]:
+def stop_window(config_path: Path, overrides: list[str]) -> int:
+    """The running mean's width the run's stop rule reads (1 without a rule)."""
+    from flows.pipeline_config import PipelineConfig
+
+    stop = PipelineConfig.from_yaml(config_path, overrides).phases[-1].stop
+    return stop.window if stop is not None else 1
+
+
+def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0, window: int = 1) -> dict[str, Any]:
     """Start, the SFT phase's plateau (its best), the end (the last evaluation), what RL added
     to the plateau, and whether the demo's criterion holds: the end >= 0.8 or 0.5 above the start,
-    the RL phase +0.2 over the plateau, within `minutes`."""
+    the RL phase +0.2 over the plateau, within `minutes`. With `window` > 1 (the stop rule's), the
+    plateau and the end are running means over that many evaluations, as the rule reads the curve:
+    the SFT phase's best mean, and the mean of the last evaluations."""
     if not curve:
         return {"line": "no evaluation ran"}
+
+    def means(rewards: list[float]) -> list[float]:
+        width = min(window, len(rewards))
+        return [sum(rewards[i - width + 1 : i + 1]) / width for i in range(width - 1, len(rewards))]
+
     sft = [row["reward"] for row in curve if row["phase"] == "sft"]
-    start, end = curve[0]["reward"], curve[-1]["reward"]
-    plateau = max(sft) if sft else start
+    start = curve[0]["reward"]
+    plateau = max(means(sft)) if sft else start
+    end = means([row["reward"] for row in curve if row["phase"] != "sft"] or [curve[-1]["reward"]])[-1]
     gain = end - plateau
     met = (end >= 0.8 or end - start >= 0.5) and gain >= 0.2 and curve[-1]["minutes"] <= minutes
+    measure = "" if window == 1 else f" (means of {window} evaluations)"
     line = (
-        f"held-out reward {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
+        f"held-out reward{measure} {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
         f"(RL added {gain:+.2f}) in {curve[-1]['minutes']:.1f} minutes: "
         + ("learned (>= 0.8 or +0.5, and RL +0.2 over SFT, within 15 minutes)" if met else "the learning criterion is not met")
     )
-    return {"start": start, "sft_plateau": plateau, "end": end, "rl_gain": gain, "criterion_met": met, "line": line}
+    return {"start": start, "sft_plateau": plateau, "end": end, "window": window, "rl_gain": gain, "criterion_met": met, "line": line}
 
 
 def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (760, 460)) -> None:

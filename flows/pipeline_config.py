@@ -44,24 +44,32 @@ class ServersConfig(Strict):
 class StopRule(Strict):
     """Ends the run before its last phase has used all its steps: once the held-out reward (the
     evaluation curve) has reached `reward` and then stopped rising, i.e. `patience` evaluations in a
-    row brought no new best (a new best beats the old by more than `min_delta`)."""
+    row brought no new best (a new best beats the old by more than `min_delta`). With `window` > 1
+    the rule reads the curve's running mean over that many evaluations, so one lucky evaluation on a
+    few held-out items neither ends the run early nor one unlucky one keeps it going."""
 
     reward: float = Field(description="The held-out reward (the evaluation's mean score) to reach.")
     patience: int = Field(default=2, ge=1, description="Evaluations in a row without a new best that end the run, once `reward` is reached.")
     min_delta: float = Field(default=0.0, ge=0.0, description="How much a new best must beat the old one by.")
+    window: int = Field(default=1, ge=1, description="Evaluations in the running mean the rule reads (1: each evaluation as it is).")
+
+    def smoothed(self, rewards: list[float]) -> list[float]:
+        """The running mean over `window` evaluations, from the first full window on."""
+        return [sum(rewards[i - self.window + 1 : i + 1]) / self.window for i in range(self.window - 1, len(rewards))]
 
     def met(self, rewards: list[float]) -> bool:
         """Whether the run ends after these evaluations (the phase's, oldest first)."""
         best, since_best = None, 0
-        for reward in rewards:
-            if best is None or reward > best + self.min_delta:
+        for reward in self.smoothed(rewards):
+            if best is None or reward > best + self.min_delta + 1e-9:  # a mean's rounding is no new best
                 best, since_best = reward, 0
             else:
                 since_best += 1
         return best is not None and best >= self.reward and since_best >= self.patience
 
     def describe(self) -> str:
-        return f"held-out reward >= {self.reward:g} reached and no new best in {self.patience} evaluations"
+        measure = "held-out reward" if self.window == 1 else f"held-out reward (mean of {self.window} evaluations)"
+        return f"{measure} >= {self.reward:g} reached and no new best in {self.patience} evaluations"
 
 
 class Phase(Strict):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import ipaddress
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -64,6 +65,19 @@ def lower_priority(priority: str) -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
 
 
+VLLM_ARGS_VARIABLE = "CLOTHO_VLLM_ARGS"
+
+
+def vllm_args_from_environment() -> list[str]:
+    """$CLOTHO_VLLM_ARGS, shell-split: extra `vllm serve` arguments for every server clotho starts
+    (the pipeline's, `clotho serve`, `clotho evaluate`, `clotho env check`), e.g. "--enforce-eager"
+    (no torch.compile: a faster start, slower steps) or "--gpu-memory-utilization 0.8"."""
+    try:
+        return shlex.split(os.environ.get(VLLM_ARGS_VARIABLE, ""))
+    except ValueError as error:
+        raise ValueError(f"{VLLM_ARGS_VARIABLE}={os.environ[VLLM_ARGS_VARIABLE]!r}: {error}; quote it as a shell would") from error
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -117,7 +131,8 @@ class PolicyServer:
         self.dtype = dtype
         self.max_model_len = max_model_len
         self.kv_cache_gib = kv_cache_gib
-        self.extra_args = list(extra_args or [])
+        # None: $CLOTHO_VLLM_ARGS; a list (even empty) is exactly the arguments added.
+        self.extra_args = vllm_args_from_environment() if extra_args is None else list(extra_args)
         self.python = python or inference_python()
         self.priority = priority or default_priority(self.python)
         if self.priority not in PRIORITIES:

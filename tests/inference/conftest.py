@@ -17,10 +17,12 @@ from tests.conftest import CACHE, cached_tiny_model
 TIED_API_KEY = "reload-test-key"
 
 
-def _served(tie_embeddings: bool, api_key: str | None = None):
+def _served(tie_embeddings: bool, api_key: str | None = None, compiled: bool = False):
     model_dir = cached_tiny_model(tie_embeddings=tie_embeddings)
     name = "tied" if tie_embeddings else "untied"
-    server = PolicyServer(model_dir, api_key=api_key, log_path=CACHE / "logs" / f"vllm-reload-{name}.log")
+    # compiled: vLLM's default torch.compile'd graph, not the suite's --enforce-eager (tests/conftest.py).
+    extra_args = [] if compiled else None
+    server = PolicyServer(model_dir, api_key=api_key, log_path=CACHE / "logs" / f"vllm-reload-{name}.log", extra_args=extra_args)
     server.start(timeout=600)
     try:
         yield ServedPolicy.of(server)
@@ -35,8 +37,9 @@ def untied_policy():
 
 @pytest.fixture(scope="package")
 def tied_policy():
-    """Behind an API key, so every reload of the tied model also goes through the key check."""
-    yield from _served(tie_embeddings=True, api_key=TIED_API_KEY)
+    """Behind an API key, so every reload of the tied model also goes through the key check; and
+    compiled, as users run vLLM, so reloads into the compiled graph are checked to parity too."""
+    yield from _served(tie_embeddings=True, api_key=TIED_API_KEY, compiled=True)
 
 
 @pytest.fixture(scope="package")

@@ -71,3 +71,12 @@ def test_priority_is_checked(tiny_model_dir):
 def test_refuses_public_bind_without_api_key(tiny_model_dir):
     with pytest.raises(ValueError, match="api_key"):
         PolicyServer(tiny_model_dir, host="0.0.0.0")
+
+
+def test_extra_vllm_arguments_come_from_clotho_vllm_args_unless_given(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("CLOTHO_VLLM_ARGS", "--enforce-eager --max-num-seqs '64'")
+    assert PolicyServer(tiny_model_dir).command()[-3:] == ["--enforce-eager", "--max-num-seqs", "64"]
+    assert "--enforce-eager" not in PolicyServer(tiny_model_dir, extra_args=[]).command()  # given: exactly these
+    monkeypatch.setenv("CLOTHO_VLLM_ARGS", "--chat-template 'unclosed")
+    with pytest.raises(ValueError, match="CLOTHO_VLLM_ARGS=.*No closing quotation; quote it as a shell would"):
+        PolicyServer(tiny_model_dir)

@@ -176,8 +176,7 @@ def public_server(tiny_model_dir):
     from inference.server import PolicyServer
     from tests.conftest import CACHE
 
-    # Eager: it only answers a few requests, and skipping torch.compile saves ~30 s of its start.
-    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEY, log_path=CACHE / "logs" / "vllm-public.log", extra_args=["--enforce-eager"])
+    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEY, log_path=CACHE / "logs" / "vllm-public.log")
     server.start(timeout=600)
     yield server
     server.stop()

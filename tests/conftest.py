@@ -23,3 +23,19 @@ def prefect_server(tmp_path_factory):
     server = start_prefect_server(tmp_path_factory.mktemp("prefect-home"))
     yield server
     server.stop()
+
+
+KEYED_SERVER_KEY = "sk-dummy-SECRET-123"
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tiny_model_dir):
+    """A tiny-model server bound to every address behind an API key, what `clotho serve --host
+    0.0.0.0 --api-key` starts: the key tests share it (rollouts with and without the key, the dev
+    routes asked from off this machine). None of them announces a version or leaves it paused."""
+    from inference.server import PolicyServer
+
+    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEYED_SERVER_KEY, log_path=CACHE / "logs" / "vllm-keyed.log")
+    server.start(timeout=600)
+    yield server
+    server.stop()

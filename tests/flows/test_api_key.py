@@ -12,22 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from inference.server import PolicyServer
 from storage.reader import ShardReader
-from tests.conftest import CACHE
+from tests.conftest import KEYED_SERVER_KEY as KEY
 
 pytestmark = pytest.mark.integration
 
-KEY = "rollout-test-key"
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_model_dir):
-    server = PolicyServer(tiny_model_dir, api_key=KEY, log_path=CACHE / "logs" / "vllm-keyed.log")
-    server.start(timeout=600)
-    yield server
-    server.stop()
 
 
 def rollout_command(server, storage: str, run: str, tokenizer) -> list[str]:

@@ -21,6 +21,7 @@ import sys
 
 import pytest
 
+from tests.conftest import KEYED_SERVER_KEY as KEY
 from tests.reliability.sandbox_attacks import AS_ROOT, REPO, host_address
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +152,6 @@ for request in json.load(sys.stdin):
 print(json.dumps(answers))
 """
 
-KEY = "sk-dummy-SECRET-123"
 WRONG_CREDENTIALS = [
     {}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY[:-1]}"}, {"Authorization": f"Bearer {KEY}4"},
     {"Authorization": f"Bearer {KEY.upper()}"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY},
@@ -171,15 +171,10 @@ def remote():
 
 
 @pytest.fixture(scope="module")
-def public_server(tiny_model_dir):
-    """A server bound to every address, with an API key: what clotho serve --host 0.0.0.0 --api-key starts."""
-    from inference.server import PolicyServer
-    from tests.conftest import CACHE
-
-    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEY, log_path=CACHE / "logs" / "vllm-public.log")
-    server.start(timeout=600)
-    yield server
-    server.stop()
+def public_server(keyed_server):
+    """A server bound to every address, with an API key: the suite's keyed server (tests/conftest.py)."""
+    assert keyed_server.host == "0.0.0.0" and keyed_server.api_key == KEY
+    return keyed_server
 
 
 def every_route(server) -> list[tuple[str, str]]:

@@ -131,6 +131,9 @@ def demo_text() -> str:
     training = [row["train_reward"] for row in curve if row.get("train_reward") is not None]
     if not training:
         return f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
+    window = verdict.get("window", 1)
+    plateau_is, end_is = ("its best evaluation", "its last evaluation") if window == 1 else (
+        f"its best mean of {window} evaluations in a row", f"the mean of its last {window} evaluations")  # fmt: skip
     stopped = r.get("stopped_by_rule")
     ending = (f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}" if stopped
               else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
@@ -139,8 +142,8 @@ def demo_text() -> str:
     return (
         f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
         f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
-        f"{verdict['sft_plateau']:.2f} after SFT (the demonstrations teach the format and some of the answers), "
-        f"{verdict['end']:.2f} at step {last['step']} after RL (training reward, sampled at temperature 1.25, "
+        f"{verdict['sft_plateau']:.2f} after SFT ({plateau_is}; the demonstrations teach the format and some of the answers), "
+        f"{verdict['end']:.2f} at step {last['step']} after RL ({end_is}; training reward, sampled at temperature 1.25, "
         f"{training[-1]:.2f}); {ending}, {last['minutes']:.1f} minutes after the pipeline started (the "
         f"policy server's start-up included){whole}"
     )

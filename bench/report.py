@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -19,6 +20,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
+DEMO_YAML = Path(__file__).resolve().parents[1] / "runs" / "demo.yaml"
 
 
 def _load(name: str) -> dict | None:
@@ -139,13 +141,21 @@ def demo_text() -> str:
               else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
     whole = (f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
              if "demo_minutes" in r else ".")  # fmt: skip
+    runs = r.get("runs", [])
+    history = ""
+    if len(runs) > 1:
+        gains = ", ".join(f"{run['rl_gain']:+.2f}" for run in runs)
+        history = (f" All {len(runs)} demos recorded with this `runs/demo.yaml`, oldest first: RL added {gains} over the SFT "
+                   f"plateau; {sum(run['criterion_met'] for run in runs)} of {len(runs)} met the criterion, "
+                   f"{sum(run['stopped_by_rule'] for run in runs)} stopped on the rule, the longest took "
+                   f"{max(run['demo_minutes'] for run in runs):.1f} minutes.")  # fmt: skip
     return (
         f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
         f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
         f"{verdict['sft_plateau']:.2f} after SFT ({plateau_is}; the demonstrations teach the format and some of the answers), "
         f"{verdict['end']:.2f} at step {last['step']} after RL ({end_is}; training reward, sampled at temperature 1.25, "
         f"{training[-1]:.2f}); {ending}, {last['minutes']:.1f} minutes after the pipeline started (the "
-        f"policy server's start-up included){whole}"
+        f"policy server's start-up included){whole}{history}"
     )
 
 
@@ -153,14 +163,31 @@ def demo_block() -> str:
     return f"{DEMO_START}\n{demo_text()}\n{DEMO_END}"
 
 
+def demo_config_sha() -> str:
+    import hashlib
+
+    return hashlib.sha256(DEMO_YAML.read_bytes()).hexdigest()[:12]
+
+
 def record_demo(summary_path: Path) -> None:
-    """bench/results/demo.json from a demo's summary: the curve, the verdict, the stop and minutes."""
+    """bench/results/demo.json from a demo's summary: the curve, the verdict, the stop and minutes;
+    and one line per demo recorded with the same runs/demo.yaml (`runs`), this one last, so the
+    README shows the newest run and how the others went, not the best one."""
     sys.path.insert(0, str(RESULTS.parent))
-    from results import write_result
+    from results import _commit, write_result
 
     summary = json.loads(summary_path.read_text())
     kept = ("steps", "minutes", "demo_minutes", "curve", "verdict", "stopped_by_rule", "groups_sampled", "groups_trained", "reload_s_median")
-    write_result("demo", {"command": "make demo", **{key: summary[key] for key in kept if key in summary}})
+    sha, earlier = demo_config_sha(), _load("demo")
+    runs = earlier["result"].get("runs", []) if earlier and earlier["result"].get("config_sha") == sha else []
+    verdict = summary["verdict"]
+    runs.append({
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(), "steps": summary["steps"],
+        "sft_plateau": round(verdict["sft_plateau"], 3), "end": round(verdict["end"], 3), "rl_gain": round(verdict["rl_gain"], 3),
+        "criterion_met": verdict["criterion_met"], "stopped_by_rule": bool(summary.get("stopped_by_rule")),
+        "demo_minutes": round(summary.get("demo_minutes", summary["minutes"]), 1),
+    })  # fmt: skip
+    write_result("demo", {"command": "make demo", **{key: summary[key] for key in kept if key in summary}, "config_sha": sha, "runs": runs})
 
 
 def replace_block(text: str, start: str, end: str, block: str) -> str:

@@ -2,6 +2,8 @@
 bench/results/*.json: numbers are never typed into the README by hand."""
 
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,33 @@ def test_readme_numbers_are_rendered_from_the_results(block, source):
     assert getattr(bench_report(), block)() in (REPO / "README.md").read_text(), (
         f"README's {block} differs from {source}: run `python bench/report.py --readme`"
     )
+
+
+def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest(tmp_path, monkeypatch):
+    report = bench_report()
+    sys.path.insert(0, str(REPO / "bench"))
+    import results
+
+    monkeypatch.setattr(results, "RESULTS", tmp_path)
+    monkeypatch.setattr(report, "RESULTS", tmp_path)
+    config = tmp_path / "demo.yaml"
+    config.write_text("phases: []\n")
+    monkeypatch.setattr(report, "DEMO_YAML", config)
+    curve = [{"phase": "sft", "step": 0, "reward": 0.0, "minutes": 1.0},
+             {"phase": "rl", "step": 9, "reward": 0.7, "train_reward": 0.6, "minutes": 3.0}]  # fmt: skip
+    summary = tmp_path / "summary.json"
+
+    def record(gain: float, met: bool) -> None:
+        verdict = {"start": 0.0, "sft_plateau": 0.4, "end": 0.4 + gain, "rl_gain": gain, "criterion_met": met, "window": 3}
+        summary.write_text(json.dumps({"steps": 9, "minutes": 3.0, "demo_minutes": 3.5, "curve": curve, "verdict": verdict}))
+        report.record_demo(summary)
+
+    record(0.5, True)
+    assert "demos recorded" not in report.demo_text()  # one run: nothing to sum up
+    record(0.1, False)
+    text = report.demo_text()
+    assert "0.50 at step 9 after RL" in text  # the newest run, not the best one
+    assert "All 2 demos recorded with this `runs/demo.yaml`, oldest first: RL added +0.50, +0.10" in text and "1 of 2 met" in text
+    config.write_text("phases: [changed]\n")  # another config: its runs start a new history
+    record(0.3, True)
+    assert len(json.loads((tmp_path / "demo.json").read_text())["result"]["runs"]) == 1

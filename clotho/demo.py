@@ -75,12 +75,13 @@ def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0, window:
     the RL phase +0.2 over the plateau, within `minutes`. With `window` > 1 (the stop rule's), the
     plateau and the end are running means over that many evaluations, as the rule reads the curve:
     the SFT phase's best mean, and the mean of the last evaluations."""
+    from flows.pipeline_config import running_means
+
     if not curve:
         return {"line": "no evaluation ran"}
 
-    def means(rewards: list[float]) -> list[float]:
-        width = min(window, len(rewards))
-        return [sum(rewards[i - width + 1 : i + 1]) / width for i in range(width - 1, len(rewards))]
+    def means(rewards: list[float]) -> list[float]:  # fewer evaluations than the window: their mean
+        return running_means(rewards, min(window, len(rewards)))
 
     sft = [row["reward"] for row in curve if row["phase"] == "sft"]
     start = curve[0]["reward"]

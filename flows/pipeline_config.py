@@ -41,6 +41,11 @@ class ServersConfig(Strict):
         return self
 
 
+def running_means(rewards: list[float], window: int) -> list[float]:
+    """The mean of each `window` evaluations in a row, from the first full window on."""
+    return [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
+
+
 class StopRule(Strict):
     """Ends the run before its last phase has used all its steps: once the held-out reward (the
     evaluation curve) has reached `reward` and then stopped rising, i.e. `patience` evaluations in a
@@ -55,7 +60,7 @@ class StopRule(Strict):
 
     def smoothed(self, rewards: list[float]) -> list[float]:
         """The running mean over `window` evaluations, from the first full window on."""
-        return [sum(rewards[i - self.window + 1 : i + 1]) / self.window for i in range(self.window - 1, len(rewards))]
+        return running_means(rewards, self.window)
 
     def met(self, rewards: list[float]) -> bool:
         """Whether the run ends after these evaluations (the phase's, oldest first)."""

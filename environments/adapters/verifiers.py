@@ -388,7 +388,8 @@ class Verifiers(Environment):
             sampled = [token for token, trained in zip(node.token_ids, node.mask) if trained]
             message = {"role": "assistant", "content": self.tokenizer.decode(sampled, skip_special_tokens=True)}
             native = node.message.model_dump(mode="json", exclude_none=True)
-            if native != message:
+            # Compared as verifiers reads the decoded text: an empty reply is content None to it.
+            if native != parse_message(message).model_dump(mode="json", exclude_none=True):
                 message["verifiers_message"] = native
             messages.append(message)
         return messages

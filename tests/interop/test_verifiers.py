@@ -6,6 +6,8 @@ ids and logprobs vLLM sampled and the taskset's rewards; the conformance suite b
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 
 import pytest
 
@@ -13,7 +15,7 @@ from environments.chat import ChatRenderer
 from environments.conformance import run_checks, trained_segments
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from inference.client import PolicyClient
-from tests.interop.conftest import rollout_groups, serve_adapter
+from tests.interop.conftest import adapter_venv, rollout_groups, serve_adapter
 
 ADAPTER = "environments.adapters.verifiers:Verifiers"
 TASKSET = "environments.adapters.examples.verifiers_arithmetic"
@@ -95,3 +97,35 @@ def test_the_service_resolves_the_verifiers_config_and_names_what_is_wrong(serve
     ]:
         with pytest.raises(EnvironmentLoadError, match=message):
             load_config(env_class, config)
+
+
+CONVERSATION = """
+import json, sys
+from types import SimpleNamespace
+from verifiers.v1.dialects.chat import parse_message
+from environments.adapters.verifiers import Verifiers
+replies = {(): "", (1,): "4", (2, 1): "<think>two and two</think>4"}
+tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: replies[tuple(ids)])
+recorded = [  # what verifiers recorded for each sampled turn
+    parse_message({"role": "assistant", "content": ""}),  # an empty reply: content None to verifiers
+    parse_message({"role": "assistant", "content": "4"}),
+    parse_message({"role": "assistant", "content": "4", "reasoning_content": "two and two"}),
+]
+nodes = [SimpleNamespace(sampled=True, token_ids=list(ids) + [0], mask=[True] * len(ids) + [False], message=message)
+         for ids, message in zip(replies, recorded)]
+json.dump(Verifiers.conversation(SimpleNamespace(tokenizer=tokenizer), SimpleNamespace(nodes=nodes)), sys.stdout)
+"""
+
+
+@pytest.mark.integration
+def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwise() -> None:
+    venv = adapter_venv("verifiers")
+    done = subprocess.run([venv / "bin" / "python", "-c", CONVERSATION], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    empty, plain, reasoned = json.loads(done.stdout)
+    assert empty == {"role": "assistant", "content": ""}  # the same reading: nothing kept beside it
+    assert plain == {"role": "assistant", "content": "4"}
+    assert reasoned == {
+        "role": "assistant", "content": "<think>two and two</think>4",
+        "verifiers_message": {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
+    }  # fmt: skip

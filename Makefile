@@ -54,8 +54,11 @@ adapters:
 demo: setup
 	$(VENV)/bin/clotho demo
 
+# Two pytest-xdist workers, a module per worker at a time (tests/conftest.py groups them): the
+# integration tests spend much of their time waiting on servers' starts, on 2 cores.
+TEST_WORKERS ?= 2
 test: setup adapters
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # Unit tests only: no vLLM, Prefect or S3 server.
 test-fast: $(VENV)/.installed

@@ -17,6 +17,7 @@ tiny-model vLLM server this plugin starts once per session (about a minute on 2 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import subprocess
 import sys
@@ -34,13 +35,25 @@ CACHE = Path(os.environ.get("CLOTHO_TEST_CACHE", Path.cwd() / ".clotho" / "test-
 
 
 def cached_tiny_model(tie_embeddings: bool = False, seed: int = 0) -> Path:
-    """Builds the tiny model once per cache directory (it is deterministic) and reuses it."""
+    """Builds the tiny model once per cache directory (it is deterministic) and reuses it; one
+    process builds it while the others (pytest-xdist's workers) wait for it."""
     from inference.tiny_model import build_tiny_model
 
     out = CACHE / f"tiny-seed{seed}-{'tied' if tie_embeddings else 'untied'}"
-    if not (out / "model.safetensors").exists():
-        build_tiny_model(out, seed=seed, tie_embeddings=tie_embeddings)
+    if (out / "model.safetensors").exists():
+        return out
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model.safetensors").exists():
+            build_tiny_model(out, seed=seed, tie_embeddings=tie_embeddings)
     return out
+
+
+def worker_log(name: str) -> Path:
+    """CACHE/logs/NAME.log, one per pytest-xdist worker (NAME-gw0.log, ...) when several run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return CACHE / "logs" / (f"{name}-{worker}.log" if worker else f"{name}.log")
 
 
 @dataclass
@@ -68,7 +81,7 @@ def policy_server(tiny_model_dir):
         return
     from inference.server import PolicyServer
 
-    server = PolicyServer(tiny_model_dir, log_path=CACHE / "logs" / "vllm-session.log")
+    server = PolicyServer(tiny_model_dir, log_path=worker_log("vllm-session"))
     server.start(timeout=600)
     yield server
     server.stop()

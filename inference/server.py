@@ -114,6 +114,7 @@ class PolicyServer:
         max_model_len: int = 2048,
         kv_cache_gib: int = 1,
         extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
         python: str | None = None,
         priority: str | None = None,
     ):
@@ -133,6 +134,8 @@ class PolicyServer:
         self.kv_cache_gib = kv_cache_gib
         # None: $CLOTHO_VLLM_ARGS; a list (even empty) is exactly the arguments added.
         self.extra_args = vllm_args_from_environment() if extra_args is None else list(extra_args)
+        # vLLM's own variables for this server only, over those it inherits (VLLM_CPU_KVCACHE_SPACE, ...).
+        self.env = dict(env or {})
         self.python = python or inference_python()
         self.priority = priority or default_priority(self.python)
         if self.priority not in PRIORITIES:
@@ -171,6 +174,7 @@ class PolicyServer:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        env.update(self.env)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         # The inference venv must not see the project venv's packages, only clotho's vLLM plugins.
         env["PYTHONPATH"] = str(VLLM_PLUGINS)

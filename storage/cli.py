@@ -136,15 +136,16 @@ def verify_command(url: URL) -> None:
     checks = verify(_checked(url))
     table = Table("shard", "groups", "sequences", "tokens", "status")
     for check in checks:
-        status = (
-            Text("ok", style="green")
-            if not check.problems
-            else Text("\n".join(check.problems), style="red")
-        )
+        problems = len(check.problems)
+        status = Text("ok", style="green") if not problems else Text(f"{problems} problem{'s' * (problems > 1)}", style="red")
         table.add_row(
             check.shard.name, str(check.groups), str(check.sequences), f"{check.tokens:,}", status
         )
     console.print(table)
+    # Each problem whole on lines of its own (they name the shard's URL), not wrapped in a cell.
+    for check in checks:
+        for problem in check.problems:
+            console.print(Text(problem, style="red"), soft_wrap=True)
     bad = sum(1 for check in checks if check.problems)
     console.print(f"{len(checks)} shards checked, {bad} with problems")
     if bad:

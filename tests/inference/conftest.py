@@ -12,7 +12,7 @@ import pytest
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
 from inference.server import PolicyServer
-from tests.conftest import CACHE, cached_tiny_model
+from tests.conftest import USERS_VLLM_ENV, cached_tiny_model, worker_log
 
 TIED_API_KEY = "reload-test-key"
 
@@ -20,9 +20,10 @@ TIED_API_KEY = "reload-test-key"
 def _served(tie_embeddings: bool, api_key: str | None = None, compiled: bool = False):
     model_dir = cached_tiny_model(tie_embeddings=tie_embeddings)
     name = "tied" if tie_embeddings else "untied"
-    # compiled: vLLM's default torch.compile'd graph, not the suite's --enforce-eager (tests/conftest.py).
-    extra_args = [] if compiled else None
-    server = PolicyServer(model_dir, api_key=api_key, log_path=CACHE / "logs" / f"vllm-reload-{name}.log", extra_args=extra_args)
+    # compiled: vLLM as users start it (torch.compile'd graph, a worker process), not the suite's
+    # eager two-process servers (tests/conftest.py).
+    server = PolicyServer(model_dir, api_key=api_key, log_path=worker_log(f"vllm-reload-{name}"),
+                          extra_args=[] if compiled else None, env=USERS_VLLM_ENV if compiled else None)  # fmt: skip
     server.start(timeout=600)
     try:
         yield ServedPolicy.of(server)

@@ -80,3 +80,13 @@ def test_extra_vllm_arguments_come_from_clotho_vllm_args_unless_given(tiny_model
     monkeypatch.setenv("CLOTHO_VLLM_ARGS", "--chat-template 'unclosed")
     with pytest.raises(ValueError, match="CLOTHO_VLLM_ARGS=.*No closing quotation; quote it as a shell would"):
         PolicyServer(tiny_model_dir)
+
+
+def test_a_server_s_own_vllm_variables_win_over_the_inherited_ones(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    inherited = PolicyServer(tiny_model_dir).environment()
+    assert inherited["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and inherited["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    own = PolicyServer(tiny_model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "0"}).environment()
+    assert own["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and own["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert own["VLLM_SERVER_DEV_MODE"] == "1"  # reloads need the dev routes: not a server's to switch off

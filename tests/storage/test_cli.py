@@ -88,7 +88,10 @@ def test_verify_passes_good_shards_and_fails_a_bad_one(run_url: str, tmp_path) -
         file.truncate(shard.size - 10)
     result = invoke("verify", run_url)
     assert result.exit_code == 1
-    assert "1 with problems" in result.output and "not a readable Parquet file" in result.output
+    assert "1 with problems" in result.output and "1 problem " in result.output
+    # The problem is one whole line below the table, whatever the path's length or the terminal's width.
+    [line] = [line for line in result.output.splitlines() if "not a readable Parquet file" in line]
+    assert line.startswith(f"file://{shard.path}: not a readable Parquet file"), line
 
 
 def test_compact_merges_and_keeps_rows(run_url: str) -> None:

@@ -254,7 +254,7 @@ async def test_published_checkpoint_serves_in_vllm(tmp_path):
     from inference.client import PolicyClient
     from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
     from inference.server import PolicyServer
-    from tests.conftest import CACHE, cached_tiny_model
+    from tests.conftest import cached_tiny_model, worker_log
 
     base = cached_tiny_model(tie_embeddings=True)
     root = str(tmp_path)
@@ -263,7 +263,7 @@ async def test_published_checkpoint_serves_in_vllm(tmp_path):
     checkpoint = Path(latest_checkpoint(root, "run").url)
 
     prompt = list(range(40, 52))
-    with PolicyServer(checkpoint, log_path=CACHE / "logs" / "vllm-trained-checkpoint.log") as server:
+    with PolicyServer(checkpoint, log_path=worker_log("vllm-trained-checkpoint")) as server:
         async with PolicyClient(server.base_url) as client:
             [completion] = await client.complete(prompt, max_tokens=16, temperature=0.0)
     trained = reference_logprobs(load_reference_model(checkpoint), prompt, completion.token_ids)

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, run_flow
+from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow
 from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
@@ -269,6 +269,7 @@ def run_pipeline(
     config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Pipeline YAML (flows.pipeline_config.PipelineConfig), e.g. runs/demo.yaml."),
     set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set max_lag=0 (repeatable)."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the policy servers."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print every task run's state and the model-loading progress bars."),
 ) -> None:
     """Run the whole loop for one run: policy servers with hot reload, rollout flows and the
     trainer, asynchronous with bounded staleness, phase after phase, until the last step."""
@@ -276,6 +277,8 @@ def run_pipeline(
     if api_key:
         os.environ[API_KEY_VARIABLE] = api_key
     from flows.pipeline import pipeline
+
+    quiet_terminal(verbose)
 
     try:
         summary = run_flow(pipeline(config_path=str(config), overrides=list(set_)))
@@ -340,10 +343,15 @@ app.command("evaluate")(evaluate_command)
 def demo(
     workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, the run and the curve go."),
     set_: list[str] = typer.Option([], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."),
+    verbose: bool = typer.Option(False, "--verbose", help="Also print every task run's state and the model-loading progress bars."),
 ) -> None:
     """The pipeline of runs/demo.yaml from nothing: build the small model, warm-start it with SFT
     through the same pipe, then RL; ends with the learning curve (summary.json, reward-curve.png)."""
+    import prefect.main  # noqa: F401  (sets up Prefect's logging, which quiet_terminal filters)
+
     from clotho.demo import run_demo
+
+    quiet_terminal(verbose)
 
     try:
         run_demo(workdir, run_flow, overrides=list(set_))

@@ -4,8 +4,10 @@ cancel, a local Prefect server in a session of its own, logs drained before exit
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -156,3 +158,27 @@ def run_flow(coroutine):
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
+
+
+class TaskRunChatter(logging.Filter):
+    """Drops task runs' INFO lines ("Task run 'lane 3' - Finished in state Completed()", hundreds a
+    run) on their way to the terminal; they still reach the Prefect UI (its own handler)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name.startswith("prefect.task_runs") and record.levelno <= logging.INFO)
+
+
+def quiet_terminal(verbose: bool) -> None:
+    """Unless `verbose`: no task-run chatter on the terminal and no model-loading progress bars
+    (transformers' "Loading weights", one per parity check after a reload, here and in the
+    processes started from here). Call it once Prefect has set up its logging (after importing it)."""
+    if verbose:
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers reads it when imported
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, TaskRunChatter) for f in handler.filters):
+            handler.addFilter(TaskRunChatter())

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import signal
@@ -28,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, acreate_table_artifact, aupdate_progress_artifact
+from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
 
 from flows.pipeline_config import PipelineConfig, Phase
-from flows.artifacts import artifact_key
+from flows.artifacts import Card, artifact_key
+from flows.live_view import LIVE_INTERVAL_S, config_markdown, emit_pipeline_event, live_markdown
 from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, report_markdown, staleness_table
 from flows.rollout import rollout
 from inference.client import PolicyClient
@@ -66,20 +68,37 @@ async def pipeline(
     progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {config.total_steps}")
     steps = StepLog(work_dir)
     curve = Curve()
-    measured = PipelineLog(work_dir)  # reload times and evaluations (the trainer logs its steps)
+    # Reload times, evaluations and phases (the trainer logs its steps), each also a Prefect event.
+    measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
+    await acreate_markdown_artifact(config_markdown(config, config_path, overrides), key=f"{key}-config",
+                                    description=f"Run {run}: the effective config, overrides applied")  # fmt: skip
+    live = Card("markdown", f"{key}-live", f"Run {run} as it goes: reward chart, latest steps, served version", interval_s=LIVE_INTERVAL_S)
+    metrics_card = Card("table", f"{key}-metrics", f"Trainer metrics of run {run}, newest step first")
+    staleness_card = Card("table", f"{key}-staleness", f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})")
+
+    live_phase = config.phases[0].name
+
+    async def show_live(finished: bool = False) -> None:
+        markdown = live_markdown(run, live_phase, config.total_steps, steps.rows, curve.rows, measured.reload_s,
+                                 time.monotonic() - started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
+        await live.show(markdown, force=finished)
 
     async def show_new_steps(phase: Phase) -> None:
+        nonlocal live_phase
+        live_phase = phase.name
         for metrics in steps.new():
-            log.info(progress_line(phase.name, metrics, time.monotonic() - started))
+            log.info(progress_line(phase.name, metrics, time.monotonic() - started, config.total_steps, steps.seconds_per_step()))
             await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / config.total_steps)
+        await show_live()
 
     async def show_tables() -> None:
-        await acreate_table_artifact(steps.table(measured.reload_s), key=f"{key}-metrics", description=f"Trainer metrics of run {run}")
+        """The step table and the staleness histogram, each one card replaced in place."""
+        await metrics_card.show(steps.table(measured.reload_s))
         histogram = steps.staleness_histogram()
         if histogram:
-            description = f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})"
-            await acreate_table_artifact(staleness_table(histogram), key=f"{key}-staleness", description=description)
+            await staleness_card.show(staleness_table(histogram))
 
+    await show_live()  # the card is there from the start, before the servers are up
     async with contextlib.AsyncExitStack() as stack:
         stack.callback(measured.close)
         # Servers, the reload watcher and the evaluator run for the whole pipeline.
@@ -146,6 +165,7 @@ async def pipeline(
 
     await aupdate_progress_artifact(progress, 100.0)
     await show_tables()  # with the last reloads
+    await show_live(finished=True)
     summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
     summary |= measured.summary() | sample_utilization(storage, run, steps)
     if stop_rule_met.done():

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
 
@@ -54,12 +55,19 @@ class StepLog:
         return rows
 
     def table(self, reloads: dict[int, float] | None = None) -> list[dict[str, Any]]:
-        """One row per step; `reloads` (version -> seconds) adds the reload of the checkpoint the
-        step published."""
-        rows = [{**row, "reload_s": (reloads or {}).get(int(row["step"]))} for row in self.rows]
-        logged = list(dict.fromkeys(name for row in rows for name in row if row[name] is not None))
-        columns = [c for c in TABLE_COLUMNS if c in logged] + [c for c in logged if c not in TABLE_COLUMNS]
-        return [{name: row.get(name) for name in columns} for row in rows]
+        """One row per step, newest first, the columns a person watches (TABLE_COLUMNS: every metric
+        stays in metrics.jsonl and TensorBoard) rounded to 4 significant digits; `reloads` (version
+        -> seconds) adds the reload of the checkpoint the step published."""
+        rows = [{**row, "reload_s": (reloads or {}).get(int(row["step"]))} for row in reversed(self.rows)]
+        columns = [c for c in TABLE_COLUMNS if any(row.get(c) is not None for row in rows)]
+        return [{name: significant(row.get(name)) for name in columns} for row in rows]
+
+    def seconds_per_step(self) -> float | None:
+        """Wall time per step over the last WINDOW steps (None before two steps)."""
+        window = self.rows[-self.WINDOW :]
+        if len(window) < 2:
+            return None
+        return (window[-1]["time"] - window[0]["time"]) / (window[-1]["step"] - window[0]["step"] or 1)
 
     def staleness_histogram(self) -> dict[str, float]:
         """Trained groups by how many versions behind the trained policy they were sampled."""
@@ -88,6 +96,13 @@ class StepLog:
         }
 
 
+def significant(value: Any, digits: int = 4) -> Any:
+    """A float to `digits` significant digits (integers and None as they are)."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0:
+        return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+    return value
+
+
 def staleness_table(histogram: dict[str, float]) -> list[dict[str, Any]]:
     """The staleness histogram as a Prefect table: versions behind, groups, share of the trained."""
     total = sum(histogram.values()) or 1.0
@@ -100,17 +115,23 @@ class PipelineLog:
     evaluation, as JSON lines in `{work_dir}/pipeline.jsonl` and TensorBoard scalars
     (`pipeline/reload_s`, `eval/reward`) next to the trainer's."""
 
-    def __init__(self, work_dir: Path):
+    def __init__(self, work_dir: Path, on_event: Callable[[dict[str, Any]], None] | None = None):
+        """`on_event` is also called with every row (the pipeline emits each as a Prefect event)."""
         from torch.utils.tensorboard import SummaryWriter
 
         work_dir.mkdir(parents=True, exist_ok=True)
+        self.on_event = on_event
         self._file = (work_dir / PIPELINE_LOG).open("a")
         self._tensorboard = SummaryWriter(str(work_dir / TENSORBOARD_DIR))
         self.reload_s: dict[int, float] = {}
 
-    def _write(self, row: dict[str, Any], scalars: dict[str, float], step: int) -> None:
+    def _write(self, row: dict[str, Any], scalars: dict[str, float] | None = None, step: int = 0) -> None:
         self._file.write(json.dumps({**row, "time": time.time()}) + "\n")
         self._file.flush()
+        if self.on_event is not None:
+            self.on_event(row)
+        if not scalars:
+            return
         for name, value in scalars.items():
             self._tensorboard.add_scalar(name, value, step)
         self._tensorboard.flush()
@@ -127,8 +148,7 @@ class PipelineLog:
 
     def phase(self, name: str, end_step: int) -> None:
         """A phase begins: its trainer and rollout flows start now."""
-        self._file.write(json.dumps({"event": "phase", "phase": name, "end_step": end_step, "time": time.time()}) + "\n")
-        self._file.flush()
+        self._write({"event": "phase", "phase": name, "end_step": end_step})
 
     def evaluation(self, row: dict[str, Any]) -> None:
         self._write({"event": "evaluation", **row}, {"eval/reward": row["reward"]}, row["step"])
@@ -144,13 +164,17 @@ class PipelineLog:
         self._tensorboard.close()
 
 
-def progress_line(phase: str, metrics: dict[str, float], seconds: float) -> str:
+def progress_line(phase: str, metrics: dict[str, float], seconds: float, total_steps: int, seconds_per_step: float | None = None) -> str:
+    """One line per step: where the run is (step of total, time so far and left), the reward, the
+    served policy, and how busy the trainer and samplers are."""
     reward = metrics.get("score_mean")
     shown = f"reward {reward:.3f}" if reward is not None else f"sft nll {metrics.get('sft/nll', float('nan')):.3f}"
+    left = total_steps - metrics["step"]
+    eta = f", ~{seconds_per_step * left / 60:.1f} min left at most" if seconds_per_step and left > 0 else ""
     return (
-        f"[{phase}] step {metrics['step']:.0f} {shown} policy v{metrics.get('policy_version', 0):.0f} "
+        f"[{phase}] step {metrics['step']:.0f}/{total_steps} {shown} policy v{metrics.get('policy_version', 0):.0f} "
         f"utilization {metrics.get('utilization', 0):.2f} idle {metrics.get('idle_fraction', 0):.2f} "
-        f"groups/s {metrics.get('groups_per_s', 0):.2f} ({seconds / 60:.1f} min)"
+        f"groups/s {metrics.get('groups_per_s', 0):.2f} ({seconds / 60:.1f} min{eta})"
     )
 
 
@@ -183,7 +207,10 @@ def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
         if summary.get(name) is not None:
             lines.append(f"- {name}: {summary[name]:.3g}")
     if summary.get("staleness_histogram"):
-        lines.append(f"- trained groups by staleness: {summary['staleness_histogram']}")
+        histogram = summary["staleness_histogram"]
+        total = sum(histogram.values()) or 1
+        shares = ", ".join(f"{lag} behind: {count:.0f} ({100 * count / total:.0f}%)" for lag, count in histogram.items())
+        lines.append(f"- trained groups by how many policy versions behind their samples were: {shares}")
     if curve.rows:
         lines += ["", "| phase | step | reward (greedy, held out) | minutes |", "|---|---|---|---|"]
         lines += [f"| {r['phase']} | {r['step']} | {r['reward']:.3f} | {r['minutes']:.1f} |" for r in curve.rows]

@@ -16,7 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from environments.base import Environment, Item, RolloutFailure
 from environments.scored_group import ScoredGroup
 from flows.admission import Admission
-from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report
+from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report, stats_card, stats_table
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 from storage.writer import ShardWriter
 from storage.layout import split_run_url
@@ -82,7 +82,9 @@ async def rollout(
     sources = {spec.key: await environment_for(spec, servers[0], tokenizer, api_key) for spec in specs}
     stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
-    progress = await progress_artifact(groups)
+    open_ended = f"ends once the trainer has taken step {until_step}'s groups" if until_step else "runs until cancelled"
+    progress = await progress_artifact(groups, run, open_ended)
+    card = stats_card(run)  # failures by reason as they happen, not only at the end
     started_at = time.monotonic()
 
     # The writer leaves first (its exit flushes every stored group), then the admission's clients.
@@ -135,6 +137,7 @@ async def rollout(
                 except Exception as error:
                     log.warning("env %s: observe/metrics failed: %s", stats[spec.key].env, error)
                 await progress.update(sum(s.groups + s.failures for s in stats.values()))
+                await card.show(stats_table(stats))
 
             await to_the_end(counted())
 
@@ -177,7 +180,7 @@ async def rollout(
         task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run)))
     seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
     await progress.close()
-    summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs)
+    summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs, card)
     log.info("rollout finished: %s", summary["totals"])
     return summary
 

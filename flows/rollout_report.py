@@ -11,13 +11,13 @@ from typing import Any
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
-    create_table_artifact,
     update_progress_artifact,
 )
 from prefect.events import emit_event
 
 from environments.base import RolloutFailure
 from environments.scored_group import ScoredGroup
+from flows.artifacts import Card, artifact_key, update_artifact_data
 
 
 @dataclass
@@ -98,9 +98,10 @@ class Progress:
     count: an older count can never land after a newer one and leave the bar behind.
     """
 
-    def __init__(self, artifact_id, total: int | None):
+    def __init__(self, artifact_id, total: int | None, open_ended: str = "runs until cancelled"):
         self.artifact_id = artifact_id
         self.total = total
+        self.open_ended = open_ended  # without a total: what ends the flow, shown beside the count
         self.done = 0
         self._sent: int | None = None
         self._last = 0.0
@@ -115,19 +116,30 @@ class Progress:
             if not due or self._sent == self.done:
                 return
             self._last, sent = time.monotonic(), self.done
-            percent = 100.0 * sent / self.total if self.total else 0.0
-            await update_progress_artifact(self.artifact_id, progress=percent, description=f"{sent} groups done")
+            if self.total:
+                await update_progress_artifact(self.artifact_id, progress=100.0 * sent / self.total, description=f"{sent} of {self.total} groups done")
+            else:  # no fraction to show: a count, not a bar stuck at 0%
+                await update_artifact_data(self.artifact_id, self.open_ended_text(sent))
             self._sent = sent
+
+    def open_ended_text(self, done: int) -> str:
+        return f"**{done} groups done**, open-ended: {self.open_ended}"
 
     async def close(self) -> None:
         """Send the final count (the last update may have been throttled)."""
         await self.update(self.done, force=True)
 
 
-async def progress_artifact(total: int | None) -> Progress:
-    description = f"groups done of {total}" if total else "groups done (runs until cancelled)"
-    artifact_id = await create_progress_artifact(progress=0.0, key="rollout-progress", description=description)
-    return Progress(artifact_id, total)
+async def progress_artifact(total: int | None, run: str, open_ended: str = "runs until cancelled") -> Progress:
+    """The flow's progress card (key rollout-progress-RUN): a bar of groups done of `total`, or
+    without one a count saying what ends the flow (`open_ended`), replaced in place."""
+    key = artifact_key("rollout-progress", run)
+    if total:
+        artifact_id = await create_progress_artifact(progress=0.0, key=key, description=f"groups done of {total}")
+        return Progress(artifact_id, total)
+    progress = Progress(None, None, open_ended)
+    progress.artifact_id = await create_markdown_artifact(key=key, markdown=progress.open_ended_text(0), description="groups done")
+    return progress
 
 
 def emit_shard_event(url: str, run: str, env: str | None) -> None:
@@ -147,12 +159,23 @@ def failures_by_reason(stats) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-async def publish_report(
-    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0
-) -> dict[str, Any]:
+def stats_table(stats: dict[str, RolloutStats]) -> list[dict[str, Any]]:
+    """One row per environment, every row with every column (environments' metrics differ)."""
     rows = [s.row() for s in stats.values()]
-    columns = list(dict.fromkeys(column for row in rows for column in row))  # environments' metrics differ
-    rows = [{column: row.get(column) for column in columns} for row in rows]
+    columns = list(dict.fromkeys(column for row in rows for column in row))
+    return [{column: row.get(column) for column in columns} for row in rows]
+
+
+def stats_card(run: str) -> Card:
+    """The per-environment table (failures by reason included), kept current while the flow runs."""
+    return Card("table", artifact_key("rollout-env-stats", run), f"Per-environment stats of run {run}", interval_s=PROGRESS_INTERVAL_S)
+
+
+async def publish_report(
+    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0,
+    card: Card | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    rows = stats_table(stats)
     totals = {
         "groups": sum(s.groups for s in stats.values()),
         "failures": sum(s.failures for s in stats.values()),
@@ -163,10 +186,10 @@ async def publish_report(
         "seconds": round(seconds, 2),
     }
     totals["groups_per_s"] = round(totals["groups"] / seconds, 3) if seconds else 0.0
-    await create_table_artifact(table=rows, key="rollout-env-stats", description=f"Per-environment stats of run {run}")
-    links = "\n".join(f"- [{url.rsplit('/', 2)[-2]}/{url.rsplit('/', 1)[-1]}]({url})" for url in shards)
+    await (card or stats_card(run)).show(rows, force=True)
+    links = "\n".join(f"- `{url}`" for url in shards)  # file:// and s3:// URLs: no link a browser could follow
     await create_markdown_artifact(
-        key="rollout-shards",
+        key=artifact_key("rollout-shards", run),
         markdown=f"# Shards written ({len(shards)})\n\nRun `{run}` in `{storage}`\n\n{links or '(none)'}\n\n"
         f"Inspect with `clotho shards ls {storage.rstrip('/')}/{run}`",
         description=f"Shards of run {run}",

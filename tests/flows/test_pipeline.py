@@ -3,6 +3,7 @@ subflows with bounded staleness, the DeepSpeed trainer as a process; then Ctrl-C
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -10,8 +11,10 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 import yaml
@@ -78,15 +81,46 @@ def stopped_run(tmp_path_factory, prefect_server, tiny_model_dir):
     settings = yaml.safe_load(config.read_text())
     settings["phases"][0]["stop"] = {"reward": 0.0, "patience": 1, "min_delta": 1.0}
     config.write_text(yaml.safe_dump(settings))
-    done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-5000:]
-    summary = json.loads(done.stdout[done.stdout.index("{") :])
-    return tmp_path, output, summary
+    started = datetime.now(timezone.utc)
+    stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with stdout.open("w") as out, stderr.open("w") as err:
+        process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), stdout=out, stderr=err, text=True)
+    live: list[tuple[str, str]] = []  # (artifact id, text) of the live card, as the UI reads it while the run goes
+    try:
+        deadline = time.monotonic() + 900
+        while process.poll() is None and time.monotonic() < deadline:
+            live += [(card["id"], card["data"]) for card in live_cards(prefect_server, started)]
+            time.sleep(1.0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+    output = stdout.read_text() + stderr.read_text()
+    assert process.returncode == 0, output[-5000:]
+    summary = json.loads(stdout.read_text()[stdout.read_text().index("{") :])
+    return StoppedRun(tmp_path, output, summary, started, live, live_cards(prefect_server, started))
+
+
+@dataclasses.dataclass
+class StoppedRun:
+    tmp_path: Path
+    output: str
+    summary: dict
+    started: datetime
+    live: list[tuple[str, str]]  # the live card's (artifact id, text) read while the run went
+    after: list[dict]  # the live card(s) read after it ended
+
+
+def live_cards(prefect_server, since: datetime) -> list[dict]:
+    """The run's live card(s) through Prefect's API: artifacts under pipeline-run-live made since
+    `since` (this worker's Prefect server runs one pipeline at a time)."""
+    body = {"artifacts": {"key": {"any_": ["pipeline-run-live"]}}, "sort": "CREATED_DESC"}
+    cards = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json=body, timeout=30).json()
+    return [card for card in cards if datetime.fromisoformat(card["created"].replace("Z", "+00:00")) >= since]
 
 
 def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_server):
-    tmp_path, output, summary = stopped_run
+    tmp_path, output, summary = stopped_run.tmp_path, stopped_run.output, stopped_run.summary
     steps = summary["steps"]
     stopped_at = summary["stopped_by_rule"]["version"]  # the phase's second evaluation: 4 or later
     assert 4 <= stopped_at <= steps < 30 and 0 < summary["utilization"] <= 1, summary
@@ -121,7 +155,7 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
 
 def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(stopped_run):
     """phases[-1].stop: the run ends on the evaluation curve, not its step count."""
-    tmp_path, output, summary = stopped_run
+    output, summary = stopped_run.output, stopped_run.summary
     evaluated = [int(v) for v in re.findall(r"evaluation at version (\d+) \(rl\)", output)]
     first, second = [v for v in evaluated if v > 0]  # version 0 is the start, not the phase's
     assert 2 <= first and first + 2 <= second, evaluated  # `every: 2` versions, as the server reloaded them
@@ -129,6 +163,45 @@ def test_a_run_ends_when_its_stop_rule_holds_on_the_held_out_curve(stopped_run):
     # An end by the rule is a normal end: the rollout flows end on their own, nothing crashed.
     assert "Crash detected" not in output and "Crashed" not in output, output[-5000:]
     assert "rollout finished" in output, output[-5000:]
+
+
+def test_the_live_card_shows_the_run_while_it_goes_and_is_one_card(stopped_run):
+    """What the Prefect UI showed during the run (read through the API while `clotho run` ran), not
+    only at its end: the reward chart, the latest steps and the served version, on one artifact."""
+    summary, live, after = stopped_run.summary, stopped_run.live, stopped_run.after
+    during = [text for _, text in live if "`: running" in text and re.search(r"step \*\*([2-9]|\d\d+)\*\*", text)]
+    assert during, [text[:200] for _, text in live]
+    text = during[-1]
+    assert "## Reward over steps" in text and "· training reward (sampled)" in text
+    chart = text.split("```text\n", 1)[1].split("```", 1)[0]
+    assert chart.count("·") > 1, chart  # the training reward of the steps so far, plotted
+    assert re.search(r"servers serve policy \*\*v\d+\*\* \(reloaded in [\d.]+ s\)", text), text
+    rows = text.split("newest first\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    steps = [int(row.split(" | ")[0].strip("| ")) for row in rows]
+    assert steps == sorted(steps, reverse=True) and steps[0] >= 2, rows
+    # One card, replaced in place: the same artifact during and after, saying the run finished.
+    assert len({artifact_id for artifact_id, _ in live}) == 1 and [card["id"] for card in after] == [live[0][0]]
+    assert after[0]["data"].startswith("# Run `run`: finished") and f"step **{summary['steps']}**" in after[0]["data"]
+
+
+def test_the_run_s_page_has_its_effective_config_and_its_reloads_evaluations_and_phases_as_events(stopped_run, prefect_server):
+    config = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": ["pipeline-run-config"]}}, "sort": "CREATED_DESC"}, timeout=30).json()
+    text = config[0]["data"]
+    assert "with `--set" not in text and "max_lag: 1" in text and "groups_per_step: 2" in text and "patience: 1" in text, text
+    body = {"filter": {"event": {"prefix": ["clotho.pipeline."]}, "resource": {"id": ["clotho.run.run"]},
+                       "occurred": {"since": stopped_run.started.isoformat()}}, "limit": 50}  # fmt: skip
+    deadline, kinds = time.monotonic() + 60, {}
+    while time.monotonic() < deadline:  # the server stores events in batches
+        response = httpx.post(f"{prefect_server.api_url}/events/filter", json=body, timeout=30)
+        assert response.status_code == 200, response.text
+        events = response.json()["events"]
+        kinds = {kind: [e["payload"] for e in events if e["event"] == f"clotho.pipeline.{kind}"] for kind in ("phase", "reload", "evaluation")}
+        if all(kinds.values()) and len(kinds["evaluation"]) >= 3:
+            break
+        time.sleep(2)
+    assert [p["phase"] for p in kinds["phase"]] == ["rl"], kinds
+    assert len(kinds["reload"]) == stopped_run.summary["reloads"], kinds["reload"]
+    assert sorted(p["step"] for p in kinds["evaluation"])[-1] == stopped_run.summary["stopped_by_rule"]["version"], kinds
 
 
 def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from flows.pipeline_report import PipelineLog, StepLog, staleness_table
+from flows.pipeline_report import PipelineLog, StepLog, progress_line, significant, staleness_table
 from inference.watcher import ReloadOutcome
 from trainer.metrics import METRICS_FILE
 
@@ -35,10 +35,26 @@ def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table
     steps.offset = 0
     steps.new()
     table = steps.table(measured.reload_s)
-    assert [row["reload_s"] for row in table] == [0.7, 0.4]
-    assert list(table[0])[:2] == ["step", "score_mean"]
+    assert [row["step"] for row in table] == [2, 1] and [row["reload_s"] for row in table] == [0.4, 0.7]  # newest first
+    assert list(table[0]) == ["step", "score_mean", "groups_per_s", "reload_s"]  # the watched columns only: no epoch time
     assert steps.staleness_histogram() == {"0": 3, "1": 3}
     assert staleness_table(steps.staleness_histogram()) == [
         {"versions_behind": 0, "groups": 3, "share": 0.5},
         {"versions_behind": 1, "groups": 3, "share": 0.5},
     ]
+
+
+def test_numbers_in_the_tables_keep_four_significant_digits():
+    assert [significant(v) for v in (0.123456789, 1234.5678, 3, None, 0.0, -0.00098765)] == [0.1235, 1235.0, 3, None, 0.0, -0.0009877]
+
+
+def test_the_step_line_says_step_of_total_and_time_left(tmp_path):
+    steps = StepLog(tmp_path)
+    steps.path, steps.offset = tmp_path / METRICS_FILE, 0
+    assert steps.seconds_per_step() is None
+    steps.path.write_text("".join(json.dumps({"step": s, "time": 100.0 + 3 * s, "score_mean": 0.5}) + "\n" for s in range(1, 5)))
+    steps.new()
+    assert steps.seconds_per_step() == 3.0
+    line = progress_line("rl", steps.rows[-1], 90.0, 24, steps.seconds_per_step())
+    assert line.startswith("[rl] step 4/24 reward 0.500 policy v0") and line.endswith("(1.5 min, ~1.0 min left at most)")
+    assert progress_line("rl", {"step": 24}, 90.0, 24, 3.0).endswith("(1.5 min)")

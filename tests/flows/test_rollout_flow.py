@@ -6,6 +6,7 @@ import contextlib
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from environments.instant import Instant
+from flows.artifacts import artifact_key
 from storage.inspection import verify
 from storage.reader import ShardReader
 
@@ -61,12 +63,13 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
     assert json.loads(table["data"])[0]["groups"] == 6
 
 
-def groups_shown_done(server, flow_run_id: str) -> int:
-    """What the flow run's progress artifact says: 'N groups done' (stored groups, every few seconds)."""
-    body = {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "type": {"any_": ["progress"]}}}
-    artifacts = api(server, "POST", "/artifacts/filter", json=body).json()
-    descriptions = [a.get("description") or "" for a in artifacts]
-    return max((int(d.split()[0]) for d in descriptions if d.endswith("groups done")), default=0)
+def groups_shown_done(server, flow_run_id: str, run: str) -> int:
+    """What the open-ended flow's progress card says, '**N groups done**, open-ended: runs until
+    cancelled' (stored groups, replaced in place every few seconds)."""
+    body = {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": [artifact_key("rollout-progress", run)]}}}
+    [card] = api(server, "POST", "/artifacts/filter", json=body).json() or [{"data": ""}]
+    shown = re.match(r"\*\*(\d+) groups done\*\*, open-ended: runs until cancelled$", card["data"] or "")
+    return int(shown.group(1)) if shown else 0
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
@@ -91,7 +94,7 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
             assert process.poll() is None, process.stdout.read()
             runs = api(prefect_server, "POST", "/flow_runs/filter", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}).json()
             flow_run_id = next((r["id"] for r in runs if r["parameters"].get("run_url", "").endswith("/cancelled")), flow_run_id)
-            done = groups_shown_done(prefect_server, flow_run_id) if flow_run_id else 0
+            done = groups_shown_done(prefect_server, flow_run_id, "cancelled") if flow_run_id else 0
         assert done >= 4, "the flow never got going"
         process.send_signal(stop)
         output, _ = process.communicate(timeout=120)

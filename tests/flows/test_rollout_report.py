@@ -25,18 +25,19 @@ async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
 
 
 async def test_throttled_updates_are_flushed_on_close(monkeypatch):
-    sent: list[float] = []
+    sent: list[str] = []
 
-    async def update(artifact_id, progress, description):
-        sent.append(progress)
+    async def update(artifact_id, data):
+        sent.append(data)
 
-    monkeypatch.setattr(report, "update_progress_artifact", update)
-    progress = report.Progress("artifact", total=None)  # runs until cancelled: percent stays 0
+    monkeypatch.setattr(report, "update_artifact_data", update)
+    progress = report.Progress("artifact", total=None)  # runs until cancelled: a count, no percent
     for done in range(1, 50):
         await progress.update(done)
     assert len(sent) == 1  # once every PROGRESS_INTERVAL_S at most
     await progress.close()
     assert len(sent) == 2 and progress._sent == 49
+    assert sent[-1] == "**49 groups done**, open-ended: runs until cancelled"
 
 
 def test_limits_are_checked_naming_the_parameter():
@@ -115,13 +116,14 @@ async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_non
 async def test_environment_metrics_are_columns_of_the_stats_table(monkeypatch):
     tables = []
 
-    async def table(table, key, description):
-        tables.append(table)
+    class Card:
+        async def show(self, table, force=False):
+            tables.append(table)
 
     async def markdown(**_):
         pass
 
-    monkeypatch.setattr(report, "create_table_artifact", table)
+    monkeypatch.setattr(report, "stats_card", lambda run: Card())
     monkeypatch.setattr(report, "create_markdown_artifact", markdown)
     leveled = report.RolloutStats(env="reasoning_gym", metrics={"curriculum level": 2.0, "groups": -1.0})
     plain = report.RolloutStats(env="arithmetic")

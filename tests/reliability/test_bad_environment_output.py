@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from environments.base import RolloutFailure
+from flows.artifacts import artifact_key
 from flows.rollout_report import RolloutStats, failures_by_reason
 from storage.inspection import verify
 from storage.reader import ShardReader
@@ -95,7 +96,7 @@ def test_bad_groups_are_recorded_with_their_reason_and_the_flow_completes(
     assert totals["failures_by_reason"] == dict(sorted(by_reason.items()))
 
     [table] = api(prefect_server, "/artifacts/filter", {
-        "artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}, "key": {"any_": ["rollout-env-stats"]}},
+        "artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}, "key": {"any_": [artifact_key("rollout-env-stats", "bad")]}},
     })  # fmt: skip
     rows = {row["env"]: row for row in json.loads(table["data"])}
     assert rows[Good.name]["groups"] == GOOD_ITEMS and rows[Good.name]["failures"] == 0

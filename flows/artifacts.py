@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 from uuid import UUID
+
+Content = str | list[dict[str, Any]]  # markdown, or a table's rows
 
 
 def artifact_key(kind: str, run: str) -> str:
@@ -28,7 +30,9 @@ async def update_artifact_data(artifact_id: UUID, data: str) -> None:
 
 class Card:
     """One markdown or table artifact a run keeps current: created on the first show(), then its
-    data replaced in place, at most every `interval_s` unless forced (each update is an API call)."""
+    data replaced in place, at most every `interval_s` unless forced (each update is an API call).
+    Given a function, show() calls it only when an update is due: callers on a hot path (a group
+    stored, the pipeline's 1 s watch) do not build content that would be dropped."""
 
     def __init__(self, kind: Literal["markdown", "table"], key: str, description: str, interval_s: float = 0.0):
         self.kind, self.key, self.description, self.interval_s = kind, key, description, interval_s
@@ -36,12 +40,14 @@ class Card:
         self._last = 0.0
         self._lock = asyncio.Lock()  # concurrent callers (a flow's group tasks): one creates it, in order
 
-    async def show(self, content: str | list[dict[str, Any]], force: bool = False) -> None:
+    async def show(self, content: Content | Callable[[], Content], force: bool = False) -> None:
         from prefect.artifacts import TableArtifact, acreate_markdown_artifact, acreate_table_artifact
 
         async with self._lock:
             if self.artifact_id is not None and not force and time.monotonic() - self._last < self.interval_s:
                 return
+            if callable(content):
+                content = content()
             if self.artifact_id is None:
                 create = acreate_markdown_artifact if self.kind == "markdown" else acreate_table_artifact
                 self.artifact_id = await create(content, key=self.key, description=self.description)

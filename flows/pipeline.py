@@ -79,8 +79,10 @@ async def pipeline(
     live_phase = config.phases[0].name
 
     async def show_live(finished: bool = False) -> None:
-        markdown = live_markdown(run, live_phase, config.total_steps, steps.rows, curve.rows, measured.reload_s,
+        def markdown() -> str:  # built only when the card is due an update
+            return live_markdown(run, live_phase, config.total_steps, steps.rows, curve.rows, measured.reload_s,
                                  time.monotonic() - started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
+
         await live.show(markdown, force=finished)
 
     async def show_new_steps(phase: Phase) -> None:

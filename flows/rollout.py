@@ -137,7 +137,7 @@ async def rollout(
                 except Exception as error:
                     log.warning("env %s: observe/metrics failed: %s", stats[spec.key].env, error)
                 await progress.update(sum(s.groups + s.failures for s in stats.values()))
-                await card.show(stats_table(stats))
+                await card.show(lambda: stats_table(stats))  # the rows are built only when an update is due
 
             await to_the_end(counted())
 

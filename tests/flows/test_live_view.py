@@ -68,11 +68,13 @@ def test_the_card_is_one_artifact_updated_in_place_at_most_every_interval(prefec
         card = Card("markdown", key, "a test card", interval_s=3600.0)
         await card.show("step 1")
         await card.show("step 2")  # within the interval: not sent
+        built: list[str] = []
+        await card.show(lambda: built.append("step 2b") or "step 2b")  # nor built
         throttled = [a.data for a in await stored()]
-        await card.show("step 3", force=True)  # the run's end
-        return card.artifact_id, throttled, await stored()
+        await card.show(lambda: built.append("step 3") or "step 3", force=True)  # the run's end
+        return card.artifact_id, throttled + built, await stored()
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         artifact_id, throttled, artifacts = asyncio.run(scenario())
-    assert throttled == ["step 1"]
+    assert throttled == ["step 1", "step 3"]  # stored before the end: step 1; built: only the end's content
     assert [(a.id, a.type, a.data) for a in artifacts] == [(artifact_id, "markdown", "step 3")]  # one artifact, replaced in place

@@ -48,6 +48,9 @@ from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
 
 REPO = Path(__file__).resolve().parents[1]
+# A stopped trainer finishes its step in progress (publish included) first; then SIGKILL, which its
+# resume state survives.
+TRAINER_STOP_S = 120.0
 
 
 @flow(name="pipeline")
@@ -144,7 +147,7 @@ async def pipeline(
                         raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
                 if stop_rule_met.done():
                     log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
-                    stop_process(trainer)  # as by a Ctrl-C: its state stays resumable
+                    stop_process(trainer, TRAINER_STOP_S)  # it ends after its step in progress (trainer.stopping)
                     end_run_here(storage, run)
                 elif trainer.returncode != 0:
                     raise RuntimeError(
@@ -155,7 +158,7 @@ async def pipeline(
                 await asyncio.wait(rollouts, timeout=60)
                 await show_new_steps(phase)
             finally:
-                stop_process(trainer)
+                stop_process(trainer, TRAINER_STOP_S)
                 await cancel_and_wait(rollouts)
             await show_tables()
 

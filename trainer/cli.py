@@ -70,15 +70,22 @@ def train_command(
 
     import torch
 
+    from trainer.stopping import StopRequested, stop_at_step_boundaries
     from trainer.train import train
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    stop_at_step_boundaries()
+    step = None
     try:
-        for _ in train(trainer_config, storage, run_name, work_dir=work_dir, data_timeout_s=data_timeout_s):
-            pass
+        for metrics in train(trainer_config, storage, run_name, work_dir=work_dir, data_timeout_s=data_timeout_s):
+            step = metrics["step"]
     except DataTimeoutError as error:
         typer.echo(str(error), err=True)
         raise typer.Exit(2) from None
+    except StopRequested as stop:
+        done = f"after step {step}" if step is not None else "before its first step of this start"
+        typer.echo(f"clotho train: stopped by {stop} {done}; run it again to resume", err=True)
+        raise typer.Exit(128 + stop.signum) from None
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

@@ -33,6 +33,7 @@ from trainer.distributed import broadcast_object, deepspeed_config, gather_objec
 from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.packing import StepBatch, build_step
+from trainer.stopping import step_in_progress, stop_if_asked
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ def train(
 
     try:
         while step < config.steps:
+            stop_if_asked()  # one asked during the last step, whose metrics went out with it
             step += 1
             # Data: the next fresh groups, read on rank 0 and sent to every rank.
             wait_started = time.monotonic()
@@ -121,76 +123,78 @@ def train(
                     max_staleness=config.max_staleness, timeout_s=data_timeout_s,
                     objective=config.objective, on_wait=consumed_so_far, on_reject=reject,
                 )  # fmt: skip
-            # Stale and rejected groups were consumed without being trained.
-            skipped = stale + rejected
-            skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
-            groups, (stale, rejected, skipped_sequences) = broadcast_object((groups, skipped_counts), world_size)
-            trained_sequences = sum(len(g.sequences) for g in groups)
-            totals["groups_consumed"] += len(groups) + stale + rejected
-            totals["groups_trained"] += len(groups)
-            totals["sequences_consumed"] += trained_sequences + skipped_sequences
-            totals["sequences_trained"] += trained_sequences
-            if rank == 0:
-                # At once: the samplers admit the next step's groups on it.
-                publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
-
-            # Update: every micro-batch's loss is its share of the step's, gradients add up.
-            started = time.monotonic()
-            batch = build_step(
-                groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
-                advantage_config=config.advantages, default_objective=config.objective,
-            )  # fmt: skip
-            if reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
-                # dpo pairs without stored reference logprobs: the initial model is the reference.
-                reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
-            micro_metrics, grad_norm = optimizer_step(
-                engine, batch, config, rank=rank, world_size=world_size, reference=reference
-            )
-            totals["wait_s"] += started - wait_started
-            totals["busy_s"] += time.monotonic() - started
-            metrics = step_metrics(
-                batch, stale, gather_objects(micro_metrics, world_size), engine,
-                grad_norm=grad_norm, policy_version=policy_version,
-                step_time_s=time.monotonic() - started, data_wait_s=started - wait_started,
-            )  # fmt: skip
-            metrics["rejected_groups"] = float(rejected)
-            metrics |= run_metrics(totals)
-
-            # Save: publish the weights as policy version `step`, then the state to resume from.
-            if step % config.save_every == 0 or step == config.steps:
-                ledger_state = reader.ledger.to_dict() if reader is not None else None
-                url = publish_step(
-                    engine, zero_stage=config.zero_stage, base_model=config.model,
-                    storage=storage, run=run, step=step, storage_options=storage_options,
-                    extra={"ledger": ledger_state, "trainer_config": config.model_dump()}, staging_dir=staging_dir,
-                )  # fmt: skip
-                policy_version = step
-                retiring = []
+            # From here the step is taken: a stop asked now waits for its metrics row (trainer.stopping).
+            with step_in_progress():
+                # Stale and rejected groups were consumed without being trained.
+                skipped = stale + rejected
+                skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
+                groups, (stale, rejected, skipped_sequences) = broadcast_object((groups, skipped_counts), world_size)
+                trained_sequences = sum(len(g.sequences) for g in groups)
+                totals["groups_consumed"] += len(groups) + stale + rejected
+                totals["groups_trained"] += len(groups)
+                totals["sequences_consumed"] += trained_sequences + skipped_sequences
+                totals["sequences_trained"] += trained_sequences
                 if rank == 0:
-                    publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
-                    # Closed samplers fold into the trainer's count: saved, published, then removed.
-                    retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
-                    totals["retired_committed"] += sum(position.committed for position in retiring)
-                trainer_state = {
-                    "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
-                    "retired_samplers": [position.sampler for position in retiring],
-                }  # fmt: skip
-                save_resume_state(
-                    engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
+                    # At once: the samplers admit the next step's groups on it.
+                    publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
+
+                # Update: every micro-batch's loss is its share of the step's, gradients add up.
+                started = time.monotonic()
+                batch = build_step(
+                    groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
+                    advantage_config=config.advantages, default_objective=config.objective,
+                )  # fmt: skip
+                if reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
+                    # dpo pairs without stored reference logprobs: the initial model is the reference.
+                    reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
+                micro_metrics, grad_norm = optimizer_step(
+                    engine, batch, config, rank=rank, world_size=world_size, reference=reference
                 )
-                if retiring:
-                    publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
-                    remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
-                    for position in retiring:
-                        log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
-                if url is not None:
-                    log.info("step %d: published %s", step, url)
-                    if config.keep_last is not None:
-                        apply_retention(storage, run, keep_last=config.keep_last, keep_every=config.keep_every,
-                                        storage_options=storage_options)  # fmt: skip
-            if metrics_log is not None:
-                metrics_log.write(step, metrics)
-                log.info("step %d: %s", step, format_metrics(metrics))
+                totals["wait_s"] += started - wait_started
+                totals["busy_s"] += time.monotonic() - started
+                metrics = step_metrics(
+                    batch, stale, gather_objects(micro_metrics, world_size), engine,
+                    grad_norm=grad_norm, policy_version=policy_version,
+                    step_time_s=time.monotonic() - started, data_wait_s=started - wait_started,
+                )  # fmt: skip
+                metrics["rejected_groups"] = float(rejected)
+                metrics |= run_metrics(totals)
+
+                # Save: publish the weights as policy version `step`, then the state to resume from.
+                if step % config.save_every == 0 or step == config.steps:
+                    ledger_state = reader.ledger.to_dict() if reader is not None else None
+                    url = publish_step(
+                        engine, zero_stage=config.zero_stage, base_model=config.model,
+                        storage=storage, run=run, step=step, storage_options=storage_options,
+                        extra={"ledger": ledger_state, "trainer_config": config.model_dump()}, staging_dir=staging_dir,
+                    )  # fmt: skip
+                    policy_version = step
+                    retiring = []
+                    if rank == 0:
+                        publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
+                        # Closed samplers fold into the trainer's count: saved, published, then removed.
+                        retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
+                        totals["retired_committed"] += sum(position.committed for position in retiring)
+                    trainer_state = {
+                        "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
+                        "retired_samplers": [position.sampler for position in retiring],
+                    }  # fmt: skip
+                    save_resume_state(
+                        engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
+                    )
+                    if retiring:
+                        publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
+                        remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
+                        for position in retiring:
+                            log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
+                    if url is not None:
+                        log.info("step %d: published %s", step, url)
+                        if config.keep_last is not None:
+                            apply_retention(storage, run, keep_last=config.keep_last, keep_every=config.keep_every,
+                                            storage_options=storage_options)  # fmt: skip
+                if metrics_log is not None:
+                    metrics_log.write(step, metrics)
+                    log.info("step %d: %s", step, format_metrics(metrics))
             yield {"step": step, **metrics}
     finally:
         # Cleanup. The process group stays up: it belongs to the process (see trainer.cli).

@@ -13,6 +13,7 @@ from typing import Any
 
 from prefect.events import emit_event
 
+from flows.artifacts import artifact_key
 from flows.pipeline_config import PipelineConfig
 
 LIVE_INTERVAL_S = 5.0
@@ -87,6 +88,9 @@ def live_markdown(
     trained = [(row["step"], row["score_mean"]) for row in steps if row.get("score_mean") is not None]
     held_out = [(row["step"], row["reward"]) for row in curve]
     lines += [text_chart({"training reward (sampled)": ("·", trained), "held-out reward (greedy)": ("o", held_out)}), "```", ""]
+    losses = [(row["step"], row["loss"]) for row in steps if row.get("loss") is not None]
+    if losses:
+        lines += ["## Loss over steps", "", "```text", text_chart({"loss": ("·", losses)}, height=CHART_HEIGHT // 2), "```", ""]
     shown = [(name, metrics) for name, metrics in STEP_COLUMNS if any(m in row for row in steps for m in metrics)]
     if steps:
         lines += [f"## Latest {min(LATEST_STEPS, len(steps))} steps, newest first", ""]
@@ -95,6 +99,7 @@ def live_markdown(
             cells = [rounded(next((row[m] for m in metrics if m in row), None)) for _, metrics in shown]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    lines += [f"Scores and failures by reason per environment, as groups land: artifact `{artifact_key('rollout-env-stats', run)}`.", ""]
     if curve:
         lines += ["## Held-out evaluations, newest first", "", "| version | phase | reward | minutes |", "|---|---|---|---|"]
         lines += [f"| {row['step']} | {row['phase']} | {rounded(row['reward'])} | {row['minutes']:.1f} |" for row in reversed(curve)]

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from clotho.overrides import apply_overrides
 from environments.advantages import AdvantageMode
+from trainer.trackers import check_report_to
 
 # A Hugging Face hub id: 'name' or 'org/name' (letters, digits, '-', '_', '.').
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
@@ -271,6 +272,11 @@ class TrainerConfig(BaseModel):
         default=None, gt=0, description="With keep_last: also keep every step divisible by this."
     )
     seed: int = Field(default=0, description="Seeds torch and the data order.")
+    report_to: list[str] = Field(
+        default_factory=list,
+        description="Experiment trackers for each step's metrics, beside metrics.jsonl and TensorBoard: "
+        "'wandb' (pip install wandb) or module:Class of your own (trainer.trackers).",
+    )  # fmt: skip
     loss: LossConfig = Field(default_factory=LossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
 
@@ -278,6 +284,11 @@ class TrainerConfig(BaseModel):
     @classmethod
     def _model_exists(cls, model: str) -> str:
         return check_model_source(model)
+
+    @field_validator("report_to")
+    @classmethod
+    def _trackers_load(cls, names: list[str]) -> list[str]:
+        return check_report_to(names)
 
     @model_validator(mode="after")
     def _loss_advantage_default(self) -> TrainerConfig:

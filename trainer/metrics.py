@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from trainer.trackers import Trackers
+
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
@@ -83,10 +85,13 @@ _STEP_TOTALS = ("loss", "num_tokens", "num_sequences")
 
 class MetricsLog:
     """Appends each step's metrics to `{directory}/metrics.jsonl` and TensorBoard event files in
-    `{directory}/tensorboard/` (a resumed run appends; TensorBoard orders the points by step)."""
+    `{directory}/tensorboard/` (a resumed run appends; TensorBoard orders the points by step), and
+    logs them to `trackers` (trainer.trackers: W&B or your own)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, trackers: Trackers | None = None):
         from torch.utils.tensorboard import SummaryWriter
+
+        self._trackers = trackers or Trackers([])
 
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / METRICS_FILE
@@ -100,10 +105,12 @@ class MetricsLog:
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"train/{name}", value, step)
         self._tensorboard.flush()
+        self._trackers.log(metrics, step)
 
     def close(self) -> None:
         self._file.close()
         self._tensorboard.close()
+        self._trackers.close()
 
 
 def read_metrics(directory: Path) -> list[dict[str, float]]:

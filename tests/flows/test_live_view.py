@@ -47,6 +47,9 @@ def test_the_card_says_where_the_run_is_and_shows_the_latest_steps_newest_first(
     assert table[0] == "| step | reward | loss | policy | staleness max | groups/s | tokens | step s |"
     assert [row.split(" | ")[0] for row in table[2:]] == [f"| {s}" for s in range(24, 14, -1)]
     assert table[2] == "| 24 | 1 | 2.963 | 23 | 1 | 1.988 | 3024 | 0.8123 |"
+    loss_chart = text[text.index("## Loss over steps") :].split("```text\n", 1)[1].split("```", 1)[0].splitlines()
+    assert loss_chart[0].startswith("2.96 ┤") and loss_chart[0].endswith("·") and "· loss" in loss_chart[-1], loss_chart
+    assert "failures by reason per environment, as groups land: artifact `rollout-env-stats-demo`" in text
     evaluations = text[text.index("## Held-out evaluations") :].splitlines()
     assert evaluations[4:6] == ["| 20 | rl | 0.75 | 1.4 |", "| 0 | rl | 0.25 | 0.1 |"]
     done = live_markdown("demo", "rl", 100, steps, curve, {}, 95.0, {}, finished=True)

@@ -4,8 +4,8 @@ demonstrations, and the pieces they are made of, as pure functions over the trai
 Objectives. Every group is trained with one objective (trainer.data.group_objective): "rl" groups
 with the configured policy loss below, "sft" groups with `sft`, the negative log-likelihood of
 their trained tokens, "dpo" pairs with `dpo` (or IPO), "distill" groups with the configured policy
-loss on per-token advantages teacher - sampler logprob (trainer.packing.training_sequences). Each objective's loss divides by its own share of the step's counts and is
-weighted by its share of the step's groups (trainer.packing.ObjectiveShare), so a step of one
+loss on per-token advantages teacher - sampler logprob (trainer.step.training_sequences). Each objective's loss divides by its own share of the step's counts and is
+weighted by its share of the step's groups (trainer.step.ObjectiveShare), so a step of one
 objective is exactly that objective's loss.
 
 Writing a loss. A loss is one function, chosen by `loss.name` in the trainer config: a built-in's
@@ -229,7 +229,7 @@ def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str,
     """Preference pairs (DPO, or IPO with loss.dpo_variant=ipo), summed / the step's pairs.
 
     The sequences come as pairs in order, the chosen first: advantages +1 on the chosen's tokens,
-    -1 on the rejected's (trainer.packing.training_sequences). With rho(y) = logp(y) - ref(y) summed
+    -1 on the rejected's (trainer.step.training_sequences). With rho(y) = logp(y) - ref(y) summed
     over a sequence's trained tokens (ipo: their mean, as in the IPO paper and TRL) and
     h = rho(chosen) - rho(rejected):
         dpo  -log sigmoid(beta * h)        ipo  (h - 1 / (2 beta))^2
@@ -253,7 +253,7 @@ def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str,
     if inputs.num_sequences % 2 or not (bool((sign[0::2] == 1).all()) and bool((sign[1::2] == -1).all())):
         raise ValueError(
             "dpo: the sequences are not (chosen, rejected) pairs in order; pack dpo groups with "
-            "trainer.packing.training_sequences, which keeps each pair together"
+            "trainer.step.training_sequences, which keeps each pair together"
         )
     beta = config.dpo_beta
     h = rho[0::2] - rho[1::2]

@@ -8,7 +8,8 @@ import torch
 
 from trainer.config import LossConfig
 from trainer.losses import dpo, policy_loss, sft
-from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, ObjectiveShare, PackedBatch
+from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
+from trainer.step import ObjectiveShare
 
 # The loss of each objective but rl and distill, whose loss is the configured one (LossConfig.name).
 OBJECTIVE_LOSSES = {"sft": sft, "dpo": dpo}
@@ -58,10 +59,11 @@ def packed_logprobs(
     hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Logprob of every token of a packed row under `model`: [1, T] float32 (see token_logprobs).
+    """Logprob of every token of a packed micro-batch under `model`: [rows, L] float32 (see
+    token_logprobs).
 
     Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
-    [1, 1, T, T] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
+    [rows, 1, L, L] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
     """
     input_ids = batch.input_ids.to(device)
     output = model(

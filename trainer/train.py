@@ -32,7 +32,7 @@ from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
-from trainer.packing import StepBatch, build_step
+from trainer.step import StepBatch, build_step
 from trainer.stopping import step_in_progress, stop_if_asked
 from trainer.trackers import Trackers, open_trackers
 
@@ -145,6 +145,7 @@ def train(
                 batch = build_step(
                     groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
                     advantage_config=config.advantages, default_objective=config.objective,
+                    token_work=6 * model.config.hidden_size,  # rows' length by their cost (packing.choose_row_length)
                 )  # fmt: skip
                 if reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
                     # dpo pairs without stored reference logprobs: the initial model is the reference.

@@ -10,7 +10,7 @@ from environments.distill import Distill
 from environments.testing import EnvironmentConformance
 from environments.conformance import run_checks
 from inference.client import PolicyClient
-from trainer.packing import training_sequences
+from trainer.step import training_sequences
 from trainer.config import AdvantageConfig
 
 pytestmark = pytest.mark.integration

@@ -31,29 +31,29 @@ def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequ
 
 
 def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
-    # Three sequences in one row, the middle one with a sliding window: each must score exactly
-    # as it does alone, so neither positions nor attention leak across packed boundaries.
+    # Three sequences, the middle one with a sliding window, in rows of 40 (two share a row): each
+    # must score exactly as it does alone, so neither positions nor attention leak across packed
+    # boundaries or rows.
     model = load_policy(str(tiny_model_dir)).eval()
     sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
-    (batch,) = pack_micro_batches(sequences, token_budget=128, pad_multiple=16)
+    (batch,) = pack_micro_batches(sequences, token_budget=128)
+    assert tuple(batch.input_ids.shape) == (2, 40)
     with torch.no_grad():
-        packed = packed_logprobs(model, batch)[0]
-        start = 0
-        for s in sequences:
+        packed = packed_logprobs(model, batch)
+        for index, s in enumerate(sequences):
             ids = torch.tensor([s.tokens])
             causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
             if s.extras:
                 positions = torch.arange(len(s.tokens))
                 causal &= positions[:, None] - positions[None, :] < 4
             alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
-            torch.testing.assert_close(
-                packed[start + 1 : start + len(s.tokens)], alone[0, 1:], atol=2e-6, rtol=0
-            )
-            start += len(s.tokens)
+            mine = packed[batch.sequence_ids == index]
+            torch.testing.assert_close(mine[1:], alone[0, 1:], atol=2e-6, rtol=0)
     # The window changes the scores: without the hook the middle sequence would score differently.
     with torch.no_grad():
-        unwindowed = packed_logprobs(model, batch, hooks=())[0]
-    assert not torch.allclose(unwindowed[21:53], packed[21:53], atol=1e-4)
+        unwindowed = packed_logprobs(model, batch, hooks=())
+    middle = batch.sequence_ids == 1
+    assert not torch.allclose(unwindowed[middle], packed[middle], atol=1e-4)
 
 
 def test_ranks_share_micro_batches_and_pad_with_idle_ones(tiny_model_dir):

@@ -13,7 +13,7 @@ from trainer.config import AdvantageConfig, LossConfig, TrainerConfig
 from trainer.data import group_objective, next_step_groups
 from trainer.metrics import merge_objective_metrics
 from trainer.model import load_policy, micro_batch_loss
-from trainer.packing import build_step
+from trainer.step import build_step
 
 ADVANTAGES = AdvantageConfig()
 

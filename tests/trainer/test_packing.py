@@ -12,15 +12,8 @@ from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mas
 from trainer.config import AdvantageConfig, LossConfig
 from trainer.losses import policy_loss
 from trainer.model import token_logprobs
-from trainer.packing import (
-    additive_mask,
-    build_step,
-    pack_micro_batches,
-    padding_waste,
-    plan_micro_batches,
-    sliding_window,
-    training_sequences,
-)
+from trainer.packing import additive_mask, pack_micro_batches, padding_waste, plan_micro_batches, sliding_window
+from trainer.step import build_step, training_sequences
 
 ADVANTAGES = AdvantageConfig(mode="mean_only")
 
@@ -67,7 +60,7 @@ def test_packed_tensors():
     # Two sequences of 4 and 3 tokens (prompt 2), padded to 8: one padding slot.
     # mean_only advantages of scores 0, 1: -0.5 and +0.5 on the completion tokens.
     (batch,) = pack_micro_batches(
-        training_sequences([make_group([4, 3])], ADVANTAGES), 16, pad_multiple=8
+        training_sequences([make_group([4, 3])], ADVANTAGES), 16, row_multiple=8
     )
     assert batch.input_ids.tolist() == [[1, 2, 0, 1, 1, 2, 1, 0]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
@@ -95,7 +88,7 @@ def test_first_token_is_never_trained():
 
 def test_block_diagonal_causal_mask():
     (batch,) = pack_micro_batches(
-        training_sequences([make_group([3, 2], prompt=1)], ADVANTAGES), 8, pad_multiple=8
+        training_sequences([make_group([3, 2], prompt=1)], ADVANTAGES), 8, row_multiple=8
     )
     mask = batch.attention_mask()
     assert mask.shape == (1, 1, 8, 8)
@@ -111,7 +104,7 @@ def test_block_diagonal_causal_mask():
 def test_sliding_window_changes_only_its_sequence():
     window = {"attention": {"type": "sliding_window", "window": 2}}
     group = make_group([4, 4], sequence_extras={1: window})
-    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, pad_multiple=8)
+    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, row_multiple=8)
     mask = batch.attention_mask()[0, 0]
     causal = torch.ones(4, 4, dtype=torch.bool).tril()
     assert torch.equal(mask[:4, :4], causal)
@@ -130,10 +123,10 @@ def test_group_extras_reach_every_sequence_and_sequence_extras_win():
     first, second = training_sequences([group], ADVANTAGES)
     assert first.extras == {"attention": {"type": "sliding_window", "window": 1}, "note": "g"}
     assert second.extras == {"attention": {"type": "full"}, "note": "g"}
-    (batch,) = pack_micro_batches([first, second], 8, pad_multiple=1)
+    (batch,) = pack_micro_batches([first, second], 8, row_multiple=8)
     mask = batch.attention_mask()[0, 0]
     assert torch.equal(mask[:3, :3], torch.eye(3, dtype=torch.bool))
-    assert torch.equal(mask[3:, 3:], torch.ones(3, 3, dtype=torch.bool).tril())
+    assert torch.equal(mask[3:6, 3:6], torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_malformed_window_is_named():
@@ -162,21 +155,35 @@ def test_no_groups_give_an_empty_step():
     assert (step.num_sequences, step.num_trained_tokens) == (0, 0)
 
 
-def test_padding_waste_is_small_on_realistic_groups():
+def test_rows_trade_padding_for_attention_by_the_model_s_width():
     # Environment-shaped data: 8 groups of 8 answers, prompts of 50-400 tokens, answers of
-    # 20-1000; a 4096-token budget padded to multiples of 64.
+    # 20-1000, a 4096-token budget. A narrow model (attention dominates a slot's cost) gets the
+    # shortest rows the data allows; a wide one longer rows with less padding.
     rng = random.Random(0)
     groups = []
     for _ in range(8):
         prompt = rng.randint(50, 400)
         groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
-    step = build_step(
-        groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES
-    )
-    assert step.stats["padding_waste"] <= 0.05
-    assert all(b.num_slots <= 4096 for b in step.micro_batches)
-    lower_bound = -(-int(step.stats["tokens"]) // 4096)
-    assert len(step.micro_batches) <= lower_bound + 1
+    longest = max(len(s.tokens) for g in groups for s in g.sequences)
+    narrow = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 64)
+    wide = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 4096)
+    assert {b.input_ids.shape[1] for b in narrow.micro_batches} == {-(-longest // 8) * 8}
+    assert {b.input_ids.shape[1] for b in wide.micro_batches} == {2 * -(-longest // 8) * 8}
+    assert wide.stats["padding_waste"] <= 0.05 < narrow.stats["padding_waste"]
+    for step in (narrow, wide):
+        assert all(b.num_slots <= 4096 for b in step.micro_batches)
+        assert step.stats["tokens"] == sum(len(s.tokens) for g in groups for s in g.sequences)
+        slots = sum(b.num_slots for b in step.micro_batches)
+        assert step.stats["padding_waste"] == pytest.approx(1 - step.stats["tokens"] / slots)
+
+
+def test_short_answers_are_one_micro_batch_of_short_rows_not_one_long_row():
+    # The demo's shape: 8 prompts x 16 answers of ~31 tokens. One dense row of 4096 slots paid
+    # attention over 4096^2 pairs; rows of 32 pay 128 x 32^2.
+    groups = [make_group([31] * 16, prompt=27) for _ in range(8)]
+    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES).micro_batches
+    assert tuple(batch.input_ids.shape) == (128, 32) and batch.attention_mask().shape == (128, 1, 32, 32)
+    assert batch.num_sequences == 128 and batch.sequence_ids[:, :31].tolist() == [[row] * 31 for row in range(128)]
 
 
 # --- packed == unpacked, through a model ------------------------------------------------------
@@ -279,7 +286,7 @@ def test_packed_equals_unpacked(config, budget):
         policy_version=0,
         token_budget=budget,
         advantage_config=ADVANTAGES,
-        pad_multiple=8,
+        row_multiple=8,
     )
     assert len(step.micro_batches) == (1 if budget == 64 else 3)
     packed = packed_loss(model, step, config)
@@ -325,7 +332,7 @@ def test_advantage_override_changes_exactly_its_sequence(config):
             sequence_ids=batch.sequence_ids,
         )
         loss.backward()
-        return logprobs.grad[0], batch.sequence_ids[0]
+        return logprobs.grad, batch.sequence_ids
 
     base, sequence_ids = logprob_gradient(model_groups())
     override = [0.0, 0.0, 0.0, 0.0, 2.0, -1.0, 0.5, 3.0]  # sequence 3: 8 tokens, prompt 4

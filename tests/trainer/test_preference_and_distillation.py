@@ -17,7 +17,7 @@ from trainer.config import AdvantageConfig, LossConfig
 from trainer.data import DataTimeoutError, group_objective, next_step_groups, objective_problem
 from trainer.losses import dpo, policy_loss
 from trainer.model import load_policy
-from trainer.packing import build_step, training_sequences
+from trainer.step import build_step, training_sequences
 
 ADVANTAGES = AdvantageConfig()
 

@@ -181,9 +181,8 @@ def pack_micro_batches(
     slots (rows x row length). Shorter sequences share rows (first fit decreasing), each attending
     only within itself; rows fill micro-batches in order.
 
-    The row length: the longest unit's (a dpo pair side by side; any other sequence alone) rounded
-    up to a multiple of `row_multiple`, or a doubling of it up to the budget, whichever costs least
-    (choose_row_length). Longer rows waste fewer slots on padding; shorter rows cost less attention,
+    The row length: a multiple of `row_multiple` at least the longest unit's (a dpo pair side by
+    side; any other sequence alone), the one that costs least (choose_row_length). Longer rows waste fewer slots on padding; shorter rows cost less attention,
     which a dense mask pays in full over a row's length squared. A bounded set of row lengths keeps
     kernel autotuning and compile caches warm.
     """
@@ -220,14 +219,23 @@ def choose_row_length(lengths: Sequence[int], token_budget: int, row_multiple: i
     Per token, a transformer layer does ~24 d^2 multiply-adds outside attention and ~4 d L inside
     it over a row of L slots (a dense mask pays for every key), so a slot costs ~6 d + L in units
     of one key's attention: token_work is 6 x the hidden size (0: attention alone, the shortest rows).
-    Candidates: the longest length rounded up to `row_multiple`, then doublings, up to the budget.
+    Candidates, each a multiple of `row_multiple` within the budget: from the longest length up to
+    twice it in (at most 32) even steps, where two sequences start to share a row (one of 31 and one
+    of 33 fill a row of 64 where rows of 40 would pad each by a fifth), then steps of 1.25x.
     """
-    shortest = min(math.ceil(max(lengths) / row_multiple) * row_multiple, token_budget)
-    candidates = [shortest]
-    while candidates[-1] < token_budget:
-        candidates.append(min(2 * candidates[-1], token_budget))
+    def rounded(length: float) -> int:
+        return min(math.ceil(length / row_multiple) * row_multiple, token_budget)
+
+    longest = rounded(max(lengths))
+    step = max(math.ceil(longest / 32 / row_multiple), 1) * row_multiple
+    candidates = set(range(longest, min(2 * longest, token_budget) + 1, step))
+    target = 2.0 * longest
+    while target < token_budget:
+        candidates.add(rounded(target))
+        target *= 1.25
+    candidates.add(rounded(min(target, token_budget)))
     best: tuple[float, int, list[list[int]]] | None = None
-    for row_length in candidates:
+    for row_length in sorted(candidates):
         rows = plan_micro_batches(lengths, row_length)
         cost = len(rows) * row_length * (token_work + row_length)
         if best is None or cost < best[0]:

@@ -166,11 +166,13 @@ def train(
                 # Save: publish the weights as policy version `step`, then the state to resume from.
                 if step % config.save_every == 0 or step == config.steps:
                     ledger_state = reader.ledger.to_dict() if reader is not None else None
+                    publish_started = time.monotonic()
                     url = publish_step(
                         engine, zero_stage=config.zero_stage, base_model=config.model,
                         storage=storage, run=run, step=step, storage_options=storage_options,
                         extra={"ledger": ledger_state, "trainer_config": config.model_dump()}, staging_dir=staging_dir,
                     )  # fmt: skip
+                    metrics["publish_s"] = time.monotonic() - publish_started  # what a step pays beside its update
                     policy_version = step
                     retiring = []
                     if rank == 0:
@@ -182,9 +184,11 @@ def train(
                         "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
                         "retired_samplers": [position.sampler for position in retiring],
                     }  # fmt: skip
+                    state_started = time.monotonic()
                     save_resume_state(
                         engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
                     )
+                    metrics["save_state_s"] = time.monotonic() - state_started
                     if retiring:
                         publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
                         remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)

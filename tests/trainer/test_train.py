@@ -80,6 +80,8 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     assert abs(first["importance_weight_mean"] - 1) < 1e-5 and first["clip_fraction"] == 0
     for name in ("loss", "score_mean", "advantage_std", "grad_norm", "kl", "tokens_per_s", "padding_waste"):
         assert name in second
+    # What each step paid beside its update (both steps published): a publish and a resume state.
+    assert all(0 < row["publish_s"] < 60 and 0 < row["save_state_s"] < 60 for row in (first, second))
     assert first["kl"] == 0 and second["kl"] > 0  # to the frozen base model
     assert list((tmp_path / "run" / "trainer" / "tensorboard").glob("events.out.tfevents.*"))
 

@@ -27,6 +27,9 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(REPO))
+
+from soak.parts import PrefectPart  # noqa: E402
 
 
 def main() -> None:
@@ -42,15 +45,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="clotho-ui-watch-"))
     ui = f"http://127.0.0.1:{args.port}"
-    env = {**os.environ, "PREFECT_HOME": str(home / "prefect"), "PREFECT_API_URL": f"{ui}/api", "DO_NOT_TRACK": "1",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}  # fmt: skip
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--port", str(args.port)], env=env,
-                              stdout=(args.out / "server.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    server = PrefectPart(home / "prefect", args.port)  # soak's: `prefect server start`, its log in the home
+    env = {**os.environ, "PREFECT_HOME": str(server.home), "PREFECT_API_URL": server.api_url, "DO_NOT_TRACK": "1"}
     demo = None
     moments: list[dict] = []
     started = datetime.now(timezone.utc)
     try:
-        wait_healthy(f"{ui}/api", 120)
+        server.start()
         demo = subprocess.Popen([str(BIN / "clotho"), "demo"], cwd=REPO, env=env,
                                 stdout=(args.out / "demo.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
         next_shot = args.every
@@ -64,12 +65,17 @@ def main() -> None:
                 next_shot = int(found[1]) + args.every
             time.sleep(2.0)
     finally:
-        if demo is not None and demo.poll() is None:
-            demo.terminate()
-            demo.wait(60)
-        os.killpg(server.pid, 15)
-        server.wait(60)
-        shutil.rmtree(home, ignore_errors=True)
+        try:
+            if demo is not None and demo.poll() is None:
+                demo.terminate()  # clotho demo stops its servers and flows on SIGTERM
+                try:
+                    demo.wait(180)
+                except subprocess.TimeoutExpired:
+                    demo.kill()
+                    demo.wait()
+        finally:
+            server.stop()
+            shutil.rmtree(home, ignore_errors=True)
     steps = steps_run(REPO / ".clotho" / "demo" / "summary.json", since=started.timestamp())
     nearest = {}
     if steps and moments:
@@ -79,18 +85,6 @@ def main() -> None:
     report = {"demo_exit": demo.returncode if demo else None, "steps_run": steps, "nearest": nearest, "moments": moments}
     (args.out / "ui_watch.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
-
-
-def wait_healthy(api: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{api}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"the Prefect server at {api} was not healthy in {timeout_s:.0f} s")
 
 
 def live_card(api: str, since: datetime) -> dict | None:

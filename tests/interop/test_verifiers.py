@@ -57,7 +57,9 @@ def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprob
             assert message == {"role": "assistant", "content": reply}  # what trained, decoded
             if native is not None:  # kept only where verifiers read it otherwise: a special token's text inside
                 text = native.get("content") or ""
-                for special in tiny_tokenizer.all_special_tokens:
+                # Every special added token (<|im_start|> is one; all_special_tokens names only
+                # the eos/pad kind): decode(skip_special_tokens=True) drops them all.
+                for special in (t.content for t in tiny_tokenizer.added_tokens_decoder.values() if t.special):
                     text = text.replace(special, "")
                 assert native["role"] == "assistant" and text == reply and text != native.get("content"), native
             if sequence.finish_reason == "stop":

@@ -126,7 +126,8 @@ def shoot(chromium: str, ui: str, card: dict, step: int, total: int, out: Path) 
         "step": step, "total_steps": total, "phase": re.search(r"\*\*(\w+)\*\* phase", text)[1],
         "served_version": int(served[1]) if served else None, "reload_s": float(served[2]) if served else None,
         "latest_steps_rows": len(latest), "newest_row": latest[0] if latest else None,
-        "chart_points": chart.count("·") + chart.count("o") - 2, "card": text, "shots": shots,
+        "chart_points": sum(line.split("┤", 1)[1].count("·") + line.split("┤", 1)[1].count("o") for line in chart.splitlines() if "┤" in line),
+        "card": text, "shots": shots,
     }  # fmt: skip
 
 

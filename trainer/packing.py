@@ -80,8 +80,7 @@ class PackedBatch:
     sequence_lengths: list[int]
     sequence_extras: list[dict[str, Any]]
     sequence_objectives: list[str] = field(default_factory=list)
-    sequence_rows: list[int] = field(default_factory=list)  # the row each sequence is in
-    # Reference logprobs the environment stored, [1, T], and where there are any, [1, T] bool;
+    # Reference logprobs the environment stored, [rows, L], and where there are any, [rows, L] bool;
     # None when no sequence of the micro-batch has them.
     stored_ref_logprobs: torch.Tensor | None = None
     has_stored_ref: torch.Tensor | None = None
@@ -138,15 +137,12 @@ class PackedBatch:
         """
         rows, length = self.input_ids.shape
         mask = torch.eye(length, dtype=torch.bool).repeat(rows, 1, 1)
-        starts = [0] * rows
-        sequence_rows = self.sequence_rows or [0] * len(self.sequence_lengths)
-        for row, size, extras in zip(sequence_rows, self.sequence_lengths, self.sequence_extras, strict=True):
+        for index, (size, extras) in enumerate(zip(self.sequence_lengths, self.sequence_extras, strict=True)):
+            row, start = (self.sequence_ids == index).nonzero()[0].tolist()  # the sequence's first slot
             block = torch.ones(size, size, dtype=torch.bool).tril()
             for hook in hooks:
                 block = hook(block, extras)
-            start = starts[row]
             mask[row, start : start + size, start : start + size] = block
-            starts[row] += size
         return mask[:, None]
 
 
@@ -182,9 +178,10 @@ def pack_micro_batches(
     only within itself; rows fill micro-batches in order.
 
     The row length: a multiple of `row_multiple` at least the longest unit's (a dpo pair side by
-    side; any other sequence alone), the one that costs least (choose_row_length). Longer rows waste fewer slots on padding; shorter rows cost less attention,
-    which a dense mask pays in full over a row's length squared. A bounded set of row lengths keeps
-    kernel autotuning and compile caches warm.
+    side; any other sequence alone), the one that costs least (choose_row_length). Longer rows
+    waste fewer slots on padding; shorter rows cost less attention, which a dense mask pays in full
+    over a row's length squared. A bounded set of row lengths keeps kernel autotuning and compile
+    caches warm.
     """
     for sequence in sequences:
         if len(sequence.tokens) > token_budget:
@@ -268,7 +265,6 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
             values["has_ref"] += [s.ref_logprobs is not None] * len(s.tokens)
         for name, value in values.items():
             columns[name].append(value + [fill[name]] * padding)
-    row_of = {index: r for r, row in enumerate(rows) for index in row}
     any_stored = any(s.ref_logprobs is not None for s in sequences)
     return PackedBatch(
         input_ids=torch.tensor(columns["input_ids"], dtype=torch.long),
@@ -280,7 +276,6 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         sequence_lengths=[len(s.tokens) for s in sequences],
         sequence_extras=[s.extras for s in sequences],
         sequence_objectives=[s.objective for s in sequences],
-        sequence_rows=[row_of[i] for i in order],
         stored_ref_logprobs=torch.tensor(columns["ref"], dtype=torch.float32) if any_stored else None,
         has_stored_ref=torch.tensor(columns["has_ref"], dtype=torch.bool) if any_stored else None,
     )

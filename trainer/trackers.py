@@ -60,8 +60,8 @@ def _load(path: str) -> type:
     return tracker
 
 
-def open_trackers(names: list[str], *, run: str, config: dict[str, Any], directory: Path) -> list[Tracker]:
-    return [_load(BUILT_IN.get(name, (None, name))[1])(run=run, config=config, directory=directory) for name in names]
+def open_trackers(names: list[str], *, run: str, config: dict[str, Any], directory: Path) -> Trackers:
+    return Trackers([_load(BUILT_IN.get(name, (None, name))[1])(run=run, config=config, directory=directory) for name in names])
 
 
 class Trackers:

@@ -34,7 +34,7 @@ from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.step import StepBatch, build_step
 from trainer.stopping import step_in_progress, stop_if_asked
-from trainer.trackers import Trackers, open_trackers
+from trainer.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def train(
         ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
         reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
         trackers = open_trackers(config.report_to, run=run, config=config.model_dump(mode="json"), directory=work_dir)
-        metrics_log = MetricsLog(work_dir, Trackers(trackers))
+        metrics_log = MetricsLog(work_dir, trackers)
         publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
         # Samplers retired by the saved state whose files a kill left behind (see storage.progress).
         remove_sampler_positions(storage, run, (saved or {}).get("retired_samplers", []), storage_options=storage_options)

@@ -51,6 +51,16 @@ adapters:
 	.venv-env-$*/bin/pip install $(PIP_FLAGS) --no-deps -e .
 	@touch $@
 
+# TRL for the peer bench (bench/bench_peer.py): its own environment, clotho's environment side plus
+# TRL and torch, so its side scores with the same environments. Built by make bench, never by make test.
+.venv-trl/.installed: requirements/env-base.lock requirements/peer-trl.lock pyproject.toml
+	@echo ">> creating .venv-trl (TRL's GRPOTrainer, for the peer bench)"
+	$(call need_disk,2.5,.venv-trl)
+	$(PYTHON) -m venv .venv-trl
+	.venv-trl/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/env-base.lock -r requirements/peer-trl.lock
+	.venv-trl/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	@touch $@
+
 demo: setup
 	$(VENV)/bin/clotho demo
 
@@ -64,7 +74,7 @@ test: setup adapters
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -m "not integration" $(PYTEST_ARGS)
 
-bench: setup
+bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_storage.py
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_rollout.py
@@ -73,6 +83,7 @@ bench: setup
 	$(VENV)/bin/python bench/bench_run_length.py
 	$(VENV)/bin/python bench/bench_reprocess.py
 	$(VENV)/bin/python bench/bench_sandbox.py
+	$(VENV)/bin/python bench/bench_peer.py
 	$(VENV)/bin/python bench/report.py --readme
 
 # Fault injection into a running loop (soak/run.py): SIGKILL of the rollout flow, the trainer, the
@@ -83,4 +94,4 @@ soak: setup
 	$(VENV)/bin/python -m soak.run $(SOAK_ARGS)
 
 clean-venvs:
-	rm -rf $(VENV) $(INFERENCE_VENV) .venv-env-*
+	rm -rf $(VENV) $(INFERENCE_VENV) .venv-env-* .venv-trl

@@ -19,6 +19,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parents[1] / "README.md"
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
+PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
 DEMO_YAML = Path(__file__).resolve().parents[1] / "runs" / "demo.yaml"
 
@@ -106,6 +107,13 @@ def rows() -> list[list[str]]:
         table.append(["`bench_sandbox.py`", f"`{r['program']}` in the sandbox ({r['isolation']}: namespaces, rlimits, own uid) vs a bare `python -c` subprocess, wall time per launch (control: bare again)",
                       "none set", f"{r['ratio_sandbox_to_bare']}x{rounds} (control {r['ratio_control']}x), {r['mean_s'][r['isolation']] * 1e3:.0f} ms vs {r['mean_s']['bare'] * 1e3:.0f} ms; by level {levels}",
                       _measured(sandbox)])  # fmt: skip
+    if peer := _load("peer"):
+        cells = []
+        for name, task in peer["result"]["tasks"].items():
+            pace, minutes = task["ratio_seconds_per_step"], task["ratio_minutes_to_threshold"]
+            cells.append(f"{name}: s/step {_ratio(pace)}, minutes to {task['threshold']} {_ratio(minutes)}")
+        table.append(["`bench_peer.py`", "clotho (`clotho run`) vs TRL's GRPOTrainer, same task, start, settings and seeds, one evaluator outside both (the table below)",
+                      "<= 1.0", "; ".join(cells), _measured(peer)])  # fmt: skip
     if remote := _load("remote"):
         adapters = remote["result"]["adapters"]
 
@@ -117,6 +125,48 @@ def rows() -> list[list[str]]:
         table.append(["`bench_remote.py`", "a group collected through `clotho env serve` vs in process, same venv and config, per adapter (control: in process again)",
                       "none set", "; ".join(cell(name, r) for name, r in adapters.items()), _measured(remote)])  # fmt: skip
     return table
+
+
+def _ratio(summary: dict) -> str:
+    """A clotho / TRL ratio over seeds: mean [95% interval] (range), or why there is none."""
+    if summary["mean"] is None:
+        return "none (a side never got there)"
+    interval = summary.get("interval")
+    rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
+    low, high = summary["range"]
+    return f"{summary['mean']}x{rounds} (seeds {low}-{high})"
+
+
+def peer_text() -> str:
+    """The README's clotho-against-TRL table, from bench/results/peer.json (bench/bench_peer.py)."""
+    record = _load("peer")
+    if record is None:
+        return "No peer run is recorded yet (`make bench`, or `python bench/bench_peer.py`)."
+    lines = [
+        "| task (steps, start) | framework | seconds per step | minutes to threshold | reward at the last step | held out, last | runs reaching it | start-up s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, task in record["result"]["tasks"].items():
+        for side in ("clotho", "trl"):
+            runs = [run[side] for run in task["runs"]]
+
+            def spread(key: str, digits: int = 2) -> str:
+                values = [run[key] for run in runs if run[key] is not None]
+                if not values:
+                    return "-"
+                middle = sorted(values)[len(values) // 2]
+                return f"{middle:.{digits}f}" + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
+
+            label = f"{name} ({task['steps']}, {task['start']})" if side == "clotho" else ""
+            lines.append(f"| {label} | {'clotho' if side == 'clotho' else 'TRL GRPOTrainer'} | {spread('seconds_per_step')} | "
+                         f"{spread('minutes_to_threshold')} (to {task['threshold']}) | {spread('reward_last')} | {spread('held_out_last')} | "
+                         f"{task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |")  # fmt: skip
+        lines.append(f"| | **clotho / TRL** | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | |")
+    seeds = len(next(iter(record["result"]["tasks"].values()))["runs"])
+    lines.append("")
+    lines.append(f"Medians over {seeds} seeds (range in brackets); ratios are per seed, geometric mean with a 95% interval. "
+                 f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/peer.json`).")  # fmt: skip
+    return "\n".join(lines)
 
 
 def markdown() -> str:
@@ -166,6 +216,10 @@ def demo_text() -> str:
     )
 
 
+def peer_block() -> str:
+    return f"{PEER_START}\n{peer_text()}\n{PEER_END}"
+
+
 def demo_block() -> str:
     return f"{DEMO_START}\n{demo_text()}\n{DEMO_END}"
 
@@ -213,10 +267,11 @@ def main() -> None:
     if args.record_demo:
         record_demo(args.record_demo)
     if not args.readme:
-        print(markdown() + "\n\n" + demo_text())
+        print(markdown() + "\n\n" + demo_text() + "\n\n" + peer_text())
         return
     text = replace_block(README.read_text(), START, END, readme_block())
-    README.write_text(replace_block(text, DEMO_START, DEMO_END, demo_block()))
+    text = replace_block(text, DEMO_START, DEMO_END, demo_block())
+    README.write_text(replace_block(text, PEER_START, PEER_END, peer_block()))
     print(f"README table and demo figures rewritten from {RESULTS}")
 
 

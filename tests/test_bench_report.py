@@ -18,7 +18,9 @@ def bench_report():
     return report
 
 
-@pytest.mark.parametrize("block, source", [("readme_block", "bench/results/*.json"), ("demo_block", "bench/results/demo.json")])
+@pytest.mark.parametrize("block, source", [
+    ("readme_block", "bench/results/*.json"), ("demo_block", "bench/results/demo.json"), ("peer_block", "bench/results/peer.json"),
+])
 def test_readme_numbers_are_rendered_from_the_results(block, source):
     assert getattr(bench_report(), block)() in (REPO / "README.md").read_text(), (
         f"README's {block} differs from {source}: run `python bench/report.py --readme`"
@@ -53,3 +55,16 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
     config.write_text("phases: [changed]\n")  # another config: its runs start a new history
     record(0.3, True)
     assert len(json.loads((tmp_path / "demo.json").read_text())["result"]["runs"]) == 1
+
+
+def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves():
+    spec = importlib.util.spec_from_file_location("bench_peer", REPO / "bench" / "bench_peer.py")
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
+    # Steps end every 2 s; step 2's checkpoint took 5 s more, which a TRL user would not pay.
+    side = {"started": 90.0, "steps": [{"step": 1, "time": 100.0}, {"step": 2, "time": 102.0}, {"step": 3, "time": 109.0},
+                                       {"step": 4, "time": 111.0}], "saves": {2: 5.0}}  # fmt: skip
+    times = peer.timeline(side)
+    assert times["seconds_per_step"] == 2.0
+    assert times["elapsed"] == {1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}  # the first step counts as a median one
+    assert times["startup_s"] == 8.0

@@ -1,0 +1,276 @@
+"""clotho against TRL's GRPOTrainer: the same task, start, settings and seeds, scored by one evaluator outside both.
+
+    python bench/bench_peer.py [--tasks compare,repeat] [--seeds 0,1,2] [--steps compare=120,repeat=30]
+
+Two tasks:
+- compare, the demo's RL phase (answers of a token or two: the update is most of a step) from the
+  demo's SFT checkpoint, which the bench makes first with the demo's own SFT phase;
+- repeat, a row of 48 digits to copy (answers of up to 128 tokens: sampling is most of a step) from
+  the demo's model as built.
+
+Per task and seed, each side trains the same steps from the same weights on the environment's items
+in get_item's order, 8 prompts x 16 samples a step: clotho as `clotho run` (vLLM, the rollout flow,
+the trainer, reloads, against a Prefect server the bench starts), TRL as bench/peer_trl.py in
+.venv-trl (transformers' generate, CPU). The sides take turns going first. Each keeps a checkpoint
+every 5 steps; afterwards one evaluator scores every checkpoint of both the same way (greedy
+transformers generate, the environment's reward): all 90 compare problems (and the 28 held out
+of training apart), or 32 unseen rows.
+
+Time is counted from the first step: a step's elapsed time is its end minus the first step's end
+plus one median step, with TRL's checkpoint saves taken out (clotho publishes every step as part of
+its loop; a TRL user would save rarely). Start-up (vLLM's, the Prefect flows', TRL's model load)
+is reported apart. Per side: seconds per step (median), minutes to the task's threshold, the
+evaluated reward at the last step and the training reward per step; per task, the ratios
+clotho / TRL per seed, their geometric mean with a 95% interval, and their range. Written to
+bench/results/peer.json; bench/report.py renders the table into docs/benchmarks.md.
+Targets: seconds per step and minutes to threshold, ratio <= 1.0 on both tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from environments.base import Item  # noqa: E402
+from environments.compare import split_pairs  # noqa: E402
+from environments.loading import load_environment_class  # noqa: E402
+from inference.tiny_model import build_tiny_model  # noqa: E402
+from storage.checkpoints import checkpoint_url  # noqa: E402
+from storage.layout import split_run_url  # noqa: E402
+from tests.prefect_server import start_prefect_server  # noqa: E402
+from trainer.train import default_work_dir  # noqa: E402
+from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+
+CLOTHO = str(Path(sys.executable).with_name("clotho"))
+TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+DEMO = yaml.safe_load((REPO / "runs" / "demo.yaml").read_text())
+DEMO_RL = DEMO["phases"][-1]
+KEEP_EVERY = 5
+
+TASKS = {
+    "compare": {
+        "start": "sft", "env": "compare", "env_config": DEMO_RL["environments"][0]["config"],
+        "lr": DEMO_RL["trainer"]["lr"], "steps": 120, "threshold": 0.8,
+    },
+    "repeat": {
+        "start": "built", "env": "repeat",
+        "env_config": {"digits": 48, "group_size": 16, "max_tokens": 128, "temperature": 1.0, "seed": 7},
+        "lr": 1e-3, "steps": 30, "threshold": 0.1,
+    },
+}  # fmt: skip
+PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def run_logged(command: list[str], log_path: Path, env: dict | None = None) -> float:
+    """Runs a command to its end with its output in log_path; returns its wall seconds."""
+    started = time.time()
+    with log_path.open("w") as log:
+        rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise RuntimeError(f"{' '.join(command[:3])} exited {rc}; see {log_path}:\n{log_path.read_text()[-3000:]}")
+    return time.time() - started
+
+
+def clotho_config(run_url: str, model: Path, task: dict, seed: int, steps: int, phases: list[dict] | None = None) -> dict:
+    """The demo's run settings with one RL phase on the task (or the given phases), no in-run
+    evaluation (the bench evaluates outside), a checkpoint kept every KEEP_EVERY steps."""
+    phases = phases or [{
+        "name": "rl", "steps": steps, "environments": [{"env": task["env"], "config": {**task["env_config"], "seed": seed}}],
+        "trainer": {"groups_per_step": PROMPTS_PER_STEP, "lr": task["lr"]},
+    }]  # fmt: skip
+    return {
+        "run": run_url, "model": str(model), "max_lag": DEMO["max_lag"], "rollout": DEMO["rollout"],
+        "trainer": {**DEMO["trainer"], "keep_last": 2, "keep_every": KEEP_EVERY, "seed": seed},
+        "phases": phases,
+    }  # fmt: skip
+
+
+def run_clotho(workdir: Path, model: Path, task: dict, seed: int, steps: int, env: dict, phases: list[dict] | None = None) -> dict:
+    """One `clotho run`; its steps (end time, training reward) and kept checkpoints."""
+    workdir.mkdir(parents=True)
+    run_url = f"file://{workdir}/store/run"
+    config = workdir / "run.yaml"
+    config.write_text(yaml.safe_dump(clotho_config(run_url, model, task, seed, steps, phases)))
+    started = time.time()
+    run_logged([CLOTHO, "run", str(config)], workdir / "run.log", env)
+    storage, run = split_run_url(run_url)
+    rows = read_jsonl(default_work_dir(storage, run) / "metrics.jsonl")
+    checkpoints = {}
+    for row in rows:
+        path = Path(checkpoint_url(storage, run, row["step"]).removeprefix("file://"))
+        if (row["step"] % KEEP_EVERY == 0 or row["step"] == rows[-1]["step"]) and (path / "STABLE").exists():
+            checkpoints[row["step"]] = path
+    return {"started": started, "steps": [{"step": r["step"], "time": r["time"], "reward": r.get("score_mean")} for r in rows],
+            "saves": {}, "checkpoints": checkpoints}  # fmt: skip
+
+
+def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> dict:
+    """One TRL GRPOTrainer run (bench/peer_trl.py in .venv-trl); the same record as run_clotho."""
+    command = [str(TRL_PYTHON), str(REPO / "bench" / "peer_trl.py"), "--model", str(model), "--env", task["env"],
+               "--env-config", json.dumps({**task["env_config"], "seed": seed}), "--steps", str(steps),
+               "--prompts-per-step", str(PROMPTS_PER_STEP), "--lr", str(task["lr"]), "--seed", str(seed),
+               "--save-every", str(KEEP_EVERY), "--out", str(workdir)]  # fmt: skip
+    workdir.mkdir(parents=True)
+    started = time.time()
+    run_logged(command, workdir.with_suffix(".log"))
+    rows = read_jsonl(workdir / "steps.jsonl")
+    saves: dict[int, float] = {}
+    for row in rows:
+        if "saved" in row:
+            saves[row["saved"]] = saves.get(row["saved"], 0.0) + row["save_s"]
+    steps_rows = [r for r in rows if "step" in r]
+    checkpoints = {r["step"]: workdir / f"checkpoint-{r['step']}" for r in steps_rows if (workdir / f"checkpoint-{r['step']}").exists()}
+    return {"started": started, "steps": steps_rows, "saves": saves, "checkpoints": checkpoints}
+
+
+def evaluation_items(task: dict, tokenizer_dir: Path) -> list[tuple[Item, bool]]:
+    """(item, held out of training): every compare problem, or 32 rows no training seed draws."""
+    env = load_environment_class(task["env"])({**task["env_config"], "seed": 10_000}, client=None, tokenizer=str(tokenizer_dir))
+    asyncio.run(env.setup())
+    if task["env"] == "compare":
+        training, held_out = split_pairs(env.config.max_value, env.config.held_out)
+        return [(env.item(a, b), False) for a, b in training] + [(env.item(a, b), True) for a, b in held_out]
+    return [(asyncio.run(env.get_item()), True) for _ in range(32)]
+
+
+@torch.inference_mode()
+def evaluate(checkpoint: Path, task: dict, items: list[tuple[Item, bool]]) -> dict[str, float]:
+    """Greedy answers of one checkpoint to every item (transformers generate), scored by the
+    environment's reward: the mean over all items and over the held-out ones."""
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
+    env = load_environment_class(task["env"])(task["env_config"], client=None, tokenizer=tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    prompts = [tokenizer.apply_chat_template(item.prompt, add_generation_prompt=True, tokenize=False) for item, _ in items]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    output = model.generate(**batch, max_new_tokens=env.config.max_tokens, do_sample=False,
+                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+    answers = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+    scores = [env.reward(item, [*item.prompt, {"role": "assistant", "content": answer}]) for (item, _), answer in zip(items, answers)]
+    held_out = [score for score, (_, out) in zip(scores, items) if out]
+    return {"all": statistics.fmean(scores), "held_out": statistics.fmean(held_out) if held_out else None}
+
+
+def timeline(side: dict) -> dict:
+    """Seconds per step and each step's elapsed seconds from the first step (saves taken out)."""
+    steps = sorted(side["steps"], key=lambda r: r["step"])
+    total, ends = 0.0, []
+    for row in steps:
+        ends.append(row["time"] - total)
+        total += side["saves"].get(row["step"], 0.0)
+    durations = [b - a for a, b in zip(ends, ends[1:])]
+    step_s = statistics.median(durations) if durations else float("nan")
+    elapsed = {row["step"]: end - ends[0] + step_s for row, end in zip(steps, ends)}
+    return {"seconds_per_step": step_s, "elapsed": elapsed, "startup_s": steps[0]["time"] - side["started"] - step_s}
+
+
+def measure(side: dict, task: dict, items) -> dict:
+    """What the table shows for one side of one seed."""
+    times = timeline(side)
+    curve = []
+    for step, checkpoint in sorted(side["checkpoints"].items()):
+        scores = evaluate(checkpoint, task, items)
+        curve.append({"step": step, "minutes": round(times["elapsed"][step] / 60, 3), "reward": round(scores["all"], 4),
+                      "held_out": round(scores["held_out"], 4) if scores["held_out"] is not None else None})  # fmt: skip
+    reached = next((point for point in curve if point["reward"] >= task["threshold"]), None)
+    return {
+        "seconds_per_step": round(times["seconds_per_step"], 3),
+        "minutes_to_threshold": reached["minutes"] if reached else None,
+        "steps_to_threshold": reached["step"] if reached else None,
+        "reward_last": curve[-1]["reward"] if curve else None,
+        "held_out_last": curve[-1]["held_out"] if curve else None,
+        "startup_s": round(times["startup_s"], 1),
+        "curve": curve,
+        "train_reward": [round(r["reward"], 4) for r in sorted(side["steps"], key=lambda r: r["step"]) if r.get("reward") is not None],
+    }  # fmt: skip
+
+
+def sft_start(workdir: Path, model: Path, env: dict) -> Path:
+    """The demo's SFT phase from the built model, run by clotho: the compare task's start."""
+    sft = next(phase for phase in DEMO["phases"] if phase["name"] == "sft")
+    record = run_clotho(workdir / "sft", model, {}, seed=0, steps=sft["steps"], env=env, phases=[sft])
+    return record["checkpoints"][max(record["checkpoints"])]
+
+
+def ratio_summary(ratios: list[float]) -> dict:
+    if not ratios:
+        return {"mean": None, "interval": None, "range": None}
+    return {"mean": round(statistics.fmean(ratios), 3), "interval": interval(ratios),
+            "range": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--steps", default="", help="per task, e.g. compare=60,repeat=20 (default: the task's)")
+    args = parser.parse_args()
+    if not TRL_PYTHON.exists():
+        sys.exit(f"bench_peer: {TRL_PYTHON} is missing: make .venv-trl/.installed (make bench builds it)")
+    steps_of = {name: int(value) for name, value in (pair.split("=") for pair in args.steps.split(",") if pair)}
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-peer-"))
+    prefect = start_prefect_server(workdir / "prefect")
+    env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
+    report: dict = {"settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY}, "tasks": {}}
+    try:
+        built = build_tiny_model(workdir / "built", seed=0, size="small")
+        sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None
+        for name in args.tasks.split(","):
+            task = TASKS[name]
+            steps = steps_of.get(name, task["steps"])
+            start = sft if task["start"] == "sft" else built
+            items = evaluation_items(task, built)
+            runs = []
+            for index, seed in enumerate(seeds):
+                sides = {}
+                order = ["clotho", "trl"] if index % 2 == 0 else ["trl", "clotho"]
+                for framework in order:
+                    where = workdir / f"{name}-{seed}-{framework}"
+                    record = (run_clotho(where, start, task, seed, steps, env) if framework == "clotho"
+                              else run_trl(where, start, task, seed, steps))  # fmt: skip
+                    sides[framework] = measure(record, task, items)
+                    shutil.rmtree(where, ignore_errors=True)
+                    summary = {k: v for k, v in sides[framework].items() if k not in ("curve", "train_reward")}
+                    print(json.dumps({"task": name, "seed": seed, "side": framework, **summary}), flush=True)
+                runs.append({"seed": seed, "first": order[0], **sides})
+
+            def ratios(key: str) -> list[float]:
+                return [run["clotho"][key] / run["trl"][key] for run in runs if run["clotho"][key] and run["trl"][key]]
+
+            report["tasks"][name] = {
+                "env": task["env"], "env_config": task["env_config"], "start": task["start"], "steps": steps,
+                "lr": task["lr"], "threshold": task["threshold"], "evaluation_items": len(items), "runs": runs,
+                "ratio_seconds_per_step": ratio_summary(ratios("seconds_per_step")),
+                "ratio_minutes_to_threshold": ratio_summary(ratios("minutes_to_threshold")),
+                "reached_threshold": {side: sum(run[side]["minutes_to_threshold"] is not None for run in runs) for side in ("clotho", "trl")},
+                "reward_last": {side: round(statistics.fmean(run[side]["reward_last"] for run in runs), 4) for side in ("clotho", "trl")},
+            }  # fmt: skip
+        report["targets"] = {"ratio_seconds_per_step": "<= 1.0", "ratio_minutes_to_threshold": "<= 1.0"}
+        print(json.dumps({name: {k: v for k, v in t.items() if k != "runs"} for name, t in report["tasks"].items()}, indent=1))
+        write_result("peer", report)
+    finally:
+        prefect.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

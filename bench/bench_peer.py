@@ -119,8 +119,14 @@ def run_clotho(workdir: Path, model: Path, task: dict, seed: int, steps: int, en
         path = Path(checkpoint_url(storage, run, row["step"]).removeprefix("file://"))
         if (row["step"] % KEEP_EVERY == 0 or row["step"] == rows[-1]["step"]) and (path / "STABLE").exists():
             checkpoints[row["step"]] = path
+    # Where a step's time goes (the trainer's update, its publish and resume state, the server's
+    # reload and parity check): medians over the run, to say where clotho loses.
+    reloads = [event for event in read_jsonl(default_work_dir(storage, run) / "pipeline.jsonl") if event["event"] == "reload"]
+    costs = {name: round(statistics.median(r[name] for r in rows if name in r), 3)
+             for name in ("step_time_s", "data_wait_s", "publish_s", "save_state_s") if any(name in r for r in rows)}  # fmt: skip
+    costs |= {name: round(statistics.median(e[name] for e in reloads), 3) for name in ("reload_s", "parity_s") if reloads}
     return {"started": started, "steps": [{"step": r["step"], "time": r["time"], "reward": r.get("score_mean")} for r in rows],
-            "saves": {}, "checkpoints": checkpoints}  # fmt: skip
+            "saves": {}, "checkpoints": checkpoints, "costs": costs}  # fmt: skip
 
 
 def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> dict:
@@ -199,6 +205,7 @@ def measure(side: dict, task: dict, items) -> dict:
         "held_out_last": curve[-1]["held_out"] if curve else None,
         "startup_s": round(times["startup_s"], 1),
         "curve": curve,
+        **({"step_costs_s": side["costs"]} if "costs" in side else {}),
         "train_reward": [round(r["reward"], 4) for r in sorted(side["steps"], key=lambda r: r["step"]) if r.get("reward") is not None],
     }  # fmt: skip
 

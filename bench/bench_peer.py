@@ -22,7 +22,7 @@ its loop; a TRL user would save rarely). Start-up (vLLM's, the Prefect flows', T
 is reported apart. Per side: seconds per step (median), minutes to the task's threshold, the
 evaluated reward at the last step and the training reward per step; per task, the ratios
 clotho / TRL per seed, their geometric mean with a 95% interval, and their range. Written to
-bench/results/peer.json; bench/report.py renders the table into docs/benchmarks.md.
+bench/results/peer.json; bench/report.py renders the table into the README.
 Targets: seconds per step and minutes to threshold, ratio <= 1.0 on both tasks.
 """
 
@@ -54,7 +54,7 @@ from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+from results import interval, read_jsonl, write_result  # noqa: E402  (bench/, the script's own folder)
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
@@ -76,18 +76,12 @@ TASKS = {
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def run_logged(command: list[str], log_path: Path, env: dict | None = None) -> float:
-    """Runs a command to its end with its output in log_path; returns its wall seconds."""
-    started = time.time()
+def run_logged(command: list[str], log_path: Path, env: dict | None = None) -> None:
+    """Runs a command to its end with its output in log_path; its log's tail when it fails."""
     with log_path.open("w") as log:
         rc = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         raise RuntimeError(f"{' '.join(command[:3])} exited {rc}; see {log_path}:\n{log_path.read_text()[-3000:]}")
-    return time.time() - started
 
 
 def clotho_config(run_url: str, model: Path, task: dict, seed: int, steps: int, phases: list[dict] | None = None) -> dict:

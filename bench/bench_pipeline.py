@@ -59,17 +59,9 @@ from storage.layout import split_run_url  # noqa: E402
 from storage.progress import groups_committed  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+from results import interval, read_jsonl, write_result  # noqa: E402  (bench/, the script's own folder)
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    complete = path.read_bytes()
-    complete = complete[: complete.rfind(b"\n") + 1]
-    return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
 
 
 def role(process: psutil.Process) -> str:

@@ -128,7 +128,8 @@ def rows() -> list[list[str]]:
 
 
 def _ratio(summary: dict) -> str:
-    """A clotho / TRL ratio over seeds: mean [95% interval] (range), or why there is none."""
+    """A clotho / TRL ratio over seeds: their mean [the 95% interval of their geometric mean]
+    (range), or why there is none."""
     if summary["mean"] is None:
         return "none (a side never got there)"
     interval = summary.get("interval")
@@ -164,7 +165,7 @@ def peer_text() -> str:
         lines.append(f"| | **clotho / TRL** | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | |")
     seeds = len(next(iter(record["result"]["tasks"].values()))["runs"])
     lines.append("")
-    lines.append(f"Medians over {seeds} seeds (range in brackets); ratios are per seed, geometric mean with a 95% interval. "
+    lines.append(f"Medians over {seeds} seeds (range in brackets); ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
                  f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/peer.json`).")  # fmt: skip
     return "\n".join(lines)
 

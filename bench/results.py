@@ -26,6 +26,15 @@ def _commit() -> str:
     return commit + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The complete JSON lines of a file another process may still be writing ([] when absent)."""
+    if not path.exists():
+        return []
+    complete = path.read_bytes()
+    complete = complete[: complete.rfind(b"\n") + 1]
+    return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+
+
 def write_result(name: str, result: dict[str, Any]) -> Path:
     """Writes bench/results/{name}.json: `result` under "result", beside how it was measured."""
     RESULTS.mkdir(exist_ok=True)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is loaded by path (the tests)
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
@@ -54,7 +55,7 @@ from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
-from results import interval, read_jsonl, write_result  # noqa: E402  (bench/, the script's own folder)
+from results import interval, read_jsonl, write_result  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"

@@ -48,6 +48,7 @@ def inference_python() -> str:
 # how long a client waited for a CPU). See docs/policy-service.md.
 PRIORITIES = ("normal", "low", "idle")
 LOW_NICENESS = 10
+AUTOGROUP_NICENESS = {"low": LOW_NICENESS, "idle": 19}
 
 
 def default_priority(python: str) -> str:
@@ -63,6 +64,15 @@ def lower_priority(priority: str) -> None:
         os.nice(LOW_NICENESS)
     elif priority == "idle":
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    # A new session (the server's start_new_session) is a new autogroup where the kernel has them
+    # (sched_autogroup_enabled): the scheduler first shares the CPUs between autogroups, each at
+    # its niceness, and only then applies policies inside each. The group is lowered as well, or a
+    # trainer in a session of its own gets half the cores whatever vLLM's policy says.
+    try:
+        with open("/proc/self/autogroup", "w") as autogroup:
+            autogroup.write(str(AUTOGROUP_NICENESS[priority]))
+    except OSError:
+        pass  # no autogroups (kernel option off): the policy alone orders the tasks
 
 
 VLLM_ARGS_VARIABLE = "CLOTHO_VLLM_ARGS"

@@ -232,7 +232,9 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-peer-"))
     prefect = start_prefect_server(workdir / "prefect")
     env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
-    report: dict = {"settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY}, "tasks": {}}
+    report: dict = {"settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY,
+                                 "precision": "float32 on both sides (TRL: bf16=False, not its default bf16 autocast)"},
+                    "tasks": {}}  # fmt: skip
     try:
         built = build_tiny_model(workdir / "built", seed=0, size="small")
         sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None

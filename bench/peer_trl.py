@@ -102,7 +102,8 @@ def main() -> None:
         per_device_train_batch_size=args.prompts_per_step * config.group_size, gradient_accumulation_steps=1,
         num_generations=config.group_size, max_completion_length=config.max_tokens, temperature=config.temperature,
         top_p=config.top_p, shuffle_dataset=False, beta=0.0, epsilon=0.2, loss_type="grpo", num_iterations=1,
-        gradient_checkpointing=False, save_strategy="steps", save_steps=args.save_every, save_only_model=True,
+        # fp32 like clotho's side: GRPOConfig's default is bf16=True, which on CPU autocasts to bfloat16.
+        bf16=False, gradient_checkpointing=False, save_strategy="steps", save_steps=args.save_every, save_only_model=True,
         dataloader_num_workers=0, disable_dropout=True, log_completions=False,
     )  # fmt: skip
     log = StepLog(out / "steps.jsonl")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference.client import PolicyClient
-from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+from inference.parity import load_reference_model, max_abs_difference, read_parity_reference, reference_logprobs
 
 # Short prompts in the register of the bundled environments; tokenized once with the run's tokenizer.
 DEFAULT_PROMPTS = (
@@ -25,8 +25,11 @@ DEFAULT_PROMPTS = (
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 2e-2}
 
 
+REFERENCE_WORDS = {"transformers": "a transformers forward pass of", "stored": "the trainer's logprobs stored with"}
+
+
 class ParityMismatch(RuntimeError):
-    """The served logprobs differ from a transformers forward pass of the checkpoint."""
+    """The served logprobs differ from the checkpoint's (stored with it, or a transformers forward pass)."""
 
     def __init__(self, message: str, report: ParityReport):
         super().__init__(message)
@@ -42,6 +45,7 @@ class ParityReport:
     tolerance: float
     tokens: int
     seconds: float
+    reference: str = "transformers"  # or "stored": the trainer's logprobs kept with the checkpoint
 
     @property
     def passed(self) -> bool:
@@ -103,8 +107,20 @@ class ParityGuard:
             return self._models[key]
 
     async def measure(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:
-        """Greedy completions of every prompt from the server, scored by a transformers forward pass."""
+        """The server's logprobs against the checkpoint's own: the reference stored with it by the
+        trainer (teacher-forced sequences: one short request each, no model here), else greedy
+        completions of every prompt scored by a transformers forward pass of the checkpoint."""
         started = time.perf_counter()
+        stored = read_parity_reference(checkpoint_dir)
+        if stored is not None:
+            sequences, references = stored
+            served = await asyncio.gather(*(client.prompt_logprobs(sequence) for sequence in sequences))
+            worst = 0.0
+            for logprobs, reference in zip(served, references, strict=True):
+                difference = max_abs_difference(logprobs[1:], reference)  # the first token: nothing predicts it
+                worst = difference if math.isnan(difference) else max(worst, difference)
+            tokens = sum(len(reference) for reference in references)
+            return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started, "stored")
         model = await asyncio.to_thread(self.reference_model, checkpoint_dir)
         batches = await asyncio.gather(
             *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0) for prompt in self.prompts)
@@ -122,9 +138,9 @@ class ParityGuard:
         report = await self.measure(client, checkpoint_dir)
         if not report.passed:
             raise ParityMismatch(
-                f"parity check failed at {client.base_url}: served logprobs differ from a transformers "
-                f"forward pass of {checkpoint_dir} by up to {report.max_difference:.3g} "
-                f"(tolerance {report.tolerance:g}, {report.tokens} tokens over {len(self.prompts)} prompts)",
+                f"parity check failed at {client.base_url}: served logprobs differ from "
+                f"{REFERENCE_WORDS[report.reference]} {checkpoint_dir} by up to {report.max_difference:.3g} "
+                f"(tolerance {report.tolerance:g}, {report.tokens} tokens)",
                 report,
             )
         return report

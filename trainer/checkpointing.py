@@ -12,6 +12,7 @@ previous state, trains the same steps again and finds the checkpoint already pub
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import random
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inference.parity import write_parity_reference
 from storage.checkpoints import (
     CheckpointError,
     checkpoint_url,
@@ -47,15 +49,29 @@ def hf_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
     return {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
 
 
+@functools.lru_cache(maxsize=4)
+def base_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+@functools.lru_cache(maxsize=4)
+def parity_sequences(tokenizer_source: str) -> list[list[int]]:
+    """The parity guard's prompts (inference.parity_guard.DEFAULT_PROMPTS) as token ids."""
+    from inference.parity_guard import DEFAULT_PROMPTS
+
+    tokenizer = base_tokenizer(tokenizer_source)
+    return [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
+
+
 def save_hf_checkpoint(
     module: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer_source: str, out: Path
 ) -> None:
     """Write `module`'s config and generation config, `state_dict` as safetensors and the tokenizer
     of `tokenizer_source` (the base model) to `out`: a directory vLLM and transformers load."""
-    from transformers import AutoTokenizer
-
     module.save_pretrained(out, state_dict=state_dict)
-    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(out)
+    base_tokenizer(tokenizer_source).save_pretrained(out)
     if module.config.tie_word_embeddings:
         write_tied_lm_head(out)
 
@@ -121,6 +137,10 @@ def publish_step(
         return url
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary))
+        if zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters()):
+            # The weights' own logprobs, which servers that load them must give (inference.parity):
+            # one short forward here spares every reload a load and forward of the whole model.
+            write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary))
         publish_checkpoint(
             temporary, storage, run, step, extra=extra, storage_options=storage_options
         )

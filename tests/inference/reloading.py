@@ -6,7 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
-from inference.parity import max_abs_difference, reference_logprobs
+from inference.parity import PARITY_REFERENCE, max_abs_difference, reference_logprobs
 from inference.reload import ServedPolicy
 
 PROBE = [17, 101, 23, 250, 7, 64, 9]  # not one of the guard's prompts: checks what every client sees
@@ -26,7 +26,8 @@ def perturbed_checkpoint(
     import torch
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(base_dir, out_dir, ignore=shutil.ignore_patterns("STABLE"))  # base may be a published step
+    # base may be a published step; its parity reference is its own weights', not these
+    shutil.copytree(base_dir, out_dir, ignore=shutil.ignore_patterns("STABLE", PARITY_REFERENCE))
     tensors = load_file(base_dir / "model.safetensors")
     generator = torch.Generator().manual_seed(seed)
     noisy = {

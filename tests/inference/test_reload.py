@@ -10,8 +10,10 @@ import httpx
 import pytest
 
 from inference.client import PolicyServerError
-from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+from inference.parity import load_reference_model, max_abs_difference, reference_logprobs, write_parity_reference
+from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy, announce, restore_server, swap_weights
+from inference.weights import prepare_reload_dir
 from inference.server import free_port
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import publish_checkpoint
@@ -127,6 +129,24 @@ async def test_guard_catches_the_stale_tied_head_and_restore_fixes_it(tied_polic
         assert not (await guard.measure(client, raw)).passed
     assert await restore_server(policy, guard, tmp_path / "reload") == f"restored in place to version {policy.version}"
     assert await served_matches(policy, policy.weights_dir) < 1e-4
+
+
+async def test_a_stored_reference_is_checked_without_a_model_and_catches_the_stale_tied_head(tied_policy, tmp_path):
+    """A checkpoint with the trainer's parity.json (written here from a transformers copy of its
+    weights) is checked against it with three short requests: the stale head fails, the reload
+    with clotho's tied-head copy passes, and no model was loaded by the guard."""
+    policy, guard = tied_policy, ParityGuard.for_model(tied_policy.weights_dir)
+    raw = perturbed_checkpoint(policy.weights_dir, tmp_path / "raw", seed=97)
+    write_parity_reference(load_reference_model(raw), guard.prompts, raw)
+    async with policy.client() as client:
+        await swap_weights(client, raw)  # vLLM keeps the old head
+        stale = await guard.measure(client, raw)
+        await swap_weights(client, prepare_reload_dir(raw, tmp_path / "reload"))
+        right = await guard.measure(client, raw)
+    assert stale.reference == right.reference == "stored" and not guard._models
+    assert not stale.passed and stale.max_difference > 1e-2
+    assert right.passed and right.max_difference < 1e-4
+    assert await restore_server(policy, guard, tmp_path / "restore") == f"restored in place to version {policy.version}"
 
 
 async def test_checkpoint_missing_a_tensor_is_rejected_and_old_version_kept(untied_policy, guard, tmp_path):

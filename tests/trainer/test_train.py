@@ -254,7 +254,8 @@ async def test_published_checkpoint_serves_in_vllm(tmp_path):
     """A trained checkpoint of the tied-embedding model (the case that needs an explicit lm_head)
     serves in vLLM with transformers' logprobs, and they are the trained weights', not the base's."""
     from inference.client import PolicyClient
-    from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
+    from inference.parity import load_reference_model, max_abs_difference, read_parity_reference, reference_logprobs
+    from inference.parity_guard import ParityGuard
     from inference.server import PolicyServer
     from tests.conftest import cached_tiny_model, worker_log
 
@@ -264,10 +265,19 @@ async def test_published_checkpoint_serves_in_vllm(tmp_path):
     run_trainer(trainer_args(root, "run", base, 1, "lr=1e-2"))
     checkpoint = Path(latest_checkpoint(root, "run").url)
 
+    # The trainer stored the checkpoint's own logprobs of the guard's sequences: the files' own.
+    sequences, stored = read_parity_reference(checkpoint)
+    reference_model = load_reference_model(checkpoint)
+    for sequence, logprobs in zip(sequences, stored, strict=True):
+        assert max_abs_difference(logprobs, reference_logprobs(reference_model, sequence[:1], sequence[1:])) < 1e-5
+
     prompt = list(range(40, 52))
+    guard = ParityGuard.for_model(base)
     with PolicyServer(checkpoint, log_path=worker_log("vllm-trained-checkpoint")) as server:
         async with PolicyClient(server.base_url) as client:
             [completion] = await client.complete(prompt, max_tokens=16, temperature=0.0)
+            report = await guard.check(client, checkpoint)  # three requests against the stored reference
+    assert report.reference == "stored" and report.max_difference < 1e-4 and not guard._models
     trained = reference_logprobs(load_reference_model(checkpoint), prompt, completion.token_ids)
     assert max_abs_difference(completion.logprobs, trained) < 1e-4
     untrained = reference_logprobs(load_reference_model(base), prompt, completion.token_ids)

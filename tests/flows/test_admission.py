@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import random
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -227,6 +228,27 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
     admission.finished(stored=False)  # a failed group gives its place back
     assert await admitted_within(admission, 1) and await admitted_within(admission, 1)
     assert not await admitted_within(admission, 0.2)
+
+
+async def test_a_blocked_sampler_looks_again_soon_not_at_its_slowest_refresh(tmp_path):
+    """Blocked on the servers' version, a sampler re-reads soon, then less often: admitted a moment
+    after the reload announces, well before the slowest refresh (3 s here) would come round."""
+    root = str(tmp_path)
+    served = Served(0)
+
+    async def flush():
+        pass
+
+    admission = Admission(root, "run", max_lag=0, served_version=served, buffered=lambda: 0, flush=flush,
+                          sampler="a", refresh_s=3.0)  # fmt: skip
+    write_trainer_position(root, "run", position(steps=1, consumed=2, version=1))
+    waiting = asyncio.ensure_future(admission.acquire())
+    await asyncio.sleep(0.1)
+    assert not waiting.done(), "version 1 is trained on, the servers serve 0: blocked"
+    served.version = 1
+    started = time.monotonic()
+    assert await asyncio.wait_for(waiting, timeout=10)
+    assert time.monotonic() - started < 1.5  # the old fixed 3 s sleep: up to 3 s
 
 
 async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_path):

@@ -3,6 +3,7 @@ and its per-step metrics files."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -57,6 +58,21 @@ def test_missing_groups_time_out_with_the_fix(tmp_path):
             ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=0.3, poll_s=0.05
         )
     assert time.monotonic() - started < 5
+
+
+def test_groups_that_arrive_during_a_wait_are_taken_at_once_not_at_the_next_slow_poll(tmp_path):
+    """The wait polls soon, then less often: groups written 0.1 s in are read well before the
+    slowest poll interval (3 s here) would have come round."""
+    root = str(tmp_path)
+    write_shards(root, "run", [group(0, 0)], groups_per_shard=1)
+    writer = threading.Timer(0.1, write_shards, (root, "run", [group(1, 0)]), {"groups_per_shard": 1})
+    writer.start()
+    started = time.monotonic()
+    groups, _ = next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=30, poll_s=3.0)
+    waited = time.monotonic() - started
+    writer.join()
+    assert [g.item_id for g in groups] == ["0", "1"]
+    assert waited < 1.5, waited  # a fixed 3 s poll: >= 3 s
 
 
 def test_metrics_go_to_jsonl_and_tensorboard(tmp_path):

@@ -53,6 +53,21 @@ class ParityReport:
         return math.isfinite(self.max_difference) and self.max_difference <= self.tolerance
 
 
+def default_prompt_ids(tokenizer) -> list[list[int]]:
+    """DEFAULT_PROMPTS as token ids: the guard's prompts, and the sequences a trainer stores its
+    parity reference for (trainer.checkpointing)."""
+    return [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
+
+
+def worst_difference(pairs) -> float:
+    """The largest |served - reference| over (served, reference) logprob lists; NaN if any is NaN."""
+    worst = 0.0
+    for served, reference in pairs:
+        difference = max_abs_difference(served, reference)
+        worst = difference if math.isnan(difference) else max(worst, difference)
+    return worst
+
+
 def tolerance_for(dtype: str) -> float:
     try:
         return TOLERANCE[dtype]
@@ -91,10 +106,8 @@ class ParityGuard:
         """A guard over DEFAULT_PROMPTS tokenized with the model's tokenizer, tolerance by dtype."""
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        prompts = [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
         kwargs.setdefault("tolerance", tolerance_for(dtype))
-        return cls(prompts, **kwargs)
+        return cls(default_prompt_ids(AutoTokenizer.from_pretrained(model_dir)), **kwargs)
 
     def reference_model(self, checkpoint_dir: str | Path):
         key = str(Path(checkpoint_dir).resolve())
@@ -115,22 +128,21 @@ class ParityGuard:
         if stored is not None:
             sequences, references = stored
             served = await asyncio.gather(*(client.prompt_logprobs(sequence) for sequence in sequences))
-            worst = 0.0
-            for logprobs, reference in zip(served, references, strict=True):
-                difference = max_abs_difference(logprobs[1:], reference)  # the first token: nothing predicts it
-                worst = difference if math.isnan(difference) else max(worst, difference)
+            # The first token of each: nothing predicts it.
+            worst = worst_difference(zip([logprobs[1:] for logprobs in served], references, strict=True))
             tokens = sum(len(reference) for reference in references)
             return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started, "stored")
         model = await asyncio.to_thread(self.reference_model, checkpoint_dir)
         batches = await asyncio.gather(
             *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0) for prompt in self.prompts)
         )
-        worst, tokens = 0.0, 0
-        for prompt, [completion] in zip(self.prompts, batches):
-            reference = await asyncio.to_thread(reference_logprobs, model, prompt, completion.token_ids)
-            difference = max_abs_difference(completion.logprobs, reference)
-            worst = difference if math.isnan(difference) else max(worst, difference)
-            tokens += len(completion.token_ids)
+        completions = [completion for [completion] in batches]
+        references = [
+            await asyncio.to_thread(reference_logprobs, model, prompt, completion.token_ids)
+            for prompt, completion in zip(self.prompts, completions)
+        ]
+        worst = worst_difference(zip([completion.logprobs for completion in completions], references))
+        tokens = sum(len(completion.token_ids) for completion in completions)
         return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started)
 
     async def check(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:

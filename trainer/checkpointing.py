@@ -58,11 +58,10 @@ def base_tokenizer(name: str):
 
 @functools.lru_cache(maxsize=4)
 def parity_sequences(tokenizer_source: str) -> list[list[int]]:
-    """The parity guard's prompts (inference.parity_guard.DEFAULT_PROMPTS) as token ids."""
-    from inference.parity_guard import DEFAULT_PROMPTS
+    """The parity guard's prompts as token ids of the base model's tokenizer."""
+    from inference.parity_guard import default_prompt_ids
 
-    tokenizer = base_tokenizer(tokenizer_source)
-    return [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
+    return default_prompt_ids(base_tokenizer(tokenizer_source))
 
 
 def save_hf_checkpoint(

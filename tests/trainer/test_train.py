@@ -278,7 +278,7 @@ async def test_published_checkpoint_serves_in_vllm(tmp_path):
             [completion] = await client.complete(prompt, max_tokens=16, temperature=0.0)
             report = await guard.check(client, checkpoint)  # three requests against the stored reference
     assert report.reference == "stored" and report.max_difference < 1e-4 and not guard._models
-    trained = reference_logprobs(load_reference_model(checkpoint), prompt, completion.token_ids)
+    trained = reference_logprobs(reference_model, prompt, completion.token_ids)
     assert max_abs_difference(completion.logprobs, trained) < 1e-4
     untrained = reference_logprobs(load_reference_model(base), prompt, completion.token_ids)
     assert max_abs_difference(completion.logprobs, untrained) > 1e-3

@@ -68,7 +68,7 @@ demo: setup
 # integration tests spend much of their time waiting on servers' starts, on 2 cores.
 TEST_WORKERS ?= 2
 test: setup adapters
-	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # Unit tests only: no vLLM, Prefect or S3 server.
 test-fast: $(VENV)/.installed

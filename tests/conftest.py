@@ -29,15 +29,29 @@ USERS_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers (`-n 2 --dist loadgroup`): each module's tests run
-    on one worker, so a module's fixtures (a pipeline run two tests read) start once; tests/inference
-    is one group, its reload servers being package fixtures. Session fixtures start once per worker."""
-    for item in items:
-        parts = Path(item.path).resolve().relative_to(ROOT).parts
-        group = "/".join(parts[:2]) if parts[:2] == ("tests", "inference") else "/".join(parts)
-        item.add_marker(pytest.mark.xdist_group(group))
+def fixture_scope(nodeid: str) -> str:
+    """The unit of work a pytest-xdist worker takes whole: a test module, so a module's fixtures (a
+    pipeline run two tests read) start once; tests/inference is one unit, its reload servers being
+    package fixtures. Session fixtures start once per worker."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/inference" if path.startswith("tests/inference/") else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`make test` runs two workers with `-n 2 --dist loadscope`, split by fixture_scope.
+
+    Not xdist's own loadgroup marks: xdist 3.8 groups by rewriting each test's node id, which
+    pytest 9.2 no longer reads, so the marks are silently ignored and a module's vLLM-starting
+    fixtures started on both workers (pytest-dev/pytest-xdist#1386)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFixtureScope(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return fixture_scope(nodeid)
+
+    return ByFixtureScope(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,7 @@ def _on_signal(signum: int, frame) -> None:
     if _in_step and _pending is None:
         _pending = signum
         return
+    _pending = None  # taken now: a later step of this process is not stopped by it
     raise StopRequested(signum)
 
 

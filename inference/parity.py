@@ -64,7 +64,12 @@ def read_parity_reference(checkpoint_dir: str | Path) -> tuple[list[list[int]], 
     path = Path(checkpoint_dir) / PARITY_REFERENCE
     if not path.exists():
         return None
-    reference = json.loads(path.read_text())
+    return parse_parity_reference(path.read_text(), str(path))
+
+
+def parse_parity_reference(text: str, where: str) -> tuple[list[list[int]], list[list[float]]]:
+    """(sequences, logprobs) from a parity reference's text, read from `where`."""
+    reference = json.loads(text)
     if reference.get("format") != PARITY_REFERENCE_FORMAT:
-        raise ValueError(f"{path}: parity reference format {reference.get('format')!r}, expected {PARITY_REFERENCE_FORMAT}")
+        raise ValueError(f"{where}: parity reference format {reference.get('format')!r}, expected {PARITY_REFERENCE_FORMAT}")
     return reference["sequences"], reference["logprobs"]

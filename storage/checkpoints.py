@@ -228,9 +228,12 @@ def retained(steps: list[int], keep_last: int, keep_every: int | None) -> set[in
 
 
 def apply_retention(
-    root: str, run: str, *, keep_last: int, keep_every: int | None = None, storage_options: dict[str, Any] | None = None
+    root: str, run: str, *, keep_last: int, keep_every: int | None = None, keep_after: int | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
-    """Delete the published steps retention does not keep (see the module's doc); returns them."""
+    """Delete the published steps retention does not keep (see the module's doc); returns them.
+    `keep_after`: keep every step after this one too (the trainer's newest resume state: a trainer
+    resumed there trains those steps again and finds them published)."""
     if keep_last < 1:
         raise ValueError(f"keep_last is {keep_last}; keep at least the newest step (1)")
     base = checkpoints_url(root, run)
@@ -242,6 +245,8 @@ def apply_retention(
     with storage_errors(base):
         pointer = _latest_pointer(fs, path)
     keep = retained(published, keep_last, keep_every) | {published[-1]}
+    if keep_after is not None:
+        keep.update(step for step in published if step > keep_after)
     if match := _STEP.fullmatch(pointer):
         keep.add(int(match.group(1)))
     pinned = pinned_steps(root, run, storage_options=storage_options)

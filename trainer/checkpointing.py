@@ -6,8 +6,9 @@ Two things with two lifetimes:
 - the resume state `{work_dir}/state/step-{N:08d}/` (local disk): DeepSpeed's model, optimizer and
   scheduler state plus the trainer's own (step, shard ledger, RNG of every rank). The last
   KEEP_STATES are kept.
-Both are written at the same steps, checkpoint first: a trainer killed in between resumes from the
-previous state, trains the same steps again and finds the checkpoint already published.
+The state goes with every `state_every`-th checkpoint (every one by default), after it: a trainer
+killed later resumes from the newest state, trains the steps since again and finds their
+checkpoints already published (replay_difference checks it got the same weights).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.parity import write_parity_reference
+from inference.parity import PARITY_REFERENCE, parse_parity_reference, reference_logprobs, write_parity_reference
+from inference.parity_guard import worst_difference
 from storage.checkpoints import (
     CheckpointError,
     checkpoint_url,
@@ -32,11 +34,16 @@ from storage.checkpoints import (
     read_checkpoint,
     step_name,
 )
+from storage.filesystem import resolve, retrying
+from storage.layout import join
 
 log = logging.getLogger(__name__)
 
 KEEP_STATES = 2
 STATE_FORMAT = 1
+# A step trained again from the same groups and state gives the same weights on CPU; GPUs' kernels
+# may differ in the last bits, which a few steps compound.
+REPLAY_TOLERANCE = 1e-4
 
 
 def hf_state_dict(engine, zero_stage: int) -> dict[str, torch.Tensor] | None:
@@ -132,7 +139,18 @@ def publish_step(
     except CheckpointError:
         pass
     else:
-        log.warning("%s is already published (by a run that died before saving its state)", url)
+        difference = replay_difference(engine.module, url, zero_stage, storage_options)
+        if difference is None:
+            log.warning("%s is already published (by a run that died before saving its state)", url)
+        elif difference <= REPLAY_TOLERANCE:
+            log.info("%s is already published: the step trained again gives its stored logprobs (max difference %.2g)",
+                     url, difference)  # fmt: skip
+        else:
+            log.warning(
+                "%s is already published, from other weights: the step trained again differs from its stored "
+                "logprobs by %.3g (its groups were read in another order than the first time); training goes "
+                "on from the weights trained now", url, difference,
+            )  # fmt: skip
         return url
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary))
@@ -144,6 +162,23 @@ def publish_step(
             temporary, storage, run, step, extra=extra, storage_options=storage_options
         )
     return url
+
+
+def replay_difference(module: torch.nn.Module, url: str, zero_stage: int, storage_options: dict[str, Any] | None) -> float | None:
+    """The largest |logprob difference| between `module` and the published checkpoint at `url` on the
+    sequences its parity reference stores; None when it stores none or the module is sharded (ZeRO-3).
+    A trainer resumed from an older state trains the steps since again: this says whether it got the
+    same weights, for one forward of a few short sequences instead of reading the checkpoint back."""
+    if zero_stage == 3:
+        return None
+    fs, path = resolve(url, storage_options)
+    try:
+        text = retrying(fs, join(path, PARITY_REFERENCE), fs.cat_file, join(path, PARITY_REFERENCE)).decode()
+    except FileNotFoundError:
+        return None
+    sequences, stored = parse_parity_reference(text, f"{url}/{PARITY_REFERENCE}")
+    now = [reference_logprobs(module, sequence[:1], sequence[1:]) for sequence in sequences]
+    return worst_difference(zip(now, stored))
 
 
 def clear_staging(staging_dir: Path) -> None:

@@ -263,6 +263,13 @@ class TrainerConfig(BaseModel):
     save_every: int = Field(
         default=10, gt=0, description="Publish a checkpoint every this many steps."
     )
+    state_every: int | None = Field(
+        default=None, gt=0,
+        description="Save the resume state (weights, optimizer, data position) every this many steps, a "
+        "multiple of save_every; None: with every published checkpoint. A trainer killed between states "
+        "resumes from the last one and trains the steps since again, from the same groups, to the "
+        "checkpoints already published (checked against their stored logprobs).",
+    )  # fmt: skip
     keep_last: int | None = Field(
         default=None, ge=1,
         description="Keep only the last this many published checkpoints (plus every keep_every-th, the "
@@ -297,6 +304,19 @@ class TrainerConfig(BaseModel):
         if "mode" not in self.advantages.model_fields_set:
             self.advantages.mode = self.loss.defaults.advantage_mode
         return self
+
+    @model_validator(mode="after")
+    def _state_at_a_checkpoint(self) -> TrainerConfig:
+        if self.state_every is not None and self.state_every % self.save_every:
+            raise ValueError(
+                f"state_every={self.state_every} is not a multiple of save_every={self.save_every}: a resume "
+                f"state is saved with a published checkpoint; set state_every to {self.save_every * max(1, self.state_every // self.save_every)}"
+            )
+        return self
+
+    @property
+    def resume_state_every(self) -> int:
+        return self.state_every or self.save_every
 
     @classmethod
     def from_yaml(

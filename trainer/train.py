@@ -2,7 +2,7 @@
 
 Reads top to bottom: setup (process group, engine, resume state, shard reader), then one optimizer
 step per iteration (read groups, pack, forward/backward every micro-batch, step), a checkpoint and
-resume state every `save_every` steps and at the last, then cleanup. `train` is a generator of each
+resume state every `state_every` steps and at the last, then cleanup. `train` is a generator of each
 step's metrics so the CLI, the Prefect flow and tests all drive the same loop.
 
 Data parallel: rank 0 reads the step's groups and broadcasts them; every rank packs them the same
@@ -77,6 +77,7 @@ def train(
         reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
     saved = load_resume_state(engine, state_dir, config.lr)
     step = saved["step"] if saved else 0
+    state_step = step  # of the newest resume state
     policy_version = saved["policy_version"] if saved else 0  # the newest published step
     # Since the run began: every group read (trained or skipped as stale) and every one trained,
     # in sequences too, and the seconds spent waiting for data and training.
@@ -174,21 +175,25 @@ def train(
                     )  # fmt: skip
                     metrics["publish_s"] = time.monotonic() - publish_started  # what a step pays beside its update
                     policy_version = step
+                    save_state = step % config.resume_state_every == 0 or step == config.steps
                     retiring = []
                     if rank == 0:
                         publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
-                        # Closed samplers fold into the trainer's count: saved, published, then removed.
-                        retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
-                        totals["retired_committed"] += sum(position.committed for position in retiring)
-                    trainer_state = {
-                        "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
-                        "retired_samplers": [position.sampler for position in retiring],
-                    }  # fmt: skip
-                    state_started = time.monotonic()
-                    save_resume_state(
-                        engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
-                    )
-                    metrics["save_state_s"] = time.monotonic() - state_started
+                        if save_state:
+                            # Closed samplers fold into the trainer's count: saved, published, then removed.
+                            retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
+                            totals["retired_committed"] += sum(position.committed for position in retiring)
+                    if save_state:
+                        trainer_state = {
+                            "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
+                            "retired_samplers": [position.sampler for position in retiring],
+                        }  # fmt: skip
+                        state_started = time.monotonic()
+                        save_resume_state(
+                            engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
+                        )
+                        metrics["save_state_s"] = time.monotonic() - state_started
+                        state_step = step
                     if retiring:
                         publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
                         remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
@@ -198,7 +203,7 @@ def train(
                         log.info("step %d: published %s", step, url)
                         if config.keep_last is not None:
                             apply_retention(storage, run, keep_last=config.keep_last, keep_every=config.keep_every,
-                                            storage_options=storage_options)  # fmt: skip
+                                            keep_after=state_step, storage_options=storage_options)  # fmt: skip
                 if metrics_log is not None:
                     metrics_log.write(step, metrics)
                     log.info("step %d: %s", step, format_metrics(metrics))

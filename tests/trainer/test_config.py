@@ -106,3 +106,10 @@ def test_malformed_overrides():
 def test_config_imports_nothing_heavy():
     code = "import sys, trainer.config; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_resume_state_goes_with_a_published_checkpoint():
+    assert TrainerConfig(model="m", save_every=2).resume_state_every == 2
+    assert TrainerConfig(model="m", save_every=2, state_every=10).resume_state_every == 10
+    with pytest.raises(ValidationError, match="state_every=5 is not a multiple of save_every=2.*set state_every to 4"):
+        TrainerConfig(model="m", save_every=2, state_every=5)

@@ -206,6 +206,51 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir
 
 
 @pytest.mark.slow
+def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_published_weights(tmp_path, tiny_model_dir):
+    """Checkpoints every step, resume state every 3: killed waiting in step 6 (steps 4-5 published,
+    state at 3), it resumes at 3, trains 4-5 again from the same groups to their published weights
+    (checked against their stored logprobs) and ends where an uninterrupted run ends."""
+    root = str(tmp_path)
+    settings = ("save_every=1", "state_every=3", "max_staleness=8")
+    write_shards(root, "killed", sampled_groups(tiny_model_dir, 10, seed=12), groups_per_shard=2)
+    log_path = tmp_path / "killed.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "trainer.cli", *trainer_args(root, "killed", tiny_model_dir, 6, *settings)],
+            cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "waiting for groups" not in log_path.read_text():
+            assert process.poll() is None, f"trainer exited early:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"no step 6 wait:\n{log_path.read_text()[-4000:]}"
+            time.sleep(0.2)
+        state = tmp_path / "killed" / "trainer" / "state"
+        assert published_steps(root, "killed") == [1, 2, 3, 4, 5]
+        assert (state / "latest").read_text() == "step-00000003"
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    write_shards(root, "killed", sampled_groups(tiny_model_dir, 2, seed=13), groups_per_shard=2)
+    shutil.copytree(tmp_path / "killed" / "rollouts", tmp_path / "whole" / "rollouts")
+
+    run_trainer(trainer_args(root, "whole", tiny_model_dir, 6, *settings))
+    output = run_trainer(trainer_args(root, "killed", tiny_model_dir, 6, *settings))
+    assert "resuming from step 3" in output
+    assert output.count("the step trained again gives its stored logprobs") == 2, output[-4000:]
+    assert published_steps(root, "killed") == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in state.glob("step-*")) == ["step-00000003", "step-00000006"]
+    expected, actual = weights(latest_checkpoint(root, "whole").url), weights(latest_checkpoint(root, "killed").url)
+    assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6
+    whole_steps = read_metrics(tmp_path / "whole" / "trainer")
+    assert [m["step"] for m in whole_steps if "save_state_s" in m] == [3, 6]  # not every step
+    killed_steps = {m["step"]: m for m in read_metrics(tmp_path / "killed" / "trainer")}  # the rows trained last
+    assert [killed_steps[m["step"]]["loss"] for m in whole_steps] == pytest.approx([m["loss"] for m in whole_steps], abs=1e-7)
+
+
+@pytest.mark.slow
 def test_rerun_after_dying_between_publish_and_state_save(tmp_path, tiny_model_dir):
     """A trainer that published step 2 but died before saving its step-2 state resumes from step
     1, trains step 2 again to the same result and leaves the published checkpoint as it is."""

@@ -40,7 +40,7 @@ SHARD_GROUPS = 900  # 16 x 512-token sequences each: about 64 MB a shard
 def build_input(root: Path, gigabytes: float) -> tuple[str, int, int]:
     import numpy as np
 
-    from environments.scored_group import ScoredGroup, ScoredSequence
+    from core.scored_group import ScoredGroup, ScoredSequence
     from storage.layout import new_shard_id
     from storage.writer import ShardWriter
 

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.layout import rollouts_url
 from storage.reader import ShardReader
 from storage.schema import SHARD_SCHEMA, groups_to_table

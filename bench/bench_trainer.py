@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from trainer.config import TrainerConfig
 from trainer.distributed import deepspeed_config, init_distributed
 from trainer.losses import policy_loss

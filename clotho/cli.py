@@ -15,7 +15,8 @@ import typer
 from typer.core import TyperGroup
 
 from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow
-from clotho.input_checks import check_model, check_server_url, check_tokenizer, describe_validation_error
+from clotho.input_checks import check_model, check_server_url, check_tokenizer
+from core.validation import describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
 
@@ -193,7 +194,7 @@ def rollout(
     ),
 ) -> None:
     """Run the rollout flow directly (ephemeral Prefect), without a deployment."""
-    from clotho.overrides import apply_overrides
+    from core.overrides import apply_overrides
     from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError
 

@@ -84,7 +84,7 @@ def check_command(
 
     from rich.console import Console
 
-    from clotho.overrides import apply_overrides
+    from core.overrides import apply_overrides
     from environments.conformance import run_checks
     from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError, served_model

@@ -60,7 +60,7 @@ def evaluate_command(
     """Evaluate one checkpoint on an environment's held-out items; the result goes next to the
     checkpoint (evaluation-ENV.json) and into the Prefect UI."""
     from clotho.flow_runtime import drain_prefect_reporting, start_local_prefect_server
-    from clotho.overrides import apply_overrides
+    from core.overrides import apply_overrides
     from flows.evaluate import EvaluationError, find_checkpoint
     from flows.evaluate import evaluate as evaluate_flow
 

@@ -11,7 +11,7 @@ import json
 import numbers
 from typing import Any
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 # Atropos marks untrained positions with -100 in `masks` and 1.0 in `inference_logprobs`
 # (a logprob can never be positive, so 1.0 is unambiguous).

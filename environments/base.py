@@ -12,7 +12,7 @@ from typing import Any, ClassVar, Coroutine
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.scored_group import CONTRACT_REASONS, InvalidGroupError, Objective, ScoredGroup, ScoredSequence
+from core.scored_group import CONTRACT_REASONS, InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,10 @@ class Item(BaseModel):
 
 class GroupTimeoutError(TimeoutError):
     """A group ran past its environment's group_timeout_s and was cut."""
+
+
+class EnvironmentLoadError(ValueError):
+    """An environment cannot be found, imported or configured; the message says the fix."""
 
 
 # Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.

@@ -22,7 +22,7 @@ import chess
 from pydantic import Field, model_validator
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 SIDES = ("white", "black")
 LEGAL_REWARD = 0.1

@@ -33,7 +33,7 @@ from environments.advantages import AdvantageMode, group_advantages
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.code_tasks import TASKS
 from environments.sandbox import Limits, run_python
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # unclosed: cut off by max_tokens

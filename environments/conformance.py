@@ -16,7 +16,7 @@ from typing import Any
 
 from environments.base import Environment, Item, RolloutFailure, final_answer, prompt_messages
 from environments.loading import load_config
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import PolicyClient
 
 # Answers no environment's gold answer may score below.

@@ -15,7 +15,7 @@ import re
 from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 
 _FIRST_NUMBER = re.compile(r"^\s*(-?\d+)")
 

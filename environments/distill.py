@@ -21,7 +21,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.loading import load_config, load_environment_class
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from inference.client import PolicyClient
 
 

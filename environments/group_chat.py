@@ -27,7 +27,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import ChatRenderer, ChatSession, Messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
 HOURS = range(9, 17)  # meetings start on the hour, 9 to 16

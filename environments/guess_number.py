@@ -9,7 +9,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 
 _NUMBER = re.compile(r"-?\d+")
 

@@ -8,7 +8,7 @@ policy-version read every group gets).
 from __future__ import annotations
 
 from environments.base import Environment, EnvironmentConfig, Item
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 
 class Instant(Environment):

@@ -24,7 +24,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import Messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyServerAuthError
 
 TOPICS = ("cats", "coffee", "computers", "the weather", "Mondays", "airports", "dentists", "pirates", "socks", "the moon")

@@ -10,14 +10,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from environments.base import Environment, EnvironmentConfig
+from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError  # noqa: F401 - raised here
 from storage.layout import check_env_name
 
 ENTRY_POINT_GROUP = "clotho.environments"
-
-
-class EnvironmentLoadError(ValueError):
-    """An environment cannot be found, imported or configured; the message says the fix."""
 
 
 @dataclass(frozen=True)

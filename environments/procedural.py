@@ -23,7 +23,7 @@ from reasoning_gym.factory import DATASETS, create_curriculum, has_curriculum
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 
 log = logging.getLogger(__name__)
 

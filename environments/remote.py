@@ -21,10 +21,9 @@ from typing import Any, ClassVar
 import httpx
 from pydantic import ConfigDict, ValidationError, model_validator
 
-from environments.base import Environment, EnvironmentConfig, Item, RolloutFailure
+from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item, RolloutFailure
 from environments.chat import Messages
-from environments.loading import EnvironmentLoadError
-from environments.scored_group import InvalidGroupError, ScoredGroup
+from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import check_env_name
 

@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from environments.base import Environment, Item, RolloutFailure
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class, resolve_import_path
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)

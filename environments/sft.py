@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from environments.base import Environment, EnvironmentConfig, Item, evaluation_report, final_answer, prompt_messages
 from environments.chat import Messages
 from environments.loading import load_config, load_environment_class
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 # Local files load with the `datasets` builder their suffix names.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}

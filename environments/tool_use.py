@@ -22,7 +22,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import ChatSession
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 
 PRICES = {"apple": 3, "pear": 5, "bread": 4, "milk": 2, "cheese": 7, "egg": 1, "rice": 6, "tea": 8}
 _CALL = re.compile(r"CALL\s+(\w+)\s*\((.*)\)\s*$", re.MULTILINE)

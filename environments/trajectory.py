@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.client import Completion
-from environments.scored_group import ScoredSequence
+from core.scored_group import ScoredSequence
 
 
 @dataclass

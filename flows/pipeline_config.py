@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from clotho.overrides import apply_overrides
+from core.overrides import apply_overrides
 
 
 class Strict(BaseModel):

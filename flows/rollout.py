@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from environments.base import Environment, Item, RolloutFailure
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from flows.admission import Admission
 from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report, stats_card, stats_table
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable

@@ -16,7 +16,7 @@ from prefect.artifacts import (
 from prefect.events import emit_event
 
 from environments.base import RolloutFailure
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from flows.artifacts import Card, artifact_key, update_artifact_data
 
 

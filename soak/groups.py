@@ -22,7 +22,7 @@ import time
 from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 # Token ids inside the tiny model's vocabulary (512), clear of the special ids at the bottom.
 LOWEST_TOKEN, HIGHEST_TOKEN = 3, 500

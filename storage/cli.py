@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 shards_app = typer.Typer(
     help="Inspect rollout shards (Parquet) under a run, rollouts/ or partition URL: file://, s3://, memory://...",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from environments.scored_group import InvalidGroupError
+from core.scored_group import InvalidGroupError
 from storage.schema import (
     METADATA_NUM_GROUPS,
     METADATA_TOKENIZER,

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from storage.filesystem import resolve, storage_errors
 from storage.index import GRACE_S, backfill, id_at, id_seconds, is_complete, list_entries
 from storage.layout import ROLLOUTS, join, rollouts_url, run_url

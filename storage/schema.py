@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from environments.scored_group import (
+from core.scored_group import (
     FINISH_REASONS,
     OBJECTIVES,
     SCHEMA_VERSION,
@@ -295,7 +295,7 @@ def _schema_problems(schema: pa.Schema) -> list[str]:
 
 
 def _objective_problems(column: dict[str, pa.Array]) -> list[str]:
-    """What a dpo or distill group lacks (environments.scored_group.objective_problems, by column)."""
+    """What a dpo or distill group lacks (core.scored_group.objective_problems, by column)."""
     objective = column["objective"]
     if objective.null_count == len(objective):
         return []

@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from storage.filesystem import StorageUnavailableError, is_local, resolve, retrying, storage_errors
 from storage.layout import (
     ROLLOUTS,

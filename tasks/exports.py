@@ -1,6 +1,6 @@
 """The export operations of reprocessing (tasks/reprocess.py): a shard's groups as Hugging Face
 `datasets` rows, the best completion of each group (export-sft) or its preference pair
-(export-dpo, by environments.scored_group.preference_pair, as the DPO objective reads pairs)."""
+(export-dpo, by core.scored_group.preference_pair, as the DPO objective reads pairs)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from environments.scored_group import ScoredGroup, preference_pair
+from core.scored_group import ScoredGroup, preference_pair
 from tasks.reprocess import ExportDPOArgs, ExportSFTArgs, completion_start
 
 

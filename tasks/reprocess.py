@@ -12,7 +12,7 @@ next, composed in the order given, each one readable on its own.
                  stored tokens); the old score is kept in `previous_score`
     compact      merge the outputs of a partition's small shards into shards of about target_mb
     export-sft   the best completion of each group as a Hugging Face `datasets` Parquet row
-    export-dpo   each group's (chosen, rejected) pair, by environments.scored_group.preference_pair
+    export-dpo   each group's (chosen, rejected) pair, by core.scored_group.preference_pair
                  (the exports: tasks/exports.py)
 
 An operation is written as `NAME` or `NAME:key=value,key=value` (values are YAML: numbers, lists
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import group_starts
 from storage.schema import METADATA_NUM_GROUPS, table_to_groups
 from trainer.advantages import group_advantages

@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field, model_validator
 from environments.base import Environment, Item, RolloutFailure
 from environments.chat import load_tokenizer
 from environments.loading import load_config, load_environment_class
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from environments.advantages import group_advantages as advantages_of_scores
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from trainer.config import AdvantageConfig
 
 

@@ -49,7 +49,7 @@ def train_command(
             config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"]
         )
     except ValidationError as error:
-        from clotho.input_checks import describe_validation_error
+        from core.validation import describe_validation_error
 
         message = describe_validation_error(error, TrainerConfig)
         if message.startswith("model: "):  # --model, given on the command line

@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from clotho.overrides import apply_overrides
+from core.overrides import apply_overrides
 from environments.advantages import AdvantageMode
 from trainer.trackers import check_report_to
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from environments.scored_group import ScoredGroup, objective_problems
+from core.scored_group import ScoredGroup, objective_problems
 from storage.reader import ShardReader, TokenizerMismatchError
 
 log = logging.getLogger(__name__)

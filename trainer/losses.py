@@ -67,13 +67,13 @@ gradients are averaged, pass the global counts divided by the world size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer.config import LossConfig, LossDefaults
 from trainer.loss_terms import (  # noqa: F401 - public here too, for custom losses
+    LossInputs,
     clipped_objective,
     clipped_token_loss,
     constant_normalized,
@@ -84,39 +84,6 @@ from trainer.loss_terms import (  # noqa: F401 - public here too, for custom los
     token_mean,
 )
 from trainer.metrics import Total
-
-
-@dataclass(frozen=True)
-class LossInputs:
-    """One micro-batch's trained tokens, in mask order, and the counts its loss divides by.
-
-    logprobs            [tokens] float  the trainer's logprobs, with gradient (float32 or wider)
-    sampler_logprobs    [tokens] float  the sampler's logprobs mu of the same tokens
-    advantages          [tokens] float
-    sequence            [tokens] long   each token's sequence, 0..num_sequences-1
-    num_sequences       int             sequences with a trained token in this micro-batch
-    ref_logprobs        [tokens] float  a frozen reference model's logprobs, or None without one
-    step_num_sequences  float           the optimizer step's sequences (over the world size)
-    step_num_tokens     float           the optimizer step's trained tokens (over the world size)
-    """
-
-    logprobs: torch.Tensor
-    sampler_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    sequence: torch.Tensor
-    num_sequences: int
-    ref_logprobs: torch.Tensor | None
-    step_num_sequences: float
-    step_num_tokens: float
-
-    @property
-    def num_tokens(self) -> int:
-        return self.logprobs.numel()
-
-    @property
-    def log_ratio(self) -> torch.Tensor:
-        """log r_t = logp_t - mu_t, [tokens], with the gradient of logp."""
-        return self.logprobs - self.sampler_logprobs
 
 
 def policy_loss(

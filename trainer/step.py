@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from environments.scored_group import ScoredGroup, objective_problems, preference_pair
+from core.scored_group import ScoredGroup, objective_problems, preference_pair
 from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
 from trainer.data import group_objective
@@ -64,7 +64,7 @@ def training_sequences(
 
 
 def dpo_pair(group: ScoredGroup) -> tuple[int, int]:
-    """(chosen, rejected) of a dpo group (environments.scored_group.preference_pair), or a clear
+    """(chosen, rejected) of a dpo group (core.scored_group.preference_pair), or a clear
     error for a group that is no pair (the trainer rejects those before packing)."""
     if problems := objective_problems(group, "dpo"):
         raise ValueError(f"group {group.group_id} (env {group.env}) trained as dpo: {problems[0]}")

@@ -67,7 +67,7 @@ from tenacity import stop_after_attempt
 from environments.atropos import IGNORE_INDEX, UNSAMPLED_LOGPROB, from_atropos, from_json_safe, is_exact_json, to_json_safe
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.chat import Messages
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from inference.client import Completion, PolicyClient, PolicyServerError
 
 # The completions the backend returned while the current group was collected: (prompt ids, completion).

@@ -49,7 +49,7 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession, Messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 

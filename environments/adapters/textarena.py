@@ -39,7 +39,7 @@ from textarena.envs.registration import ENV_REGISTRY
 
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.chat import ChatSession, Messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 _RESULT = re.compile(r"Your reward: (\S+)\Z")
 # The line of an observation that lists the legal moves, e.g. TicTacToe's "Available Moves: '[0]', '[4]'".

@@ -67,7 +67,7 @@ from verifiers.v1.trace import AgentInfo, TraceTask
 
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import Messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable
 
 MESSAGE = TypeAdapter(vf.Message)

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from environments.base import prompt_messages
 from environments.chess_mate import SIDES, ChessMate, ChessMateConfig, checking_moves, prompt_text, turned
 from environments.loading import EnvironmentLoadError, load_config
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from environments.testing import EnvironmentConformance
 from inference.client import PolicyClient
 

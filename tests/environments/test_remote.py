@@ -11,7 +11,7 @@ from environments.base import RolloutFailure
 from environments.conformance import run_checks
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from environments.remote import RemoteEnvironment, remote_environment_class
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from environments.testing import serve_environment
 from inference.client import PolicyClient
 from inference.server import free_port

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from environments.atropos import from_atropos, to_atropos
-from environments.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
+from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
 
 
 def seq(**overrides):

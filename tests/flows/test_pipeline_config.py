@@ -46,7 +46,7 @@ def test_bad_configs_name_the_field_and_the_fix(tmp_path):
 
 
 def test_overrides_index_lists():
-    from clotho.overrides import apply_overrides
+    from core.overrides import apply_overrides
 
     data = {"phases": [{"steps": 1}, {"steps": 2}]}
     assert apply_overrides(data, ["phases.1.steps=50"]) == {"phases": [{"steps": 1}, {"steps": 50}]}

@@ -14,7 +14,7 @@ import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from clotho.flow_runtime import drain_prefect_reporting
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from flows.reprocess import reprocess
 from storage.reader import ShardReader
 from storage.schema import reprocessed_from

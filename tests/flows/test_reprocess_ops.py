@@ -9,7 +9,7 @@ import pytest
 
 from environments.base import prompt_messages
 from environments.compare import Compare
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.schema import groups_to_table, table_to_groups
 from tasks.exports import export_dpo, export_sft
 from tasks.reprocess import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from environments.testing import ServedEnvironment, serve_environment
 
 ROOT = Path(__file__).resolve().parents[2]

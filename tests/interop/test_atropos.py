@@ -13,7 +13,7 @@ import pytest
 from environments.atropos import from_atropos, from_json_safe, is_exact_json, to_json_safe
 from environments.conformance import run_checks, trained_segments
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from inference.client import PolicyClient
 from tests.interop.conftest import rollout_groups, serve_adapter
 

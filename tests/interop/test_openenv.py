@@ -16,7 +16,7 @@ import pytest
 from environments.conformance import run_checks, trained_segments
 from environments.loading import load_config, load_environment_class
 from environments.remote import RemoteServiceError
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.testing import CACHE
 from inference.client import PolicyClient
 from inference.server import free_port

@@ -10,7 +10,7 @@ import pytest
 
 from environments.conformance import run_checks, trained_segments
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from tests.interop.conftest import rollout_groups, serve_adapter
 
 ADAPTER = "environments.adapters.textarena:TextArena"

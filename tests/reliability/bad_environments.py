@@ -13,7 +13,7 @@ import math
 from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 # 10 MiB of int32 token ids in one group.
 HUGE_GROUP_TOKENS = 10 * 2**20 // 4

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from soak import checks
 from soak.faults import run_trials
 from soak.loop import Loop, Settings

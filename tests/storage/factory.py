@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 
 def make_group(

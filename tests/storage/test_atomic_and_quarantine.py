@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from environments.scored_group import SCHEMA_VERSION
+from core.scored_group import SCHEMA_VERSION
 from storage.inspection import verify
 from storage.index import index_shards
 from storage.reader import ShardReader

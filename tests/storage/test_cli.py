@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage import cli
 from storage.reader import ShardReader
 from storage.shard_file import find_shards

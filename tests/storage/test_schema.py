@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from environments.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
+from core.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
 from storage.schema import (
     METADATA_SCHEMA_VERSION,
     METADATA_TOKENIZER,
@@ -222,7 +222,7 @@ def test_reference_and_teacher_logprobs_round_trip_as_float32() -> None:
 
 
 def test_bad_preference_pairs_and_distillation_groups_are_named() -> None:
-    from environments.scored_group import InvalidGroupError, preference_pair
+    from core.scored_group import InvalidGroupError, preference_pair
 
     with pytest.raises(InvalidGroupError, match="dpo pair with tied scores"):
         _pair(scores=(0.5, 0.5))

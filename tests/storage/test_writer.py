@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from environments.scored_group import ScoredGroup
+from core.scored_group import ScoredGroup
 from storage.filesystem import publish, resolve
 from storage.inspection import verify
 from storage.reader import ShardReader

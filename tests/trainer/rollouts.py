@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.writer import ShardWriter
 
 

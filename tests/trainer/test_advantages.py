@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from trainer.advantages import group_advantages, sequence_token_advantages
 from trainer.config import AdvantageConfig
 

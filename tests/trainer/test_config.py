@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from tests.trainer import custom_loss
 from trainer import losses
-from clotho.overrides import apply_overrides
+from core.overrides import apply_overrides
 from trainer.config import BUILTIN_LOSSES, LossConfig, TrainerConfig
 
 CUSTOM = "tests.trainer.custom_loss"

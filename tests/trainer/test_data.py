@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from tests.trainer.rollouts import write_shards

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import ShardReader
 from tests.trainer.rollouts import sampled_groups, write_shards
 from trainer.config import AdvantageConfig, LossConfig, TrainerConfig

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import AdvantageConfig, LossConfig
 from trainer.losses import policy_loss

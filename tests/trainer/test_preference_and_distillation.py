@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from environments.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import ShardReader
 from tests.trainer.rollouts import sampled_groups, write_shards
 from tests.trainer.test_objectives import step_loss

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from environments.scored_group import ScoredGroup, ScoredSequence, new_group_id
+from core.scored_group import ScoredGroup, ScoredSequence, new_group_id
 from storage.checkpoints import latest_checkpoint, published_steps
 from storage.ledger import Ledger
 from storage.progress import SamplerPosition, read_sampler_positions, read_trainer_position, write_sampler_position

@@ -1,5 +1,5 @@
 # clotho: `make demo` and `make test` set everything up on first use and reuse it afterwards.
-# `make bench` writes bench/results/*.json and renders the README's benchmark table from them.
+# `make bench` writes bench/results/*.json and renders docs/benchmarks.md's tables from them.
 PYTHON ?= python3
 VENV := .venv
 INFERENCE_VENV := .venv-inference

@@ -22,7 +22,7 @@ its loop; a TRL user would save rarely). Start-up (vLLM's, the Prefect flows', T
 is reported apart. Per side: seconds per step (median), minutes to the task's threshold, the
 evaluated reward at the last step and the training reward per step; per task, the ratios
 clotho / TRL per seed, their geometric mean with a 95% interval, and their range. Written to
-bench/results/peer.json; bench/report.py renders the table into the README.
+bench/results/peer.json; bench/report.py renders the table into docs/benchmarks.md.
 Targets: seconds per step and minutes to threshold, ratio <= 1.0 on both tasks.
 """
 

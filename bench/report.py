@@ -1,8 +1,11 @@
-"""The benchmark table of the README, rendered from bench/results/*.json (what `make bench` wrote).
+"""The figures the README and the docs show, rendered from what was measured and what is committed:
+the benchmark tables of docs/benchmarks.md from bench/results/*.json (what `make bench` wrote), the
+README's demo figures from bench/results/demo.json, its environment listing from the file itself.
 
-    python bench/report.py            print the table
-    python bench/report.py --readme   rewrite the README's table between its bench markers, and its
-                                      demo figures between the demo markers
+    python bench/report.py            print the tables
+    python bench/report.py --readme   rewrite every block between its markers: the benchmark and
+                                      peer tables in docs/benchmarks.md, the demo figures and the
+                                      listing of environments/arithmetic.py in the README
     python bench/report.py --record-demo [.clotho/demo/summary.json]
                                       keep what a `make demo` measured as bench/results/demo.json
 """
@@ -16,7 +19,11 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-README = Path(__file__).resolve().parents[1] / "README.md"
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+LISTED = "environments/arithmetic.py"
+LISTING_START, LISTING_END = f"<!-- listing:start {LISTED} (python bench/report.py --readme) -->", "<!-- listing:end -->"
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
 PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
@@ -225,6 +232,11 @@ def demo_block() -> str:
     return f"{DEMO_START}\n{demo_text()}\n{DEMO_END}"
 
 
+def listing_block() -> str:
+    """The README's listing of the reference environment: the file as committed, never a copy."""
+    return f"{LISTING_START}\n```python\n{(REPO / LISTED).read_text()}```\n{LISTING_END}"
+
+
 def demo_config_sha() -> str:
     import hashlib
 
@@ -252,16 +264,16 @@ def record_demo(summary_path: Path) -> None:
     write_result("demo", {"command": "make demo", **{key: summary[key] for key in kept if key in summary}, "config_sha": sha, "runs": runs})
 
 
-def replace_block(text: str, start: str, end: str, block: str) -> str:
+def replace_block(text: str, start: str, end: str, block: str, where: Path = README) -> str:
     if start not in text or end not in text:
-        sys.exit(f"{README} has no markers {start} ... {end}")
+        sys.exit(f"{where} has no markers {start} ... {end}")
     before, rest = text.split(start, 1)
     return before + block + rest.split(end, 1)[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--readme", action="store_true", help="rewrite the README's table and demo figures")
+    parser.add_argument("--readme", action="store_true", help="rewrite the blocks of the README and docs/benchmarks.md")
     parser.add_argument("--record-demo", nargs="?", const=DEMO_SUMMARY, type=Path, metavar="SUMMARY",
                         help="keep a demo's summary.json as bench/results/demo.json")  # fmt: skip
     args = parser.parse_args()
@@ -270,10 +282,11 @@ def main() -> None:
     if not args.readme:
         print(markdown() + "\n\n" + demo_text() + "\n\n" + peer_text())
         return
-    text = replace_block(README.read_text(), START, END, readme_block())
-    text = replace_block(text, DEMO_START, DEMO_END, demo_block())
-    README.write_text(replace_block(text, PEER_START, PEER_END, peer_block()))
-    print(f"README table and demo figures rewritten from {RESULTS}")
+    text = replace_block(BENCHMARKS.read_text(), START, END, readme_block(), BENCHMARKS)
+    BENCHMARKS.write_text(replace_block(text, PEER_START, PEER_END, peer_block(), BENCHMARKS))
+    text = replace_block(README.read_text(), DEMO_START, DEMO_END, demo_block())
+    README.write_text(replace_block(text, LISTING_START, LISTING_END, listing_block()))
+    print(f"{BENCHMARKS.relative_to(REPO)} tables and the README's demo figures and listing rewritten")
 
 
 if __name__ == "__main__":

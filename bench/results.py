@@ -1,5 +1,5 @@
 """Where every bench writes its numbers: bench/results/NAME.json, with when, where and on which
-commit they were measured. The README's numbers are read from these files, never typed in."""
+commit they were measured. The README's and the docs' numbers are read from these files, never typed in."""
 
 from __future__ import annotations
 

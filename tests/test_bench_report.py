@@ -1,5 +1,6 @@
-"""The README's benchmark table and demo figures are what bench/report.py renders from
-bench/results/*.json: numbers are never typed into the README by hand."""
+"""The benchmark tables (docs/benchmarks.md), the README's demo figures and its environment listing
+are what bench/report.py renders from bench/results/*.json and the listed file: numbers and code
+are never typed into the README or the docs by hand."""
 
 import importlib.util
 import json
@@ -18,12 +19,13 @@ def bench_report():
     return report
 
 
-@pytest.mark.parametrize("block, source", [
-    ("readme_block", "bench/results/*.json"), ("demo_block", "bench/results/demo.json"), ("peer_block", "bench/results/peer.json"),
-])
-def test_readme_numbers_are_rendered_from_the_results(block, source):
-    assert getattr(bench_report(), block)() in (REPO / "README.md").read_text(), (
-        f"README's {block} differs from {source}: run `python bench/report.py --readme`"
+@pytest.mark.parametrize("page, block, source", [
+    ("docs/benchmarks.md", "readme_block", "bench/results/*.json"), ("docs/benchmarks.md", "peer_block", "bench/results/peer.json"),
+    ("README.md", "demo_block", "bench/results/demo.json"), ("README.md", "listing_block", "environments/arithmetic.py"),
+])  # fmt: skip
+def test_numbers_and_listings_are_rendered_from_their_source(page, block, source):
+    assert getattr(bench_report(), block)() in (REPO / page).read_text(), (
+        f"{page}'s {block} differs from {source}: run `python bench/report.py --readme`"
     )
 
 

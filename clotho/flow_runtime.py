@@ -25,19 +25,6 @@ class Stopped(Exception):
 FIRST_START_TIMEOUT_S = 300
 
 
-# The local server's own output (uvicorn's errors, its services' shutdown) goes to this file in the
-# Prefect home, not to the terminal: a run's last lines are its summary, not the server's teardown
-# ("Error flushing N events" when it is stopped while recording the flow's last task runs).
-SERVER_LOG = "server.log"
-
-
-def log_tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) or "(empty)"
-    except OSError as error:
-        return f"(unreadable: {error})"
-
-
 class PrefectStartError(RuntimeError):
     """The local Prefect server did not come up; the message says what was waited for and the fix."""
 
@@ -68,7 +55,6 @@ def start_local_prefect_server() -> None:
       restarts it on another one, forever.
     - The wait fits a first start (FIRST_START_TIMEOUT_S, or Prefect's setting when larger), and a
       start that still fails says what it waited for and how to fix it.
-    - Its output goes to SERVER_LOG in the Prefect home, and a failed start shows that log's end.
     - The server gets a session of its own: as Prefect's child in our process group, a Ctrl-C in
       the terminal (sent to the whole group) would stop it in the middle of the flow's cleanup,
       which then hangs reporting to it (uvicorn installs its own SIGINT handler, so ignoring the
@@ -93,12 +79,9 @@ def start_local_prefect_server() -> None:
         print(f"clotho: first start of the local Prefect server: creating its database in {home}", file=sys.stderr)
     timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
 
-    log_path = home / SERVER_LOG
-    log = log_path.open("a")
-
     class OwnSession(subprocess.Popen):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, start_new_session=True, stdout=log, stderr=subprocess.STDOUT, **kwargs)
+            super().__init__(*args, start_new_session=True, **kwargs)
 
     popen = prefect_server.subprocess.Popen
     prefect_server.subprocess.Popen = OwnSession  # only while this one server starts
@@ -110,14 +93,12 @@ def start_local_prefect_server() -> None:
         raise PrefectStartError(
             f"the local Prefect server did not answer {server.api_url}/health within {timeout_s} s "
             f"(waited {time.monotonic() - started:.0f} s; its database: {home / 'prefect.db'}): {error}\n"
-            f"Its log ({log_path}) ends:\n{log_tail(log_path)}\n"
             "Fix: give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600), or run a server "
             "of your own (`prefect server start`) and point clotho at it "
             "(PREFECT_API_URL=http://127.0.0.1:4200/api)."
         ) from error
     finally:
         prefect_server.subprocess.Popen = popen
-        log.close()  # the server holds its own copy of the descriptor
 
 
 def drain_prefect_reporting(timeout_s: float = 15.0) -> None:

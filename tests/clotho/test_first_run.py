@@ -56,9 +56,6 @@ def test_a_first_command_on_a_new_machine_completes_on_two_busy_cores(tmp_path):
     assert "first start of the local Prefect server" in output, output[-3000:]
     assert "Failed to create the Prefect home directory" not in output, output[-3000:]
     assert (tmp_path / "new" / "home" / ".prefect" / "prefect.db").exists()
-    # The server's own output (its teardown included) goes to its log, not into the command's.
-    assert "Traceback" not in output and "prefect.server" not in output, output[-3000:]
-    assert (tmp_path / "new" / "home" / ".prefect" / "server.log").exists()
     assert len(list(ShardReader(f"file://{tmp_path}/out", "run").groups())) == 4  # the two all-equal groups dropped
     print(f"first command on a new machine, two busy cores: {seconds:.1f} s")
 

@@ -183,7 +183,7 @@ def markdown() -> str:
     return "\n".join(lines)
 
 
-def readme_block() -> str:
+def bench_block() -> str:
     return f"{START}\n{markdown()}\n{END}"
 
 
@@ -282,7 +282,7 @@ def main() -> None:
     if not args.readme:
         print(markdown() + "\n\n" + demo_text() + "\n\n" + peer_text())
         return
-    text = replace_block(BENCHMARKS.read_text(), START, END, readme_block(), BENCHMARKS)
+    text = replace_block(BENCHMARKS.read_text(), START, END, bench_block(), BENCHMARKS)
     BENCHMARKS.write_text(replace_block(text, PEER_START, PEER_END, peer_block(), BENCHMARKS))
     text = replace_block(README.read_text(), DEMO_START, DEMO_END, demo_block())
     README.write_text(replace_block(text, LISTING_START, LISTING_END, listing_block()))

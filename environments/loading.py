@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError  # noqa: F401 - raised here
+from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError
 from storage.layout import check_env_name
 
 ENTRY_POINT_GROUP = "clotho.environments"

@@ -8,6 +8,9 @@ Prints two numbers measured in one run (issue 6 targets):
            hand-written loop batch them), the same loss, clip_grad_norm_ and torch.optim.AdamW,
            from the same initial weights (a Qwen2 of hidden 256, 4 layers). The two take turns
            step by step so load from other processes hits both alike; both models must end equal.
+           Two step shapes: mixed (arithmetic and guess_number groups, lengths that differ) and
+           demo (the demo's RL step: 8 prompts x 16 answers of a few tokens, all about one length,
+           where the padded batch wastes almost nothing: demo_ratio).
   padding  padded slots / all slots when steps of the bundled environments' groups (arithmetic,
            guess_number: their prompts through the tiny model's chat template, completions of
            their default lengths) are packed with the default trainer config, beside the padded
@@ -103,6 +106,14 @@ def guess_number_group(tok, rng: random.Random) -> ScoredGroup:
     return ScoredGroup(env="guess_number", item_id=str(rng.random()), sequences=sequences)
 
 
+def demo_group(tok, rng: random.Random) -> ScoredGroup:
+    """The demo's RL group: 'Which is larger, a or b?' and 16 answers of 1-4 sampled tokens."""
+    a, b = rng.sample(range(10), 2)
+    prompt = chat_ids(tok, f"Which is larger, {a} or {b}? Give only the number.")
+    answers = [[rng.randrange(3, 512) for _ in range(rng.choice([2, 3, 4, 4, 4]))] for _ in range(16)]
+    return ScoredGroup(env="compare", item_id=str(rng.random()), sequences=[sequence(rng, [(prompt, False), (answer, True)]) for answer in answers])
+
+
 def environment_steps(
     tok, kind: str, steps: int, config: TrainerConfig, seed: int, token_work: int = 6 * BENCH_HIDDEN
 ) -> list[StepBatch]:
@@ -111,6 +122,7 @@ def environment_steps(
     rng = random.Random(seed)
     makers = {"arithmetic": [arithmetic_group], "guess_number": [guess_number_group]}
     makers["mixed"] = makers["arithmetic"] + makers["guess_number"]
+    makers["demo"] = [demo_group]
     result = []
     for _ in range(steps):
         groups = [rng.choice(makers[kind])(tok, rng) for _ in range(config.groups_per_step)]
@@ -188,7 +200,6 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=8)
     parser.add_argument("--micro-batch-tokens", type=int, default=4096)
     args = parser.parse_args()
-    import deepspeed
 
     tok = tokenizer()
     defaults = TrainerConfig(model="unused")
@@ -208,59 +219,73 @@ def main() -> None:
         control_padding[kind] = round(control_waste, 4)
         print(f"  {kind:13s} {waste:6.2%}  ({tokens:.0f} tokens, {micro_batches:.1f} micro-batches a step; padded batches waste {control_waste:.2%})")
 
+    cases = {}
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as temporary:
         model_dir = bench_model(Path(temporary) / "model")
         config = TrainerConfig(
             model=str(model_dir), lr=1e-5, groups_per_step=args.groups_per_step,
             micro_batch_tokens=args.micro_batch_tokens,
         )  # fmt: skip
-        batches = environment_steps(tok, "mixed", args.warmup + args.steps, config, seed=2)
         rank, world_size = init_distributed()
-        trainer_model = load_policy(config.model)
-        engine, *_ = deepspeed.initialize(
-            model=trainer_model,
-            model_parameters=trainer_model.parameters(),
-            config=deepspeed_config(config),
+        for kind in ("mixed", "demo"):
+            # demo: the demo's RL step, 8 prompts x 16 answers of a few tokens (all about one length).
+            batches = environment_steps(tok, kind, args.warmup + args.steps, config, seed=2)
+            cases[kind] = time_trainer_and_plain(config, batches, args.warmup, rank, world_size)
+    for kind, case in cases.items():
+        print(
+            f"speed, {kind}: {args.steps} steps of {case['tokens_per_step']:.0f} tokens "
+            f"(hidden 256, 4 layers, {torch.get_num_threads()} threads):"
         )
-        plain = load_policy(config.model)
-        optimizer = torch.optim.AdamW(plain.parameters(), lr=config.lr, weight_decay=0.0)
+        print(f"  trainer (DeepSpeed) {case['trainer_tokens_per_s']:8.0f} tokens/s")
+        print(f"  plain torch, padded {case['plain_tokens_per_s']:8.0f} tokens/s")
+        print(f"  ratio               {case['ratio']:8.3f}  (target >= 0.95)")
+        print(f"  median step ratio   {case['median_step_ratio']:8.3f}  (steps {case['step_ratio_range'][0]:.3f}-{case['step_ratio_range'][1]:.3f})")
+        print(f"  max weight difference after training: {case['max_weight_difference']:.2e}")
+    mixed = cases["mixed"]
+    write_result("trainer", {
+        "targets": {"ratio": ">= 0.95", "demo_ratio": ">= 0.95"}, "control": "padded batches, 2D mask, plain torch",
+        "steps": args.steps, "control_padding_waste": control_padding, "padding_waste": padding,
+        **{key: value for key, value in mixed.items() if key != "tokens_per_step"},
+        "demo": {key: value for key, value in cases["demo"].items() if key != "tokens_per_step"},
+        "demo_ratio": cases["demo"]["ratio"],
+    })  # fmt: skip
 
-        spent: dict[str, list[float]] = {"trainer": [], "plain": []}
-        tokens = 0.0
-        for index, batch in enumerate(batches):
-            timed = index >= args.warmup
-            started = time.perf_counter()
-            optimizer_step(engine, batch, config, rank=rank, world_size=world_size)
-            middle = time.perf_counter()
-            plain_step(plain, optimizer, batch, config)
-            ended = time.perf_counter()
-            if timed:
-                spent["trainer"].append(middle - started)
-                spent["plain"].append(ended - middle)
-                tokens += batch.stats["tokens"]
-        difference = max(
-            (a - b).abs().max().item()
-            for a, b in zip(engine.module.parameters(), plain.parameters(), strict=True)
-        )
+
+def time_trainer_and_plain(config: TrainerConfig, batches: list[StepBatch], warmup: int, rank: int, world_size: int) -> dict:
+    """The trainer's step and the plain padded step on the same batches from the same weights,
+    taking turns step by step; tokens/s of each, their ratio and how far the weights ended apart."""
+    import deepspeed
+
+    trainer_model = load_policy(config.model)
+    engine, *_ = deepspeed.initialize(
+        model=trainer_model, model_parameters=trainer_model.parameters(), config=deepspeed_config(config)
+    )
+    plain = load_policy(config.model)
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=config.lr, weight_decay=0.0)
+    spent: dict[str, list[float]] = {"trainer": [], "plain": []}
+    tokens = 0.0
+    for index, batch in enumerate(batches):
+        started = time.perf_counter()
+        optimizer_step(engine, batch, config, rank=rank, world_size=world_size)
+        middle = time.perf_counter()
+        plain_step(plain, optimizer, batch, config)
+        ended = time.perf_counter()
+        if index >= warmup:
+            spent["trainer"].append(middle - started)
+            spent["plain"].append(ended - middle)
+            tokens += batch.stats["tokens"]
+    difference = max(
+        (a - b).abs().max().item() for a, b in zip(engine.module.parameters(), plain.parameters(), strict=True)
+    )
     trainer_speed, plain_speed = tokens / sum(spent["trainer"]), tokens / sum(spent["plain"])
     # Per step: a load spike from another process then skews one step's ratio, not the total.
     step_ratios = [p / t for p, t in zip(spent["plain"], spent["trainer"], strict=True)]
-    print(
-        f"speed, {args.steps} steps of {tokens / args.steps:.0f} tokens "
-        f"(hidden 256, 4 layers, {torch.get_num_threads()} threads):"
-    )
-    print(f"  trainer (DeepSpeed) {trainer_speed:8.0f} tokens/s")
-    print(f"  plain torch, padded {plain_speed:8.0f} tokens/s")
-    print(f"  ratio               {trainer_speed / plain_speed:8.3f}  (target >= 0.95)")
-    print(f"  median step ratio   {statistics.median(step_ratios):8.3f}  (steps {min(step_ratios):.3f}-{max(step_ratios):.3f})")
-    print(f"  max weight difference after training: {difference:.2e}")
-    write_result("trainer", {
-        "targets": {"ratio": ">= 0.95"}, "control": "padded batches, 2D mask, plain torch", "steps": args.steps,
-        "step_ratio_range": [round(min(step_ratios), 3), round(max(step_ratios), 3)], "control_padding_waste": control_padding,
+    return {
+        "tokens_per_step": tokens / len(spent["trainer"]),
         "trainer_tokens_per_s": round(trainer_speed), "plain_tokens_per_s": round(plain_speed),
         "ratio": round(trainer_speed / plain_speed, 3), "median_step_ratio": round(statistics.median(step_ratios), 3),
-        "padding_waste": padding, "max_weight_difference": difference,
-    })  # fmt: skip
+        "step_ratio_range": [round(min(step_ratios), 3), round(max(step_ratios), 3)], "max_weight_difference": difference,
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -64,8 +64,11 @@ def packed_logprobs(
 
     Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
     [rows, 1, L, L] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
+    Rows of one sequence each with plain causal attention run with neither (PackedBatch.needs_mask).
     """
     input_ids = batch.input_ids.to(device)
+    if not batch.needs_mask(hooks):  # one sequence a row, plain causal: sdpa's causal kernel
+        return token_logprobs(model(input_ids=input_ids, use_cache=False).logits, input_ids)
     output = model(
         input_ids=input_ids,
         position_ids=batch.position_ids.to(device),

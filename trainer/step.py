@@ -117,6 +117,7 @@ def build_step(
     default_objective: str = "auto",
     row_multiple: int = 8,
     token_work: int = 0,
+    padded_rows: bool = True,
 ) -> StepBatch:
     """Compute advantages and pack every group given; stats are plain floats for logging.
 
@@ -126,7 +127,8 @@ def build_step(
     step_num_sequences and step_num_tokens for every micro-batch, and weighs its share of groups.
     """
     batches = pack_micro_batches(
-        training_sequences(groups, advantage_config, default_objective), token_budget, row_multiple, token_work
+        training_sequences(groups, advantage_config, default_objective), token_budget, row_multiple, token_work,
+        padded_rows,
     )
     objective_of = [group_objective(g, default_objective) for g in groups]
     objectives = {}

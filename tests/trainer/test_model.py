@@ -36,7 +36,7 @@ def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
     # boundaries or rows.
     model = load_policy(str(tiny_model_dir)).eval()
     sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
-    (batch,) = pack_micro_batches(sequences, token_budget=128)
+    (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=False)
     assert tuple(batch.input_ids.shape) == (2, 40)
     with torch.no_grad():
         packed = packed_logprobs(model, batch)
@@ -54,6 +54,25 @@ def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
         unwindowed = packed_logprobs(model, batch, hooks=())
     middle = batch.sequence_ids == 1
     assert not torch.allclose(unwindowed[middle], packed[middle], atol=1e-4)
+
+
+def test_rows_of_one_sequence_run_without_a_mask_and_score_as_each_sequence_alone(tiny_model_dir):
+    # One sequence a row, padded at the end: no mask, no position ids (sdpa's causal kernel). A
+    # window hook on one sequence brings the mask back for its micro-batch.
+    model = load_policy(str(tiny_model_dir)).eval()
+    for sequences in ([sequence(30, 0), sequence(33, 1), sequence(31, 2)], [sequence(20, 0), sequence(33, 1, WINDOW)]):
+        (batch,) = pack_micro_batches(sequences, token_budget=128)
+        assert batch.input_ids.shape == (len(sequences), 33) and batch.needs_mask() == any(s.extras for s in sequences)
+        with torch.no_grad():
+            packed = packed_logprobs(model, batch)
+            for index, s in enumerate(sequences):
+                ids = torch.tensor([s.tokens])
+                causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
+                if s.extras:
+                    positions = torch.arange(len(s.tokens))
+                    causal &= positions[:, None] - positions[None, :] < 4
+                alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
+                torch.testing.assert_close(packed[batch.sequence_ids == index][1:], alone[0, 1:], atol=2e-6, rtol=0)
 
 
 def test_ranks_share_micro_batches_and_pad_with_idle_ones(tiny_model_dir):

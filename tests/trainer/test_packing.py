@@ -60,7 +60,7 @@ def test_packed_tensors():
     # Two sequences of 4 and 3 tokens (prompt 2), padded to 8: one padding slot.
     # mean_only advantages of scores 0, 1: -0.5 and +0.5 on the completion tokens.
     (batch,) = pack_micro_batches(
-        training_sequences([make_group([4, 3])], ADVANTAGES), 16, row_multiple=8
+        training_sequences([make_group([4, 3])], ADVANTAGES), 16, row_multiple=8, padded_rows=False
     )
     assert batch.input_ids.tolist() == [[1, 2, 0, 1, 1, 2, 1, 0]]
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 0]]
@@ -88,7 +88,7 @@ def test_first_token_is_never_trained():
 
 def test_block_diagonal_causal_mask():
     (batch,) = pack_micro_batches(
-        training_sequences([make_group([3, 2], prompt=1)], ADVANTAGES), 8, row_multiple=8
+        training_sequences([make_group([3, 2], prompt=1)], ADVANTAGES), 8, row_multiple=8, padded_rows=False
     )
     mask = batch.attention_mask()
     assert mask.shape == (1, 1, 8, 8)
@@ -104,7 +104,7 @@ def test_block_diagonal_causal_mask():
 def test_sliding_window_changes_only_its_sequence():
     window = {"attention": {"type": "sliding_window", "window": 2}}
     group = make_group([4, 4], sequence_extras={1: window})
-    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, row_multiple=8)
+    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, row_multiple=8, padded_rows=False)
     mask = batch.attention_mask()[0, 0]
     causal = torch.ones(4, 4, dtype=torch.bool).tril()
     assert torch.equal(mask[:4, :4], causal)
@@ -123,7 +123,7 @@ def test_group_extras_reach_every_sequence_and_sequence_extras_win():
     first, second = training_sequences([group], ADVANTAGES)
     assert first.extras == {"attention": {"type": "sliding_window", "window": 1}, "note": "g"}
     assert second.extras == {"attention": {"type": "full"}, "note": "g"}
-    (batch,) = pack_micro_batches([first, second], 8, row_multiple=8)
+    (batch,) = pack_micro_batches([first, second], 8, row_multiple=8, padded_rows=False)
     mask = batch.attention_mask()[0, 0]
     assert torch.equal(mask[:3, :3], torch.eye(3, dtype=torch.bool))
     assert torch.equal(mask[3:6, 3:6], torch.ones(3, 3, dtype=torch.bool).tril())
@@ -165,8 +165,10 @@ def test_rows_trade_padding_for_attention_by_the_model_s_width():
         prompt = rng.randint(50, 400)
         groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
     longest = max(len(s.tokens) for g in groups for s in g.sequences)
-    narrow = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 64)
-    wide = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 4096)
+    narrow, wide = (
+        build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=work, padded_rows=False)
+        for work in (6 * 64, 6 * 4096)
+    )
     assert {b.input_ids.shape[1] for b in narrow.micro_batches} == {-(-longest // 8) * 8}
     assert min(b.input_ids.shape[1] for b in wide.micro_batches) > -(-longest // 8) * 8
     assert wide.stats["padding_waste"] <= 0.05 < narrow.stats["padding_waste"]
@@ -179,11 +181,32 @@ def test_rows_trade_padding_for_attention_by_the_model_s_width():
 
 def test_short_answers_are_one_micro_batch_of_short_rows_not_one_long_row():
     # The demo's shape: 8 prompts x 16 answers of ~31 tokens. One dense row of 4096 slots paid
-    # attention over 4096^2 pairs; rows of 32 pay 128 x 32^2.
+    # attention over 4096^2 pairs; packed rows of 32 pay 128 x 32^2.
     groups = [make_group([31] * 16, prompt=27) for _ in range(8)]
-    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES).micro_batches
+    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, padded_rows=False).micro_batches
     assert tuple(batch.input_ids.shape) == (128, 32) and batch.attention_mask().shape == (128, 1, 32, 32)
     assert batch.num_sequences == 128 and batch.sequence_ids[:, :31].tolist() == [[row] * 31 for row in range(128)]
+
+
+def test_answers_of_one_length_train_as_a_padded_batch_with_no_mask():
+    # For the demo's model (hidden 256) rows of three sequences with a dense mask cost more than
+    # one sequence a row at the longest length with causal attention and no mask at all.
+    lengths = [33] * 15 + [30]
+    groups = [make_group(lengths, prompt=29) for _ in range(8)]
+    step = build_step(groups, policy_version=0, token_budget=8192, advantage_config=ADVANTAGES, token_work=6 * 256)
+    (batch,) = step.micro_batches
+    assert tuple(batch.input_ids.shape) == (128, 33) and not batch.needs_mask()
+    assert batch.sequence_ids[:, 0].tolist() == list(range(128)) and step.stats["padding_waste"] == pytest.approx(3 * 8 / (128 * 33))
+    # A budget of 4096 slots holds 124 such rows: two micro-batches of 64, not 124 and 4.
+    halves = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256)
+    assert [b.input_ids.shape[0] for b in halves.micro_batches] == [64, 64]
+    # A sequence whose hook narrows its attention needs the mask again; so do rows that share.
+    window = {"attention": {"type": "sliding_window", "window": 2}}
+    windowed = build_step([make_group(lengths, prompt=29, sequence_extras={3: window})], policy_version=0,
+                          token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256)  # fmt: skip
+    assert windowed.micro_batches[0].needs_mask() and not windowed.micro_batches[0].needs_mask(hooks=())
+    shared = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256, padded_rows=False)
+    assert shared.micro_batches[0].needs_mask(hooks=())
 
 
 # --- packed == unpacked, through a model ------------------------------------------------------
@@ -278,7 +301,8 @@ def padded_loss(model, groups, config):
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 @pytest.mark.parametrize("budget", [64, 16], ids=["one_micro_batch", "several_micro_batches"])
-def test_packed_equals_unpacked(config, budget):
+@pytest.mark.parametrize("padded_rows", [False, True], ids=["packed", "padded_allowed"])
+def test_packed_equals_unpacked(config, budget, padded_rows):
     groups = model_groups()
     model = ToyCausalLM(seed=1)
     step = build_step(
@@ -287,8 +311,10 @@ def test_packed_equals_unpacked(config, budget):
         token_budget=budget,
         advantage_config=ADVANTAGES,
         row_multiple=8,
+        padded_rows=padded_rows,
     )
-    assert len(step.micro_batches) == (1 if budget == 64 else 3)
+    if not padded_rows:
+        assert len(step.micro_batches) == (1 if budget == 64 else 3)
     packed = packed_loss(model, step, config)
     packed_grads = gradients(model)
     unpacked = padded_loss(model, groups, config)

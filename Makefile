@@ -7,7 +7,7 @@ PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup adapters demo test test-fast bench soak clean-venvs
+.PHONY: setup adapters demo test test-fast bench soak docs clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -92,6 +92,10 @@ bench: setup .venv-trl/.installed
 # `make soak SOAK_ARGS="--trials 3 --fault trainer --fault vllm"` for fewer.
 soak: setup
 	$(VENV)/bin/python -m soak.run $(SOAK_ARGS)
+
+# The documentation site (mkdocs.yml: docs/ and an API reference from the docstrings) into site/.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean-venvs:
 	rm -rf $(VENV) $(INFERENCE_VENV) .venv-env-* .venv-trl

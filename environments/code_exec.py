@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from environments.advantages import AdvantageMode, group_advantages
+from core.advantages import AdvantageMode, group_advantages
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.code_tasks import TASKS
 from environments.sandbox import Limits, run_python

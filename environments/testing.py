@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 import pytest
 
+from core.processes import stop_process
 from environments.conformance import CHECKS, CheckResult, run_checks
 from inference.client import served_model
 
@@ -113,13 +114,7 @@ class ServedEnvironment:
     log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 10, whole_group=False)
 
 
 def serve_environment(environment: str, *, clotho: str | Path | None = None, timeout: float = 120.0) -> ServedEnvironment:

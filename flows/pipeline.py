@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from flows.pipeline_config import PipelineConfig, Phase
 from flows.artifacts import Card, artifact_key
 from flows.live_view import LIVE_INTERVAL_S, config_markdown, emit_pipeline_event, live_markdown
 from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, report_markdown, staleness_table
+from core.processes import stop_process
 from flows.rollout import rollout
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
@@ -255,16 +255,6 @@ def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir:
         return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True)
     finally:
         log_file.close()  # the child holds its own copy
-
-
-def stop_process(process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 async def phase_rollout(config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int) -> Any:

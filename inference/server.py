@@ -6,7 +6,6 @@ import functools
 import ipaddress
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +13,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from core.processes import stop_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
@@ -246,16 +247,8 @@ class PolicyServer:
     def stop(self, timeout: float = 30.0) -> None:
         """SIGTERM to the whole process group, SIGKILL after timeout: no orphaned workers."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        except ProcessLookupError:
-            pass
+        if process is not None:
+            stop_process(process, timeout)
 
     def restart(self, model: str | Path | None = None, timeout: float = 300.0) -> PolicyServer:
         """Stops the server and starts it again on the same port, on `model` if given.

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from core.processes import stop_process
 from inference.server import PolicyServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -93,16 +94,8 @@ class Part:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM (the part's clean stop), SIGKILL after timeout_s."""
-        if not self.alive:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        if self.alive:
+            stop_process(self.process, timeout_s)
 
     def wait(self, timeout_s: float) -> int | None:
         try:

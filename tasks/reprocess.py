@@ -5,7 +5,7 @@ next, composed in the order given, each one readable on its own.
                  finish_reason, groups whose scores differ, a SQL WHERE over the shard columns);
                  groups keep their remaining rows, renumbered; emptied groups go
     advantages   per-token advantages from the group's scores (grpo, mean_only, leave_one_out:
-                 trainer.advantages.group_advantages), on the trained tokens
+                 core.advantages.group_advantages), on the trained tokens
     dedupe       drop sequences whose (item_id, completion tokens) an earlier row already had
                  (in shard order over the whole input: a pass before the others, so it comes first)
     rescore      re-run an environment's `reward` on the stored conversations (decoded from the
@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import group_starts
 from storage.schema import METADATA_NUM_GROUPS, table_to_groups
-from trainer.advantages import group_advantages
+from core.advantages import group_advantages
 from trainer.config import AdvantageConfig
 
 
@@ -251,7 +251,7 @@ def recompute_advantages(table: pa.Table, args: AdvantagesArgs, context: Context
     starts = group_starts(table)
     ends = np.append(starts[1:], table.num_rows)
     scores = table.column("score").to_numpy()
-    per_sequence = np.concatenate([group_advantages(scores[a:b].tolist(), config) for a, b in zip(starts, ends, strict=True)]) if len(starts) else np.zeros(0)
+    per_sequence = np.concatenate([group_advantages(scores[a:b].tolist(), config.mode, config.eps) for a, b in zip(starts, ends, strict=True)]) if len(starts) else np.zeros(0)
     mask = table.column("mask").combine_chunks()
     trained = mask.values.to_numpy(zero_copy_only=False)
     owner = pc.list_parent_indices(mask).to_numpy()

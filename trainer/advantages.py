@@ -1,18 +1,10 @@
-"""Advantages: group-normalized scores, or an environment's own per-token values where given."""
+"""Per-token advantages: group-normalized scores (core.advantages), or an environment's own values where given."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from environments.advantages import group_advantages as advantages_of_scores
+from core.advantages import group_advantages
 from core.scored_group import ScoredGroup
 from trainer.config import AdvantageConfig
-
-
-def group_advantages(scores: Sequence[float], config: AdvantageConfig) -> list[float]:
-    """One advantage per score, relative to the group, as config.mode says
-    (environments.advantages.group_advantages: the formulas)."""
-    return advantages_of_scores(scores, config.mode, config.eps)
 
 
 def sequence_token_advantages(group: ScoredGroup, config: AdvantageConfig) -> list[list[float]]:
@@ -24,7 +16,7 @@ def sequence_token_advantages(group: ScoredGroup, config: AdvantageConfig) -> li
     sequence's score, so an override never shifts its siblings' advantages. Untrained tokens get 0.0
     either way: they never enter the loss, and a zero there keeps stored tensors easy to read.
     """
-    computed = group_advantages(group.scores, config)
+    computed = group_advantages(group.scores, config.mode, config.eps)
     result = []
     for sequence, advantage in zip(group.sequences, computed, strict=True):
         source = (

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from core.overrides import apply_overrides
-from environments.advantages import AdvantageMode
+from core.advantages import AdvantageMode
 from trainer.trackers import check_report_to
 
 # A Hugging Face hub id: 'name' or 'org/name' (letters, digits, '-', '_', '.').

@@ -10,9 +10,9 @@ are the environment's own (its tokenizer and chat template, or managed_server's 
 what vLLM sampled: its ids, logprobs and finish reasons, so managed_server keeps them exactly.
 
     get_item             -> BaseEnv.get_next_item (its backlog first, as Atropos does), the item kept
-                            as JSON in AtroposItem.atropos (environments.atropos.to_json_safe)
+                            as JSON in AtroposItem.atropos (environments.atropos_format.to_json_safe)
     collect_trajectories -> BaseEnv.collect_trajectories(item) + postprocess_histories ->
-                            ScoredDataGroup -> ScoredGroup (environments.atropos.from_atropos)
+                            ScoredDataGroup -> ScoredGroup (environments.atropos_format.from_atropos)
 
 Token-exactness is checked, not assumed. The backend records every completion it returns for the
 group being collected; a sequence is token-exact when each of its trained runs is, token for
@@ -64,7 +64,7 @@ from openai.types.completion_choice import CompletionChoice
 from pydantic import Field, model_validator
 from tenacity import stop_after_attempt
 
-from environments.atropos import IGNORE_INDEX, UNSAMPLED_LOGPROB, from_atropos, from_json_safe, is_exact_json, to_json_safe
+from environments.atropos_format import IGNORE_INDEX, UNSAMPLED_LOGPROB, from_atropos, from_json_safe, is_exact_json, to_json_safe
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.chat import Messages
 from core.scored_group import ScoredGroup
@@ -98,7 +98,7 @@ class AtroposConfig(EnvironmentConfig):
 
 
 class AtroposItem(Item):
-    atropos: Any = Field(default=None, description="The Atropos item as JSON (environments.atropos.to_json_safe).")
+    atropos: Any = Field(default=None, description="The Atropos item as JSON (environments.atropos_format.to_json_safe).")
 
 
 def atropos_class(path: str) -> type[BaseEnv]:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from environments.atropos import from_atropos, to_atropos
+from environments.atropos_format import from_atropos, to_atropos
 from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
 
 

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from environments.atropos import from_atropos, from_json_safe, is_exact_json, to_json_safe
+from environments.atropos_format import from_atropos, from_json_safe, is_exact_json, to_json_safe
 from environments.conformance import run_checks, trained_segments
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from core.scored_group import ScoredGroup

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
+from core.advantages import group_advantages as advantages_of
 from core.scored_group import ScoredGroup, ScoredSequence
-from trainer.advantages import group_advantages, sequence_token_advantages
+from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
+
+
+def group_advantages(scores, config: AdvantageConfig) -> list[float]:
+    """core.advantages.group_advantages as the trainer calls it, with its config's mode and eps."""
+    return advantages_of(scores, config.mode, config.eps)
 
 
 def test_grpo_normalizes_by_mean_and_population_std():

@@ -9,10 +9,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar, Coroutine
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from core.scored_group import CONTRACT_REASONS, InvalidGroupError, Objective, ScoredGroup, ScoredSequence
+from environments.failures import FAILURE_REASONS, GroupTimeoutError, RolloutFailure, failure_reason
+from environments.items import ItemStream, Rows
+from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
@@ -64,53 +66,8 @@ class Item(BaseModel):
     extras: dict[str, Any] = Field(default_factory=dict)
 
 
-class GroupTimeoutError(TimeoutError):
-    """A group ran past its environment's group_timeout_s and was cut."""
-
-
 class EnvironmentLoadError(ValueError):
     """An environment cannot be found, imported or configured; the message says the fix."""
-
-
-# Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.
-FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "exception")
-
-# A failure keeps this much of its error and traceback: an exception may carry megabytes of text.
-MAX_ERROR_CHARS = 2000
-MAX_TRACEBACK_CHARS = 8000
-
-
-def failure_reason(error: BaseException) -> str:
-    """The kind of a failure (FAILURE_REASONS), what the rollout flow counts failures by."""
-    if isinstance(error, InvalidGroupError):
-        return error.reason
-    if isinstance(error, GroupTimeoutError):
-        return "timeout"
-    if isinstance(error, PolicyServerUnreachable):
-        return "unreachable"
-    if isinstance(error, ValidationError):  # a ScoredSequence or ScoredGroup field of the wrong type
-        return "invalid"
-    return "exception"
-
-
-class RolloutFailure(BaseModel):
-    """A rollout or group that failed: recorded as data, never allowed to crash its siblings."""
-
-    env: str
-    item_id: str
-    error: str
-    traceback: str = ""
-    reason: str = Field(default="exception", description=f"The kind of failure, one of {FAILURE_REASONS}.")
-
-    @classmethod
-    def of(cls, env: str, item_id: str, error: BaseException, traceback: str = "") -> RolloutFailure:
-        message = f"{type(error).__name__}: {error}"
-        if len(message) > MAX_ERROR_CHARS:
-            message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters)"
-        return cls(
-            env=env, item_id=item_id, error=message, traceback=traceback[-MAX_TRACEBACK_CHARS:],
-            reason=failure_reason(error),
-        )  # fmt: skip
 
 
 def prompt_messages(item: Item) -> Messages:
@@ -139,9 +96,10 @@ def final_answer(messages: Messages) -> str:
 
 
 class Environment(ABC):
-    """Subclass this: set `name` and `config_class`; write get_item and reward, and
-    collect_trajectories when the default (one turn, group_size samples of the item's prompt) is
-    not what the environment does.
+    """Subclass this: set `name` and `config_class`; write reward, and either items (a list or a
+    datasets.Dataset: the base class hands them out) or get_item (items made as they are asked
+    for); collect_trajectories when the default (one turn, group_size samples of the item's prompt)
+    is not what the environment does.
 
     The base class owns the rest: the tokenizer and chat rendering, token bookkeeping, group
     assembly and validation, the policy version every group is stamped with, and turning failures
@@ -169,14 +127,39 @@ class Environment(ABC):
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.vocab_size = len(self.tokenizer)
         self._renderer: ChatRenderer | None = None
+        self._item_streams: dict[str, ItemStream | None] = {}
 
     # ---- what an environment author writes -------------------------------------------------
     async def setup(self) -> None:
         """Loads data once (offline)."""
 
-    @abstractmethod
+    def items(self, split: str) -> Rows | None:
+        """The environment's items, when it has them as a list or a datasets.Dataset (loaded in
+        setup, if need be): split "train" is what get_item hands out, in an order drawn from
+        config.seed for each pass, starting over when config.cycle; "eval" is what evaluate
+        scores, in order (None: evaluate draws from the train split, seeded by eval_seed). Rows are
+        Items or mappings of item_class's fields; a missing id becomes "{split}-{index}".
+        None (the default): the environment writes get_item instead."""
+        return None
+
     async def get_item(self) -> Item | None:
-        """The next item, or None when finite data ran out and config.cycle is False."""
+        """The next item, or None when finite data ran out and config.cycle is False.
+        Default: the next of items("train") (see items)."""
+        if (stream := self._item_stream("train")) is None:
+            raise NotImplementedError(
+                f"{type(self).__name__} has no items: return them from items(split) (a list of Items or a "
+                "datasets.Dataset), or write get_item"
+            )
+        return stream.next()
+
+    def _item_stream(self, split: str) -> ItemStream | None:
+        if split not in self._item_streams:  # items(split) is asked once per instance
+            rows = self.items(split)
+            train = split == "train"
+            self._item_streams[split] = None if rows is None else ItemStream(
+                rows, self.item_class, split=split, seed=self.config.seed, cycle=self.config.cycle and train, shuffle=train
+            )  # fmt: skip
+        return self._item_streams[split]
 
     @abstractmethod
     def reward(self, item: Item, messages: Messages) -> float:
@@ -212,8 +195,10 @@ class Environment(ABC):
 
     async def get_eval_item(self) -> Item | None:
         """A held-out item for `evaluate`. Called on the evaluation twin (see `evaluate`), whose
-        item stream is seeded with config.eval_seed; override with a test split when there is one."""
-        return await self.get_item()
+        item stream is seeded with config.eval_seed. Default: the next of items("eval") when the
+        environment has that split, else get_item; or override it with a test split of its own."""
+        stream = self._item_stream("eval")
+        return stream.next() if stream is not None else await self.get_item()
 
     # ---- what the framework calls ----------------------------------------------------------
     async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:

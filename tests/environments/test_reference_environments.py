@@ -7,6 +7,7 @@ import time
 import pytest
 
 from environments.arithmetic import Arithmetic
+from environments.capitals import Capitals
 from environments.compare import Compare
 from environments.conformance import trained_segments
 from environments.guess_number import GuessNumber
@@ -20,6 +21,11 @@ pytestmark = pytest.mark.integration
 class TestArithmeticConformance(EnvironmentConformance):
     environment_class = Arithmetic
     config = {"group_size": 4, "max_tokens": 8}
+
+
+class TestCapitalsConformance(EnvironmentConformance):
+    environment_class = Capitals  # items from a list (Environment.items)
+    config = {"group_size": 4, "max_tokens": 6}
 
 
 class TestCompareConformance(EnvironmentConformance):

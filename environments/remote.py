@@ -14,25 +14,28 @@ so the run waits for it or stops.
 
 from __future__ import annotations
 
-import asyncio
 import functools
+import logging
 from typing import Any, ClassVar
 
 import httpx
 from pydantic import ConfigDict, ValidationError, model_validator
 
+from core.retrying import async_attempts
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item, RolloutFailure
 from environments.chat import Messages
 from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import check_env_name
 
+log = logging.getLogger(__name__)
+
 PROTOCOL = 1
 RUN_ERRORS = {"PolicyServerUnreachable": PolicyServerUnreachable, "PolicyServerAuthError": PolicyServerAuthError}
 # A multi-turn group can take minutes; the connection failing is what the short timeout catches.
 TIMEOUT = httpx.Timeout(600.0, connect=5.0)
-# Waits between get_item tries: a service restarting gets about 15 s before the flow gives it up.
-GET_ITEM_RETRIES_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# get_item tries (core.retrying's waits): a service restarting gets about 15 s before the flow gives it up.
+GET_ITEM_TRIES, GET_ITEM_FIRST_WAIT_S = 6, 0.5
 
 
 class RemoteServiceError(RuntimeError):
@@ -122,14 +125,12 @@ class RemoteEnvironment(Environment):
         self.session = _answer(self.url, "/sessions", response)["session"]
 
     async def get_item(self) -> Item | None:
-        for attempt in range(len(GET_ITEM_RETRIES_S) + 1):  # a service restarting: wait a little
-            try:
+        async for attempt in async_attempts(  # a service restarting: wait a little (about 15 s in all)
+            retry_on=lambda error: isinstance(error, RemoteServiceError), first_s=GET_ITEM_FIRST_WAIT_S,
+            max_s=8.0, tries=GET_ITEM_TRIES, what=f"{self.url}/get_item", logger=log,
+        ):  # fmt: skip
+            with attempt:
                 answer = await self._call("/get_item")
-                break
-            except RemoteServiceError:
-                if attempt == len(GET_ITEM_RETRIES_S):
-                    raise
-                await asyncio.sleep(GET_ITEM_RETRIES_S[attempt])
         self._metrics = answer.get("metrics") or {}
         return None if answer["item"] is None else RemoteItem.model_validate(answer["item"])
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 from dataclasses import dataclass
 
 import httpx
+
+from core.retrying import async_attempts
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,17 @@ class PolicyServerError(RuntimeError):
 class PolicyServerAuthError(PolicyServerError):
     """The policy server refused the API key (401/403): every request would fail the same way,
     so the run stops instead of recording each group as a failure."""
+
+
+class BusyServer(PolicyServerError):
+    """A 5xx or 429 answer, which may pass if the request is tried again."""
+
+
+MAX_BACKOFF_S = 30.0
+
+
+def _transient(error: BaseException) -> bool:
+    return isinstance(error, (httpx.TransportError, httpx.TimeoutException, BusyServer))
 
 
 @dataclass(frozen=True)
@@ -88,38 +100,34 @@ class PolicyClient:
         )
 
     async def request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """One HTTP call with exponential backoff and jitter on connection errors and 5xx/429."""
-        last_error: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            try:
-                response = await self._http.request(method, path, **kwargs)
-            except (httpx.TransportError, httpx.TimeoutException) as error:
-                last_error = error
-            else:
-                if response.status_code < 400:
-                    return response
-                if response.status_code in (401, 403):
-                    given = "the API key given" if self.has_api_key else "no API key"
-                    raise PolicyServerAuthError(
-                        f"policy server {self.base_url} refused {given} ({response.status_code} on "
-                        f"{method} {path}); pass the key the server was started with: --api-key KEY "
-                        "or CLOTHO_API_KEY (a deployment: the Prefect Secret block named by api_key_secret)"
-                    )
-                if response.status_code not in RETRY_STATUS:
-                    raise PolicyServerError(
-                        f"{method} {self.base_url}{path} -> {response.status_code}: {response.text[:500]}"
-                    )
-                last_error = PolicyServerError(f"{response.status_code}: {response.text[:200]}")
-            if attempt < self.max_retries:
-                delay = self.backoff * 2**attempt * (0.5 + random.random())
-                log.warning("%s %s failed (%s); retry %d in %.2fs", method, path, last_error, attempt + 1, delay)
-                await asyncio.sleep(delay)
-        if isinstance(last_error, PolicyServerError):
-            raise last_error
-        raise PolicyServerUnreachable(
-            f"policy server {self.base_url} unreachable after {self.max_retries + 1} tries "
-            f"({last_error!r}); is it running? start one with `clotho serve --model PATH`"
-        )
+        """One HTTP call, tried again under core.retrying's policy on connection errors and 5xx/429."""
+        try:
+            async for attempt in async_attempts(
+                retry_on=_transient, first_s=self.backoff, max_s=MAX_BACKOFF_S, tries=self.max_retries + 1,
+                what=f"{method} {self.base_url}{path}", logger=log,
+            ):  # fmt: skip
+                with attempt:
+                    return self._checked(await self._http.request(method, path, **kwargs), method, path)
+        except (httpx.TransportError, httpx.TimeoutException) as error:
+            raise PolicyServerUnreachable(
+                f"policy server {self.base_url} unreachable after {self.max_retries + 1} tries "
+                f"({error!r}); is it running? start one with `clotho serve --model PATH`"
+            ) from None
+        raise AssertionError("unreachable: the policy returns or raises")
+
+    def _checked(self, response: httpx.Response, method: str, path: str) -> httpx.Response:
+        if response.status_code < 400:
+            return response
+        if response.status_code in (401, 403):
+            given = "the API key given" if self.has_api_key else "no API key"
+            raise PolicyServerAuthError(
+                f"policy server {self.base_url} refused {given} ({response.status_code} on "
+                f"{method} {path}); pass the key the server was started with: --api-key KEY "
+                "or CLOTHO_API_KEY (a deployment: the Prefect Secret block named by api_key_secret)"
+            )
+        if response.status_code not in RETRY_STATUS:
+            raise PolicyServerError(f"{method} {self.base_url}{path} -> {response.status_code}: {response.text[:500]}")
+        raise BusyServer(f"{response.status_code}: {response.text[:200]}")
 
     async def complete(
         self,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from core.retrying import backoff_ceiling
 from inference.parity_guard import ParityGuard
 from inference.reload import (
     CheckpointRejected,
@@ -187,7 +188,7 @@ class ReloadWatcher:
             self._retry.pop(target.base_url, None)
             return
         failures = self._retry.get(target.base_url, (0, 0.0))[0] + 1
-        self._retry[target.base_url] = (failures, time.monotonic() + min(60.0, 2.0 ** (failures - 1)))
+        self._retry[target.base_url] = (failures, time.monotonic() + backoff_ceiling(failures, 1.0, 60.0))
 
     async def _restore(self, target: ServedPolicy) -> ReloadOutcome:
         try:

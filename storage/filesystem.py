@@ -6,14 +6,15 @@ import contextlib
 import errno
 import logging
 import os
-import random
-import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import fsspec
+import tenacity
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
+
+from core.retrying import attempts
 
 log = logging.getLogger(__name__)
 
@@ -151,26 +152,19 @@ def retrying(fs: fsspec.AbstractFileSystem, path: str, operation: Callable[..., 
     if not is_remote(fs):
         return operation(*args, **kwargs)
     budget = retry_budget_s()
-    started = time.monotonic()
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
+
+    def give_up(state: tenacity.RetryCallState) -> NoReturn:
+        # One error, its chain cut: the last failure is in the message and .last_error.
+        error = state.outcome.exception()
+        raise unavailable(fs, path, error, state.attempt_number, state.seconds_since_start, budget) from None
+
+    for attempt in attempts(
+        retry_on=is_transient, first_s=FIRST_BACKOFF_S, max_s=MAX_BACKOFF_S, budget_s=budget,
+        what=f"{_url(fs, path)} (gives up after {budget:.0f} s)", on_give_up=give_up, logger=log,
+    ):  # fmt: skip
+        with attempt:
             return operation(*args, **kwargs)
-        except Exception as error:
-            if not is_transient(error):
-                raise
-            elapsed = time.monotonic() - started
-            ceiling = min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** (attempt - 1))
-            delay = random.uniform(ceiling / 2, ceiling)
-            if elapsed + delay > budget:
-                # One error, its chain cut: the last failure is in the message and .last_error.
-                raise unavailable(fs, path, error, attempt, elapsed, budget) from None
-            log.warning(
-                "%s: %s; try %d failed, next in %.1f s (gives up after %.0f s)",
-                _url(fs, path), _summary(error), attempt, delay, budget,
-            )  # fmt: skip
-            time.sleep(delay)
+    raise AssertionError("unreachable: the policy returns or raises")
 
 
 def unavailable(

@@ -25,7 +25,8 @@ def test_a_remote_environment_killed_mid_run_leaves_its_finished_groups_stored_a
     from storage.reader import ShardReader
     from tasks.rollout import EnvSpec
 
-    monkeypatch.setattr(environments.remote, "GET_ITEM_RETRIES_S", (0.2,))  # give the dead service up quickly
+    monkeypatch.setattr(environments.remote, "GET_ITEM_TRIES", 2)  # give the dead service up quickly
+    monkeypatch.setattr(environments.remote, "GET_ITEM_FIRST_WAIT_S", 0.2)
     served = serve_environment("arithmetic")
     run_dir = tmp_path / "store" / "remote"
 

@@ -58,182 +58,194 @@ def train(
     """Train `config.steps` optimizer steps in total on `{storage}/{run}/rollouts`, resuming from
     `work_dir`'s state when there is one; yields each step's metrics with its "step" (on every
     rank). Closing the generator early runs the cleanup."""
-    import deepspeed
-
-    # Setup: process group, engine, resume state, the shard reader (rank 0 only).
-    rank, world_size = init_distributed()
-    torch.manual_seed(config.seed)
-    work_dir = Path(work_dir) if work_dir is not None else default_work_dir(storage, run)
-    state_dir = work_dir / "state"
-    staging_dir = work_dir / "staging"  # checkpoints on their way to storage (see publish_step)
-    # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
-    # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
-    model = load_policy(config.model, config.dtype)
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=deepspeed_config(config)
-    )
-    reference = None
-    if config.loss.kl_coef > 0:
-        reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
-    saved = load_resume_state(engine, state_dir, config.lr)
-    step = saved["step"] if saved else 0
-    state_step = step  # of the newest resume state
-    policy_version = saved["policy_version"] if saved else 0  # the newest published step
-    # Since the run began: every group read (trained or skipped as stale) and every one trained,
-    # in sequences too, and the seconds spent waiting for data and training.
-    totals = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0, wait_s=0.0, busy_s=0.0,
-                  retired_committed=0)  # fmt: skip
-    totals |= (saved or {}).get("totals", {})
-    reader = metrics_log = None
-    where = dict(config=config, storage=storage, run=run, storage_options=storage_options, totals=totals)
-    if rank == 0:
-        clear_staging(staging_dir)
-        ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
-        reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
-        trackers = open_trackers(config.report_to, run=run, config=config.model_dump(mode="json"), directory=work_dir)
-        metrics_log = MetricsLog(work_dir, trackers)
-        publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
-        # Samplers retired by the saved state whose files a kill left behind (see storage.progress).
-        remove_sampler_positions(storage, run, (saved or {}).get("retired_samplers", []), storage_options=storage_options)
-        log.info(
-            "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
-            config.model, reader.url, "resuming" if saved else "starting", step, config.steps,
-            world_size, state_dir,
-        )  # fmt: skip
-
+    trainer = TrainingRun.start(config, storage, run, work_dir=work_dir, storage_options=storage_options)
     try:
-        while step < config.steps:
+        while trainer.step < config.steps:
             stop_if_asked()  # one asked during the last step, whose metrics went out with it
-            step += 1
-            # Data: the next fresh groups, read on rank 0 and sent to every rank.
-            wait_started = time.monotonic()
-            groups, stale, rejected = None, [], []
-            if reader is not None:
-
-                def consumed_so_far(stale_groups: list) -> None:
-                    # Stale groups are consumed the moment they are skipped: tell the samplers.
-                    publish_position(
-                        **where, step=step - 1, policy_version=policy_version,
-                        groups_consumed=totals["groups_consumed"] + len(stale_groups) + len(rejected),
-                    )  # fmt: skip
-
-                def reject(group, reason: str) -> None:
-                    log.warning("rejected group %s (env %s): %s", group.group_id, group.env, reason)
-                    rejected.append(group)
-
-                groups, stale = next_step_groups(
-                    reader, config.groups_per_step, policy_version=policy_version,
-                    max_staleness=config.max_staleness, timeout_s=data_timeout_s,
-                    objective=config.objective, on_wait=consumed_so_far, on_reject=reject,
-                )  # fmt: skip
+            trainer.step += 1
+            waited_from = time.monotonic()
+            groups, stale, rejected = trainer.read_groups(data_timeout_s)
             # From here the step is taken: a stop asked now waits for its metrics row (trainer.stopping).
             with step_in_progress():
-                # Stale and rejected groups were consumed without being trained.
-                skipped = stale + rejected
-                skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
-                groups, (stale, rejected, skipped_sequences) = broadcast_object((groups, skipped_counts), world_size)
-                trained_sequences = sum(len(g.sequences) for g in groups)
-                totals["groups_consumed"] += len(groups) + stale + rejected
-                totals["groups_trained"] += len(groups)
-                totals["sequences_consumed"] += trained_sequences + skipped_sequences
-                totals["sequences_trained"] += trained_sequences
-                if rank == 0:
-                    # At once: the samplers admit the next step's groups on it.
-                    publish_position(**where, step=step, policy_version=policy_version, groups_consumed=totals["groups_consumed"])
-
-                # Update: every micro-batch's loss is its share of the step's, gradients add up.
-                started = time.monotonic()
-                batch = build_step(
-                    groups, policy_version=policy_version, token_budget=config.micro_batch_tokens,
-                    advantage_config=config.advantages, default_objective=config.objective,
-                    token_work=6 * model.config.hidden_size,  # rows' length by their cost (packing.choose_row_length)
-                )  # fmt: skip
-                if reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
-                    # dpo pairs without stored reference logprobs: the initial model is the reference.
-                    reference = load_policy(config.model, config.dtype).to(engine.device).requires_grad_(False)
-                micro_metrics, grad_norm = optimizer_step(
-                    engine, batch, config, rank=rank, world_size=world_size, reference=reference
-                )
-                totals["wait_s"] += started - wait_started
-                totals["busy_s"] += time.monotonic() - started
-                metrics = step_metrics(
-                    batch, stale, gather_objects(micro_metrics, world_size), engine,
-                    grad_norm=grad_norm, policy_version=policy_version,
-                    step_time_s=time.monotonic() - started, data_wait_s=started - wait_started,
-                )  # fmt: skip
-                metrics["rejected_groups"] = float(rejected)
-                metrics |= run_metrics(totals)
-
-                # Save: publish the weights as policy version `step`, then the state to resume from.
-                if step % config.save_every == 0 or step == config.steps:
-                    ledger_state = reader.ledger.to_dict() if reader is not None else None
-                    publish_started = time.monotonic()
-                    url = publish_step(
-                        engine, zero_stage=config.zero_stage, base_model=config.model,
-                        storage=storage, run=run, step=step, storage_options=storage_options,
-                        extra={"ledger": ledger_state, "trainer_config": config.model_dump()}, staging_dir=staging_dir,
-                    )  # fmt: skip
-                    metrics["publish_s"] = time.monotonic() - publish_started  # what a step pays beside its update
-                    policy_version = step
-                    save_state = step % config.resume_state_every == 0 or step == config.steps
-                    retiring = []
-                    if rank == 0:
-                        publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
-                        if save_state:
-                            # Closed samplers fold into the trainer's count: saved, published, then removed.
-                            retiring = retire_closed_samplers(storage, run, storage_options=storage_options)
-                            totals["retired_committed"] += sum(position.committed for position in retiring)
-                    if save_state:
-                        trainer_state = {
-                            "step": step, "policy_version": step, "ledger": ledger_state, "totals": totals,
-                            "retired_samplers": [position.sampler for position in retiring],
-                        }  # fmt: skip
-                        state_started = time.monotonic()
-                        save_resume_state(
-                            engine, state_dir, step, trainer_state, gather_objects(rng_state(), world_size)
-                        )
-                        metrics["save_state_s"] = time.monotonic() - state_started
-                        state_step = step
-                    if retiring:
-                        publish_position(**where, step=step, policy_version=step, groups_consumed=totals["groups_consumed"])
-                        remove_sampler_positions(storage, run, trainer_state["retired_samplers"], storage_options=storage_options)
-                        for position in retiring:
-                            log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
-                    if url is not None:
-                        log.info("step %d: published %s", step, url)
-                        if config.keep_last is not None:
-                            apply_retention(storage, run, keep_last=config.keep_last, keep_every=config.keep_every,
-                                            keep_after=state_step, storage_options=storage_options)  # fmt: skip
-                if metrics_log is not None:
-                    metrics_log.write(step, metrics)
-                    log.info("step %d: %s", step, format_metrics(metrics))
-            yield {"step": step, **metrics}
+                metrics = trainer.update(groups, stale, rejected, waited_s=time.monotonic() - waited_from)
+                if trainer.step % config.save_every == 0 or trainer.step == config.steps:
+                    metrics |= trainer.save()
+                trainer.record(metrics)
+            yield {"step": trainer.step, **metrics}
     finally:
-        # Cleanup. The process group stays up: it belongs to the process (see trainer.cli).
-        if metrics_log is not None:
-            metrics_log.close()
-        engine.destroy()
+        trainer.close()  # the process group stays up: it belongs to the process (see trainer.cli)
 
 
-def publish_position(
-    *,
-    config: TrainerConfig,
-    storage: str,
-    run: str,
-    step: int,
-    policy_version: int,
-    groups_consumed: int,
-    storage_options: dict[str, Any] | None,
-    totals: dict[str, Any],
-) -> None:
-    """Where the trainer is, written for the samplers' admission (flows.admission) after each read
-    and each publish, so they can tell a pending group from a consumed one at every step."""
-    position = TrainerPosition(
-        steps=step, groups_consumed=int(groups_consumed), policy_version=policy_version,
-        groups_per_step=config.groups_per_step, save_every=config.save_every,
-        max_staleness=config.max_staleness, retired_committed=int(totals.get("retired_committed", 0)),
-    )  # fmt: skip
-    write_trainer_position(storage, run, position, storage_options=storage_options)
+class TrainingRun:
+    """What one training run holds between steps, and its steps in order: read the step's groups,
+    update, save (publish the weights, the resume state every state_every), record the metrics."""
+
+    def __init__(self, config: TrainerConfig, storage: str, run: str, work_dir: Path, storage_options: dict[str, Any] | None):
+        self.config, self.storage, self.run, self.storage_options = config, storage, run, storage_options
+        self.rank, self.world_size = init_distributed()
+        self.work_dir, self.state_dir = work_dir, work_dir / "state"
+        self.staging_dir = work_dir / "staging"  # checkpoints on their way to storage (see publish_step)
+        # Since the run began: every group read (trained or skipped as stale) and every one trained,
+        # in sequences too, and the seconds spent waiting for data and training.
+        self.totals: dict[str, Any] = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0,
+                                           wait_s=0.0, busy_s=0.0, retired_committed=0)  # fmt: skip
+        self.reader: ShardReader | None = None
+        self.metrics_log: MetricsLog | None = None
+        self.reference: torch.nn.Module | None = None
+
+    @classmethod
+    def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
+              storage_options: dict[str, Any] | None = None) -> TrainingRun:  # fmt: skip
+        """Setup: the process group, the engine, the resume state, the shard reader (rank 0)."""
+        import deepspeed
+
+        self = cls(config, storage, run, Path(work_dir) if work_dir is not None else default_work_dir(storage, run), storage_options)
+        torch.manual_seed(config.seed)
+        # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
+        # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
+        self.model = load_policy(config.model, config.dtype)
+        self.engine, *_ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(), config=deepspeed_config(config))
+        if config.loss.kl_coef > 0:
+            self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
+        saved = load_resume_state(self.engine, self.state_dir, config.lr)
+        self.step = self.state_step = saved["step"] if saved else 0  # state_step: of the newest resume state
+        self.policy_version = saved["policy_version"] if saved else 0  # the newest published step
+        self.totals |= (saved or {}).get("totals", {})
+        if self.rank == 0:
+            clear_staging(self.staging_dir)
+            ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
+            self.reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
+            trackers = open_trackers(config.report_to, run=run, config=config.model_dump(mode="json"), directory=self.work_dir)
+            self.metrics_log = MetricsLog(self.work_dir, trackers)
+            self.publish_position(self.step)
+            # Samplers retired by the saved state whose files a kill left behind (see storage.progress).
+            remove_sampler_positions(storage, run, (saved or {}).get("retired_samplers", []), storage_options=storage_options)
+            log.info(
+                "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
+                config.model, self.reader.url, "resuming" if saved else "starting", self.step, config.steps,
+                self.world_size, self.state_dir,
+            )  # fmt: skip
+        return self
+
+    def publish_position(self, step: int, consumed_extra: int = 0) -> None:
+        """Where the trainer is, for the samplers' admission (flows.admission): written after each
+        read and each publish, so they can tell a pending group from a consumed one at every step."""
+        position = TrainerPosition(
+            steps=step, groups_consumed=int(self.totals["groups_consumed"] + consumed_extra), policy_version=self.policy_version,
+            groups_per_step=self.config.groups_per_step, save_every=self.config.save_every,
+            max_staleness=self.config.max_staleness, retired_committed=int(self.totals.get("retired_committed", 0)),
+        )  # fmt: skip
+        write_trainer_position(self.storage, self.run, position, storage_options=self.storage_options)
+
+    def read_groups(self, data_timeout_s: float) -> tuple[list | None, list, list]:
+        """Data: the next step's fresh groups, read on rank 0 (None elsewhere), with the stale and
+        rejected ones consumed on the way."""
+        if self.reader is None:
+            return None, [], []
+        rejected: list = []
+
+        def reject(group, reason: str) -> None:
+            log.warning("rejected group %s (env %s): %s", group.group_id, group.env, reason)
+            rejected.append(group)
+
+        groups, stale = next_step_groups(
+            self.reader, self.config.groups_per_step, policy_version=self.policy_version,
+            max_staleness=self.config.max_staleness, timeout_s=data_timeout_s, objective=self.config.objective,
+            # Stale groups are consumed the moment they are skipped: tell the samplers.
+            on_wait=lambda stale_groups: self.publish_position(self.step - 1, len(stale_groups) + len(rejected)),
+            on_reject=reject,
+        )  # fmt: skip
+        return groups, stale, rejected
+
+    def update(self, groups: list | None, stale: list, rejected: list, *, waited_s: float) -> dict[str, float]:
+        """Every rank gets the step's groups, packs them and trains its micro-batches; one DeepSpeed
+        step. Returns the step's metrics."""
+        config, totals = self.config, self.totals
+        skipped = stale + rejected
+        skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
+        groups, (stale_count, rejected_count, skipped_sequences) = broadcast_object((groups, skipped_counts), self.world_size)
+        trained_sequences = sum(len(g.sequences) for g in groups)
+        totals["groups_consumed"] += len(groups) + stale_count + rejected_count
+        totals["groups_trained"] += len(groups)
+        totals["sequences_consumed"] += trained_sequences + skipped_sequences
+        totals["sequences_trained"] += trained_sequences
+        if self.rank == 0:
+            self.publish_position(self.step)  # at once: the samplers admit the next step's groups on it
+        # Update: every micro-batch's loss is its share of the step's, gradients add up.
+        started = time.monotonic()
+        batch = build_step(
+            groups, policy_version=self.policy_version, token_budget=config.micro_batch_tokens,
+            advantage_config=config.advantages, default_objective=config.objective,
+            token_work=6 * self.model.config.hidden_size,  # rows' length by their cost (packing.choose_row_length)
+        )  # fmt: skip
+        if self.reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
+            # dpo pairs without stored reference logprobs: the initial model is the reference.
+            self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
+        micro_metrics, grad_norm = optimizer_step(
+            self.engine, batch, config, rank=self.rank, world_size=self.world_size, reference=self.reference
+        )
+        totals["wait_s"] += waited_s
+        totals["busy_s"] += time.monotonic() - started
+        metrics = step_metrics(
+            batch, stale_count, gather_objects(micro_metrics, self.world_size), self.engine,
+            grad_norm=grad_norm, policy_version=self.policy_version,
+            step_time_s=time.monotonic() - started, data_wait_s=waited_s,
+        )  # fmt: skip
+        metrics["rejected_groups"] = float(rejected_count)
+        return metrics | run_metrics(totals)
+
+    def save(self) -> dict[str, float]:
+        """Publish the weights as policy version `step`, then (every state_every steps and at the
+        last) the state to resume from; retire closed samplers and apply retention. Returns what
+        it cost."""
+        config, step = self.config, self.step
+        ledger_state = self.reader.ledger.to_dict() if self.reader is not None else None
+        publish_started = time.monotonic()
+        url = publish_step(
+            self.engine, zero_stage=config.zero_stage, base_model=config.model, storage=self.storage, run=self.run,
+            step=step, storage_options=self.storage_options, staging_dir=self.staging_dir,
+            extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
+        )  # fmt: skip
+        costs = {"publish_s": time.monotonic() - publish_started}  # what a step pays beside its update
+        self.policy_version = step
+        save_state = step % config.resume_state_every == 0 or step == config.steps
+        retiring = []
+        if self.rank == 0:
+            self.publish_position(step)
+            if save_state:
+                # Closed samplers fold into the trainer's count: saved, published, then removed.
+                retiring = retire_closed_samplers(self.storage, self.run, storage_options=self.storage_options)
+                self.totals["retired_committed"] += sum(position.committed for position in retiring)
+        if save_state:
+            trainer_state = {
+                "step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals,
+                "retired_samplers": [position.sampler for position in retiring],
+            }  # fmt: skip
+            state_started = time.monotonic()
+            save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size))
+            costs["save_state_s"] = time.monotonic() - state_started
+            self.state_step = step
+        if retiring:
+            self.publish_position(step)
+            remove_sampler_positions(self.storage, self.run, trainer_state["retired_samplers"], storage_options=self.storage_options)
+            for position in retiring:
+                log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
+        if url is not None:
+            log.info("step %d: published %s", step, url)
+            if config.keep_last is not None:
+                apply_retention(self.storage, self.run, keep_last=config.keep_last, keep_every=config.keep_every,
+                                keep_after=self.state_step, storage_options=self.storage_options)  # fmt: skip
+        return costs
+
+    def record(self, metrics: dict[str, float]) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.write(self.step, metrics)
+            log.info("step %d: %s", self.step, format_metrics(metrics))
+
+    def close(self) -> None:
+        if self.metrics_log is not None:
+            self.metrics_log.close()
+        self.engine.destroy()
 
 
 def optimizer_step(

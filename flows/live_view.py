@@ -8,13 +8,18 @@ latest steps newest first and the held-out evaluations, every number rounded."""
 
 from __future__ import annotations
 
+import functools
 import math
+import time
+from pathlib import Path
 from typing import Any
 
+from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
 from prefect.events import emit_event
 
-from flows.artifacts import artifact_key
-from flows.pipeline_config import PipelineConfig
+from flows.artifacts import Card, artifact_key
+from flows.pipeline_config import Phase, PipelineConfig
+from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, staleness_table
 
 LIVE_INTERVAL_S = 5.0
 LATEST_STEPS = 10
@@ -120,3 +125,60 @@ def config_markdown(config: PipelineConfig, path: str | None, overrides: list[st
 
     source = f"`{path}`" + (f" with `{' '.join(f'--set {o}' for o in overrides)}`" if overrides else "") if path else "a dict"
     return f"# Effective config\n\nFrom {source}.\n\n```yaml\n{yaml.safe_dump(config.model_dump(mode='json'), sort_keys=False)}```\n"
+
+
+class RunView:
+    """A pipeline run as the Prefect UI shows it while it goes: the trainer's steps (StepLog), the
+    held-out curve, the reloads, evaluations and phases (PipelineLog, each also an event), a progress
+    artifact, the live card, and the step and staleness tables, each one artifact updated in place."""
+
+    def __init__(self, config: PipelineConfig, run: str, work_dir: Path):
+        self.config, self.run = config, run
+        self.key = artifact_key("pipeline", run)
+        self.started = time.monotonic()
+        self.steps = StepLog(work_dir)
+        self.curve = Curve()
+        self.measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
+        self.live = Card("markdown", f"{self.key}-live", f"Run {run} as it goes: reward chart, latest steps, served version", interval_s=LIVE_INTERVAL_S)
+        self.metrics_card = Card("table", f"{self.key}-metrics", f"Trainer metrics of run {run}, newest step first")
+        self.staleness_card = Card("table", f"{self.key}-staleness",
+                                   f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})")  # fmt: skip
+        self.phase = config.phases[0].name
+        self.progress = None
+
+    def minutes(self) -> float:
+        return (time.monotonic() - self.started) / 60
+
+    async def open(self, config_path: str | None, overrides: list[str] | None) -> None:
+        """The progress bar, the effective config and the live card, there from the start."""
+        self.progress = await acreate_progress_artifact(0.0, key=f"{self.key}-progress", description=f"steps of {self.config.total_steps}")
+        await acreate_markdown_artifact(config_markdown(self.config, config_path, overrides), key=f"{self.key}-config",
+                                        description=f"Run {self.run}: the effective config, overrides applied")  # fmt: skip
+        await self.show_live()
+
+    async def show_live(self, finished: bool = False) -> None:
+        def markdown() -> str:  # built only when the card is due an update
+            steps = self.steps
+            return live_markdown(self.run, self.phase, self.config.total_steps, steps.rows, self.curve.rows, self.measured.reload_s,
+                                 time.monotonic() - self.started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
+
+        await self.live.show(markdown, force=finished)
+
+    async def show_new_steps(self, phase: Phase, log) -> None:
+        """The trainer's new steps: a log line each, the progress bar, the live card."""
+        self.phase = phase.name
+        for metrics in self.steps.new():
+            log.info(progress_line(phase.name, metrics, time.monotonic() - self.started, self.config.total_steps, self.steps.seconds_per_step()))
+            await aupdate_progress_artifact(self.progress, 100.0 * metrics["step"] / self.config.total_steps)
+        await self.show_live()
+
+    async def show_tables(self) -> None:
+        """The step table and the staleness histogram, each one card replaced in place."""
+        await self.metrics_card.show(self.steps.table(self.measured.reload_s))
+        if histogram := self.steps.staleness_histogram():
+            await self.staleness_card.show(staleness_table(histogram))
+
+    async def close(self) -> None:
+        await aupdate_progress_artifact(self.progress, 100.0)
+        await self.show_tables()  # with the last reloads
+        await self.show_live(finished=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -28,12 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifact, aupdate_progress_artifact
+from prefect.artifacts import acreate_markdown_artifact
 
 from flows.pipeline_config import PipelineConfig, Phase
-from flows.artifacts import Card, artifact_key
-from flows.live_view import LIVE_INTERVAL_S, config_markdown, emit_pipeline_event, live_markdown
-from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, report_markdown, staleness_table
+from flows.live_view import RunView
+from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
 from core.processes import stop_process
 from flows.rollout import rollout
 from inference.client import PolicyClient
@@ -64,121 +62,103 @@ async def pipeline(
     config = PipelineConfig.from_yaml(config_path, overrides or []) if config_path else PipelineConfig.model_validate(config)
     log = get_run_logger()
     storage, run = split_run_url(config.run)
-    work_dir = default_work_dir(storage, run)
-    key = artifact_key("pipeline", run)
     api_key = await resolve_api_key(None)  # $CLOTHO_API_KEY (clotho run --api-key sets it)
-    started = time.monotonic()
-    progress = await acreate_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {config.total_steps}")
-    steps = StepLog(work_dir)
-    curve = Curve()
-    # Reload times, evaluations and phases (the trainer logs its steps), each also a Prefect event.
-    measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
-    await acreate_markdown_artifact(config_markdown(config, config_path, overrides), key=f"{key}-config",
-                                    description=f"Run {run}: the effective config, overrides applied")  # fmt: skip
-    live = Card("markdown", f"{key}-live", f"Run {run} as it goes: reward chart, latest steps, served version", interval_s=LIVE_INTERVAL_S)
-    metrics_card = Card("table", f"{key}-metrics", f"Trainer metrics of run {run}, newest step first")
-    staleness_card = Card("table", f"{key}-staleness", f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})")
-
-    live_phase = config.phases[0].name
-
-    async def show_live(finished: bool = False) -> None:
-        def markdown() -> str:  # built only when the card is due an update
-            return live_markdown(run, live_phase, config.total_steps, steps.rows, curve.rows, measured.reload_s,
-                                 time.monotonic() - started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
-
-        await live.show(markdown, force=finished)
-
-    async def show_new_steps(phase: Phase) -> None:
-        nonlocal live_phase
-        live_phase = phase.name
-        for metrics in steps.new():
-            log.info(progress_line(phase.name, metrics, time.monotonic() - started, config.total_steps, steps.seconds_per_step()))
-            await aupdate_progress_artifact(progress, 100.0 * metrics["step"] / config.total_steps)
-        await show_live()
-
-    async def show_tables() -> None:
-        """The step table and the staleness histogram, each one card replaced in place."""
-        await metrics_card.show(steps.table(measured.reload_s))
-        histogram = steps.staleness_histogram()
-        if histogram:
-            await staleness_card.show(staleness_table(histogram))
-
-    await show_live()  # the card is there from the start, before the servers are up
+    view = RunView(config, run, default_work_dir(storage, run))
+    await view.open(config_path, overrides)
+    # Resolved with the evaluated version when the last phase's stop rule is met.
+    stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     async with contextlib.AsyncExitStack() as stack:
-        stack.callback(measured.close)
         # Servers, the reload watcher and the evaluator run for the whole pipeline.
-        servers = await start_servers(config, api_key, log)
-        stack.callback(stop_servers, servers)
-        urls = [server.base_url for server in servers] + list(config.servers.urls)
-        tokenizer = config.model
-        watcher = reload_watcher(config, servers, api_key)
-        stop_watching = asyncio.Event()
-        watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=measured.reloads))
-        stack.push_async_callback(finish, watching, stop_watching)
-        # Resolved with the evaluated version when the last phase's stop rule is met.
-        stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        if config.evaluation is not None:
-            evaluating = asyncio.ensure_future(
-                evaluate_versions(config, urls[0], api_key, tokenizer, curve, measured, started, log, stop_rule_met)
-            )
-            stack.push_async_callback(cancel_and_wait, [evaluating])
-
+        urls = await start_services(stack, config, api_key, view, stop_rule_met, log)
         end_step = 0
         for phase in config.phases:
             end_step += phase.steps
-            position = read_trainer_position(storage, run)
-            if position is not None and position.steps >= end_step:
-                log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
-                continue
-            log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
-            set_trainer_position(config, phase, storage, run)
-            measured.phase(phase.name, end_step)
-            trainer = start_trainer(config, phase, end_step, work_dir)
-            rollouts = [
-                asyncio.ensure_future(phase_rollout(config, phase, end_step, urls, tokenizer, index))
-                for index in range(config.rollout.flows)
-            ]
-            try:
-                while trainer.poll() is None and not stop_rule_met.done():
-                    await asyncio.sleep(1.0)
-                    await show_new_steps(phase)
-                    failed = [task for task in rollouts if task.done() and task.exception() is not None]
-                    if failed:
-                        raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
-                if stop_rule_met.done():
-                    log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
-                    stop_process(trainer, TRAINER_STOP_S)  # it ends after its step in progress (trainer.stopping)
-                    end_run_here(storage, run)
-                elif trainer.returncode != 0:
-                    raise RuntimeError(
-                        f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}"
-                    )
-                # The rollout flows end on their own once the trainer took the phase's last groups
-                # (or, stopped by the rule, those of the step it ended at).
-                await asyncio.wait(rollouts, timeout=60)
-                await show_new_steps(phase)
-            finally:
-                stop_process(trainer, TRAINER_STOP_S)
-                await cancel_and_wait(rollouts)
-            await show_tables()
-
+            await run_phase(config, phase, end_step, urls, view, stop_rule_met, log)
         if not stop_rule_met.done():
             # The last checkpoint is served (and evaluated) before the pipeline stops.
             await wait_until_served(urls, api_key, end_step, timeout_s=120)
             if config.evaluation is not None:
-                await curve.wait_for(end_step, timeout_s=300)
+                await view.curve.wait_for(end_step, timeout_s=300)
+    await view.close()
+    summary = run_summary(config, view, storage, run, stop_rule_met)
+    await acreate_markdown_artifact(report_markdown(run, view.curve, summary), key=f"{view.key}-report", description=f"Pipeline run {run}")
+    log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+    return summary
 
-    await aupdate_progress_artifact(progress, 100.0)
-    await show_tables()  # with the last reloads
-    await show_live(finished=True)
-    summary = {"run": config.run, "steps": steps.last_step, "minutes": (time.monotonic() - started) / 60, **steps.summary()}
-    summary |= measured.summary() | sample_utilization(storage, run, steps)
+
+async def start_services(
+    stack: contextlib.AsyncExitStack, config: PipelineConfig, api_key: str | None, view: RunView,
+    stop_rule_met: asyncio.Future[int], log,
+) -> list[str]:  # fmt: skip
+    """The policy servers, the reload watcher and the evaluator, each stopped when `stack` closes;
+    returns the servers' URLs (the pipeline's own first)."""
+    stack.callback(view.measured.close)
+    servers = await start_servers(config, api_key, log)
+    stack.callback(stop_servers, servers)
+    urls = [server.base_url for server in servers] + list(config.servers.urls)
+    watcher = reload_watcher(config, servers, api_key)
+    stop_watching = asyncio.Event()
+    watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
+    stack.push_async_callback(finish, watching, stop_watching)
+    if config.evaluation is not None:
+        evaluating = asyncio.ensure_future(
+            evaluate_versions(config, urls[0], api_key, config.model, view.curve, view.measured, view.started, log, stop_rule_met)
+        )
+        stack.push_async_callback(cancel_and_wait, [evaluating])
+    return urls
+
+
+async def run_phase(
+    config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], view: RunView, stop_rule_met: asyncio.Future[int], log
+) -> None:
+    """One phase up to `end_step`: its trainer and rollout flows, watched every second, until the
+    trainer ends (or the stop rule stops it); skipped when the run is already past it."""
+    storage, run = split_run_url(config.run)
+    position = read_trainer_position(storage, run)
+    if position is not None and position.steps >= end_step:
+        log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
+        return
+    log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
+    set_trainer_position(config, phase, storage, run)
+    view.measured.phase(phase.name, end_step)
+    work_dir = default_work_dir(storage, run)
+    trainer = start_trainer(config, phase, end_step, work_dir)
+    rollouts = [
+        asyncio.ensure_future(phase_rollout(config, phase, end_step, urls, config.model, index))
+        for index in range(config.rollout.flows)
+    ]
+    try:
+        while trainer.poll() is None and not stop_rule_met.done():
+            await asyncio.sleep(1.0)
+            await view.show_new_steps(phase, log)
+            failed = [task for task in rollouts if task.done() and task.exception() is not None]
+            if failed:
+                raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
+        if stop_rule_met.done():
+            log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
+            stop_process(trainer, TRAINER_STOP_S)  # it ends after its step in progress (trainer.stopping)
+            end_run_here(storage, run)
+        elif trainer.returncode != 0:
+            raise RuntimeError(f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}")
+        # The rollout flows end on their own once the trainer took the phase's last groups
+        # (or, stopped by the rule, those of the step it ended at).
+        await asyncio.wait(rollouts, timeout=60)
+        await view.show_new_steps(phase, log)
+    finally:
+        stop_process(trainer, TRAINER_STOP_S)
+        await cancel_and_wait(rollouts)
+    await view.show_tables()
+
+
+def run_summary(config: PipelineConfig, view: RunView, storage: str, run: str, stop_rule_met: asyncio.Future[int]) -> dict[str, Any]:
+    """What the pipeline returns and reports: steps, minutes, the trainer's and the servers'
+    figures, the stop rule that ended it, the held-out curve with the training reward beside it."""
+    summary = {"run": config.run, "steps": view.steps.last_step, "minutes": view.minutes(), **view.steps.summary()}
+    summary |= view.measured.summary() | sample_utilization(storage, run, view.steps)
     if stop_rule_met.done():
         summary["stopped_by_rule"] = {"version": stop_rule_met.result(), "rule": config.phases[-1].stop.describe()}
-    if curve.rows:
-        summary["curve"] = with_training_reward(curve.rows, steps.rows)
-    await acreate_markdown_artifact(report_markdown(run, curve, summary), key=f"{key}-report", description=f"Pipeline run {run}")
-    log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+    if view.curve.rows:
+        summary["curve"] = with_training_reward(view.curve.rows, view.steps.rows)
     return summary
 
 

@@ -30,6 +30,22 @@ def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequ
     )  # fmt: skip
 
 
+@torch.no_grad()
+def check_each_scores_as_alone(model, batch, sequences: list[TrainingSequence]) -> torch.Tensor:
+    """Every sequence's logprobs in the micro-batch equal its own forward pass, with its window
+    (WINDOW: 4 tokens) where its extras ask for one; returns the micro-batch's logprobs."""
+    packed = packed_logprobs(model, batch)
+    for index, s in enumerate(sequences):
+        ids = torch.tensor([s.tokens])
+        causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
+        if s.extras:
+            positions = torch.arange(len(s.tokens))
+            causal &= positions[:, None] - positions[None, :] < 4
+        alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
+        torch.testing.assert_close(packed[batch.sequence_ids == index][1:], alone[0, 1:], atol=2e-6, rtol=0)
+    return packed
+
+
 def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
     # Three sequences, the middle one with a sliding window, in rows of 40 (two share a row): each
     # must score exactly as it does alone, so neither positions nor attention leak across packed
@@ -38,17 +54,7 @@ def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
     sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
     (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=False)
     assert tuple(batch.input_ids.shape) == (2, 40)
-    with torch.no_grad():
-        packed = packed_logprobs(model, batch)
-        for index, s in enumerate(sequences):
-            ids = torch.tensor([s.tokens])
-            causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
-            if s.extras:
-                positions = torch.arange(len(s.tokens))
-                causal &= positions[:, None] - positions[None, :] < 4
-            alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
-            mine = packed[batch.sequence_ids == index]
-            torch.testing.assert_close(mine[1:], alone[0, 1:], atol=2e-6, rtol=0)
+    packed = check_each_scores_as_alone(model, batch, sequences)
     # The window changes the scores: without the hook the middle sequence would score differently.
     with torch.no_grad():
         unwindowed = packed_logprobs(model, batch, hooks=())
@@ -63,16 +69,7 @@ def test_rows_of_one_sequence_run_without_a_mask_and_score_as_each_sequence_alon
     for sequences in ([sequence(30, 0), sequence(33, 1), sequence(31, 2)], [sequence(20, 0), sequence(33, 1, WINDOW)]):
         (batch,) = pack_micro_batches(sequences, token_budget=128)
         assert batch.input_ids.shape == (len(sequences), 33) and batch.needs_mask() == any(s.extras for s in sequences)
-        with torch.no_grad():
-            packed = packed_logprobs(model, batch)
-            for index, s in enumerate(sequences):
-                ids = torch.tensor([s.tokens])
-                causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
-                if s.extras:
-                    positions = torch.arange(len(s.tokens))
-                    causal &= positions[:, None] - positions[None, :] < 4
-                alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
-                torch.testing.assert_close(packed[batch.sequence_ids == index][1:], alone[0, 1:], atol=2e-6, rtol=0)
+        check_each_scores_as_alone(model, batch, sequences)
 
 
 def test_ranks_share_micro_batches_and_pad_with_idle_ones(tiny_model_dir):

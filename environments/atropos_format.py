@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import numbers
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from core.scored_group import ScoredGroup, ScoredSequence
+
+if TYPE_CHECKING:
+    from environments.chat import Messages
+    from inference.client import Completion
 
 # Atropos marks untrained positions with -100 in `masks` and 1.0 in `inference_logprobs`
 # (a logprob can never be positive, so 1.0 is unambiguous).
@@ -164,3 +170,83 @@ def from_json_safe(value: Any) -> Any:
                 "value); only the process that handed it out holds it"
             )
     return {k: from_json_safe(v) for k, v in value.items()}
+
+
+# Checking an Atropos environment's sequences against what the backend sampled (the adapter,
+# environments/adapters/atropos.py, runs these on every group it converts).
+
+
+def trained_runs(mask: list[int]) -> list[tuple[int, int]]:
+    runs, start = [], None
+    for i, token in enumerate([*mask, IGNORE_INDEX]):
+        if token != IGNORE_INDEX and start is None:
+            start = i
+        elif token == IGNORE_INDEX and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def sampled_cover(tokens: list[int], runs: list[tuple[int, int]],
+                  sampled: dict[tuple[int, ...], list[Completion]]) -> list[tuple[int, Completion]] | None:  # fmt: skip
+    """The completions that make up every trained run, each where it starts, each sampled from
+    exactly the ids before it; None when a run is anything else (re-tokenized text)."""
+    cover = []
+    for start, end in runs:
+        position = start
+        while position < end:
+            fits = [c for c in sampled.get(tuple(tokens[:position]), ())
+                    if c.token_ids and tokens[position : position + len(c.token_ids)] == c.token_ids
+                    and position + len(c.token_ids) <= end]  # fmt: skip
+            if not fits:
+                return None
+            completion = max(fits, key=lambda c: len(c.token_ids))
+            cover.append((position, completion))
+            position += len(completion.token_ids)
+    return cover
+
+
+@dataclass
+class SequenceCheck:
+    """One sequence against what the backend sampled for its group."""
+
+    exact: bool
+    source: str  # where its logprobs come from: "environment", "sampler" or "rescored"
+    logprobs: list[float] | None  # Atropos's convention (1.0 where untrained); None: rescore
+    finish_reason: str
+
+
+def check_sequence(tokens: list[int], masks: list[int], given: list[float] | None,
+                   sampled: dict[tuple[int, ...], list[Completion]]) -> SequenceCheck:  # fmt: skip
+    """Exact when every trained run is sampled completions (sampled_cover) and the environment's
+    logprobs, if it gave them, are theirs. Logprobs of 1.0 on trained tokens (managed_server's
+    filler where one was unknown) are no sampler's: they count as not given."""
+    runs = trained_runs(masks)
+    cover = sampled_cover(tokens, runs, sampled)
+    trained = [j for start, end in runs for j in range(start, end)]
+    if given is not None and (len(given) != len(tokens) or any(given[j] > 0 for j in trained)):
+        given = None
+    finish_reason = cover[-1][1].finish_reason if cover else "stop"
+    if cover is None:
+        if given is None:
+            return SequenceCheck(False, "rescored", None, finish_reason)
+        return SequenceCheck(False, "environment", list(given), finish_reason)
+    from_sampler = [UNSAMPLED_LOGPROB] * len(tokens)
+    for position, completion in cover:
+        from_sampler[position : position + len(completion.token_ids)] = completion.logprobs
+    if given is None:
+        return SequenceCheck(True, "sampler", from_sampler, finish_reason)
+    exact = all(math.isclose(given[j], from_sampler[j], abs_tol=1e-6) for j in trained)
+    return SequenceCheck(exact, "environment", list(given), finish_reason)
+
+
+def decoded_messages(tokenizer, tokens: list[int], runs: list[tuple[int, int]]) -> Messages:
+    """A conversation read off the tokens: untrained runs as user turns, trained ones as assistant turns."""
+    messages, position = [], 0
+    for start, end in [*runs, (len(tokens), len(tokens))]:
+        if start > position:
+            messages.append({"role": "user", "content": tokenizer.decode(tokens[position:start], skip_special_tokens=True)})
+        if end > start:
+            messages.append({"role": "assistant", "content": tokenizer.decode(tokens[start:end], skip_special_tokens=True)})
+        position = end
+    return messages

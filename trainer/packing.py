@@ -42,6 +42,16 @@ def sliding_window(block: torch.Tensor, extras: dict[str, Any]) -> torch.Tensor:
 DEFAULT_HOOKS: tuple[AttentionMaskHook, ...] = (sliding_window,)
 
 
+def hooked_block(size: int, extras: dict[str, Any], hooks: Sequence[AttentionMaskHook]) -> tuple[torch.Tensor, bool]:
+    """One sequence's block of the attention mask, [size, size] bool: causal, then through every
+    hook with the sequence's extras; and whether the hooks changed it from plain causal."""
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    block = causal
+    for hook in hooks:
+        block = hook(block, extras)
+    return block, block is not causal and not torch.equal(block, causal)
+
+
 @dataclass(frozen=True)
 class TrainingSequence:
     """One sequence ready to pack: equal-length per-token lists and what to call it in errors."""
@@ -136,14 +146,10 @@ class PackedBatch:
         rows = self.input_ids.shape[0]
         if len(self.sequence_lengths) != rows or not torch.equal(self.sequence_ids[:, 0], torch.arange(rows)):
             return True
-        for size, extras in zip(self.sequence_lengths, self.sequence_extras, strict=True):
-            causal = torch.ones(size, size, dtype=torch.bool).tril()
-            block = causal
-            for hook in hooks:
-                block = hook(block, extras)
-            if block is not causal and not torch.equal(block, causal):
-                return True
-        return False
+        return any(
+            hooked_block(size, extras, hooks)[1]
+            for size, extras in zip(self.sequence_lengths, self.sequence_extras, strict=True)
+        )
 
     def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
         """Block-diagonal causal mask [rows, 1, L, L] bool, True where a query may attend to a key.
@@ -156,10 +162,7 @@ class PackedBatch:
         mask = torch.eye(length, dtype=torch.bool).repeat(rows, 1, 1)
         for index, (size, extras) in enumerate(zip(self.sequence_lengths, self.sequence_extras, strict=True)):
             row, start = (self.sequence_ids == index).nonzero()[0].tolist()  # the sequence's first slot
-            block = torch.ones(size, size, dtype=torch.bool).tril()
-            for hook in hooks:
-                block = hook(block, extras)
-            mask[row, start : start + size, start : start + size] = block
+            mask[row, start : start + size, start : start + size] = hooked_block(size, extras, hooks)[0]
         return mask[:, None]
 
 
@@ -203,9 +206,7 @@ def pack_micro_batches(
     waste fewer slots on padding; shorter rows cost less attention, which a dense mask pays in full
     over a row's length squared. A bounded set of row lengths keeps kernel autotuning and compile
     caches warm. With `padded_rows`, when no sequence must share its row (no dpo pair), the plain
-    padded batch competes too: one sequence a row at the longest length, run with causal attention and no mask, which
-    wins where lengths are alike (the demo's 128 answers of 33 tokens: 0.51 s forward + backward
-    against 0.60 s in rows of three with a dense mask, 2 cores).
+    padded batch competes too (choose_row_length).
     """
     for sequence in sequences:
         if len(sequence.tokens) > token_budget:
@@ -228,14 +229,8 @@ def pack_micro_batches(
             )
     if not members:
         return []
-    row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work)
-    if padded_rows and all(len(unit) == 1 for unit in members):
-        # One sequence a row, padded to the longest: no mask to pay for (PackedBatch.needs_mask),
-        # and sdpa's causal kernel skips the keys after each query: ~L / 2 of them on average.
-        longest = max(lengths)
-        packed_cost = len(plan) * row_length * (token_work + row_length)
-        if len(lengths) * longest * (token_work + longest / 2) < packed_cost:
-            row_length, plan = longest, [[unit] for unit in range(len(members))]
+    padded = padded_rows and all(len(unit) == 1 for unit in members)
+    row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work, padded)
     rows = [sorted(i for u in units_in_row for i in members[u]) for units_in_row in plan]
     # As few micro-batches as the budget allows, the rows shared evenly (124 + 4 rows would pay a
     # whole forward and backward for the last four).
@@ -244,7 +239,9 @@ def pack_micro_batches(
     return [_pack(sequences, rows[start:end], row_length) for start, end in zip(bounds, bounds[1:])]
 
 
-def choose_row_length(lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int) -> tuple[int, list[list[int]]]:
+def choose_row_length(
+    lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int, padded: bool = False
+) -> tuple[int, list[list[int]]]:
     """(row length, rows of indices into `lengths`) of least modelled cost, slots x (token_work + L).
 
     Per token, a transformer layer does ~24 d^2 multiply-adds outside attention and ~4 d L inside
@@ -253,6 +250,12 @@ def choose_row_length(lengths: Sequence[int], token_budget: int, row_multiple: i
     Candidates, each a multiple of `row_multiple` within the budget: from the longest length up to
     twice it in (at most 32) even steps, where two sequences start to share a row (one of 31 and one
     of 33 fill a row of 64 where rows of 40 would pad each by a fifth), then steps of 1.25x.
+
+    With `padded`, the plain padded batch is a candidate too: one sequence a row at the longest
+    length exactly, which needs no mask (PackedBatch.needs_mask) and runs sdpa's causal kernel, which
+    skips the keys after each query, so a slot costs token_work + L / 2. It wins where lengths are
+    alike (the demo's 128 answers of 33 tokens: 0.51 s forward + backward against 0.60 s in rows of
+    three with a dense mask, 2 cores).
     """
     def rounded(length: float) -> int:
         return min(math.ceil(length / row_multiple) * row_multiple, token_budget)
@@ -272,6 +275,10 @@ def choose_row_length(lengths: Sequence[int], token_budget: int, row_multiple: i
         if best is None or cost < best[0]:
             best = (cost, row_length, rows)
     assert best is not None
+    if padded:
+        longest = max(lengths)
+        if len(lengths) * longest * (token_work + longest / 2) < best[0]:
+            return longest, [[index] for index in range(len(lengths))]
     return best[1], best[2]
 
 

@@ -145,6 +145,7 @@ class RunView:
                                    f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})")  # fmt: skip
         self.phase = config.phases[0].name
         self.progress = None
+        self.shown_version: int | None = None  # the served version the live card last showed
 
     def minutes(self) -> float:
         return (time.monotonic() - self.started) / 60
@@ -157,12 +158,17 @@ class RunView:
         await self.show_live()
 
     async def show_live(self, finished: bool = False) -> None:
+        """The live card, at most every LIVE_INTERVAL_S; at once when the servers serve a new
+        version (a reload is what a person watching waits for) and at the end."""
+        served = max(self.measured.reload_s, default=None)
+
         def markdown() -> str:  # built only when the card is due an update
             steps = self.steps
+            self.shown_version = served
             return live_markdown(self.run, self.phase, self.config.total_steps, steps.rows, self.curve.rows, self.measured.reload_s,
                                  time.monotonic() - self.started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
 
-        await self.live.show(markdown, force=finished)
+        await self.live.show(markdown, force=finished or served != self.shown_version)
 
     async def show_new_steps(self, phase: Phase, log) -> None:
         """The trainer's new steps: a log line each, the progress bar, the live card."""

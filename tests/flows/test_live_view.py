@@ -81,3 +81,34 @@ def test_the_card_is_one_artifact_updated_in_place_at_most_every_interval(prefec
         artifact_id, throttled, artifacts = asyncio.run(scenario())
     assert throttled == ["step 1", "step 3"]  # stored before the end: step 1; built: only the end's content
     assert [(a.id, a.type, a.data) for a in artifacts] == [(artifact_id, "markdown", "step 3")]  # one artifact, replaced in place
+
+
+def test_the_card_shows_a_new_served_version_at_once_and_otherwise_waits_its_interval(tmp_path) -> None:
+    """A reload is what a person watching waits for: the card does not hold it back for the
+    interval (a short run could end before the next update and never show it while it went)."""
+    from flows.live_view import RunView
+    from flows.pipeline_config import PipelineConfig
+
+    config = PipelineConfig.model_validate({"run": f"file://{tmp_path}/run", "model": "m",
+                                            "phases": [{"name": "rl", "steps": 10, "environments": [{"env": "arithmetic"}]}]})  # fmt: skip
+    view = RunView(config, "run", tmp_path / "work")
+    sent: list[bool] = []
+
+    async def show(content, force: bool = False) -> None:
+        sent.append(force)
+        if force or not sent[:-1]:
+            content()  # what Card.show builds when it sends
+
+    view.live.show = show
+    outcome = type("Outcome", (), {"status": "reloaded", "total_s": 0.2, "version": 1, "base_url": "u", "swap_s": 0.1, "parity_s": 0.1})
+
+    async def scenario() -> None:
+        await view.show_live()  # the first card: nothing served yet
+        await view.show_live()
+        await view.measured.reloads([outcome()])
+        await view.show_live()  # v1 served: at once
+        await view.show_live()  # nothing new: the interval decides
+        await view.show_live(finished=True)
+
+    asyncio.run(scenario())
+    assert sent == [False, False, True, False, True]

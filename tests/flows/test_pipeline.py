@@ -197,8 +197,8 @@ def test_the_run_s_page_has_its_effective_config_and_its_reloads_evaluations_and
         assert response.status_code == 200, response.text
         events = response.json()["events"]
         kinds = {kind: [e["payload"] for e in events if e["event"] == f"clotho.pipeline.{kind}"] for kind in ("phase", "reload", "evaluation")}
-        if all(kinds.values()) and len(kinds["evaluation"]) >= 3:
-            break
+        if all(kinds.values()) and len(kinds["reload"]) >= stopped_run.summary["reloads"] and len(kinds["evaluation"]) >= 3:
+            break  # every reload stored (the last ones may land a batch later than the evaluations)
         time.sleep(2)
     assert [p["phase"] for p in kinds["phase"]] == ["rl"], kinds
     assert len(kinds["reload"]) == stopped_run.summary["reloads"], kinds["reload"]

@@ -48,7 +48,7 @@ import yaml  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from environments.base import Item  # noqa: E402
-from environments.compare import split_pairs  # noqa: E402
+from environments.bundled.compare import split_pairs  # noqa: E402
 from environments.loading import load_environment_class  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from storage.checkpoints import checkpoint_url  # noqa: E402

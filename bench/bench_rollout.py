@@ -55,8 +55,8 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import psutil  # noqa: E402
 
-from environments.arithmetic import Arithmetic  # noqa: E402
-from environments.instant import Instant  # noqa: E402
+from environments.bundled.arithmetic import Arithmetic  # noqa: E402
+from environments.bundled.instant import Instant  # noqa: E402
 from flows.rollout import rollout  # noqa: E402
 from inference.client import PolicyClient  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
@@ -95,7 +95,7 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     """Generated tokens, the seconds the flow ran groups (from its first task run to its last group
     stored, without the flow run's start (API calls, environment setup) and final report, which a
     continuous rollout pays once, not per group), and its task runs."""
-    spec = env or EnvSpec(import_path="environments.arithmetic:Arithmetic", config=CONFIG)
+    spec = env or EnvSpec(import_path="environments.bundled.arithmetic:Arithmetic", config=CONFIG)
     # Shards are written while later groups sample, as in a continuous rollout (a shard of the
     # default 64 groups at a time); only the run's last one waits at its end.
     shard = max(1, groups // 4)
@@ -114,7 +114,7 @@ def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str
     """Per-task-run orchestration latency: an instant environment through the flow at concurrency 1
     with a task run per group (every task run waits for the previous one) vs the same calls in a
     plain loop (both read the policy version from the server at `url`, as every group does)."""
-    spec = EnvSpec(import_path="environments.instant:Instant", config={"group_size": 8})
+    spec = EnvSpec(import_path="environments.bundled.instant:Instant", config={"group_size": 8})
 
     async def direct() -> None:
         async with PolicyClient(url) as client:

@@ -5,7 +5,7 @@ README's demo figures from bench/results/demo.json, its environment listing from
     python bench/report.py            print the tables
     python bench/report.py --readme   rewrite every block between its markers: the benchmark and
                                       peer tables in docs/benchmarks.md, the demo figures and the
-                                      listing of environments/capitals.py in the README
+                                      listing of environments/bundled/capitals.py in the README
     python bench/report.py --record-demo [.clotho/demo/summary.json]
                                       keep what a `make demo` measured as bench/results/demo.json
 """
@@ -22,7 +22,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
-LISTED = "environments/capitals.py"
+LISTED = "environments/bundled/capitals.py"
 LISTING_START, LISTING_END = f"<!-- listing:start {LISTED} (python bench/report.py --readme) -->", "<!-- listing:end -->"
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"

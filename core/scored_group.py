@@ -78,7 +78,7 @@ class ScoredSequence(BaseModel):
     teacher_logprobs: list[float] | None = Field(
         default=None,
         description="A teacher's logprob of each token (0.0 where not trained), for on-policy "
-        "distillation (environments.distill fills them from a teacher server).",
+        "distillation (environments.bundled.distill fills them from a teacher server).",
     )
     previous_score: float | None = Field(
         default=None, description="The score before a rescore (clotho reprocess ... rescore); None if never rescored."
@@ -182,7 +182,7 @@ def objective_problems(group: ScoredGroup, objective: str | None = None) -> list
                 given = "unset" if teacher is None else f"{len(teacher)} values for {len(sequence.tokens)} tokens"
                 return [
                     f"sequences[{index}].teacher_logprobs: {given} in a distill group; give one teacher "
-                    "logprob per token (environments.distill.teacher_logprobs) or leave objective unset"
+                    "logprob per token (environments.bundled.distill.teacher_logprobs) or leave objective unset"
                 ]
     return []
 

@@ -47,7 +47,7 @@ def main() -> None:
     try:
         clotho = str(Path(sys.executable).with_name("clotho"))
         subprocess.run(
-            [clotho, "rollout", "--env", "environments.arithmetic:Arithmetic", "--env", "environments.guess_number:GuessNumber",
+            [clotho, "rollout", "--env", "environments.bundled.arithmetic:Arithmetic", "--env", "environments.bundled.guess_number:GuessNumber",
              "--storage", f"file://{work}/store", "--run", "ui-demo", "--server", args.server, "--tokenizer", args.tokenizer,
              "--groups", str(args.groups), "--shard-max-groups", "8", "--set", "group_size=4", "--set", "max_tokens=8"],
             env=prefect.env(), check=True,

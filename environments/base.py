@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
+import random
 import traceback
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
@@ -13,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.failures import FAILURE_REASONS, GroupTimeoutError, RolloutFailure, failure_reason
-from environments.items import ItemStream, Rows
+from environments.items import ItemStream, Rows, as_item
 from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
@@ -128,6 +131,7 @@ class Environment(ABC):
         self.vocab_size = len(self.tokenizer)
         self._renderer: ChatRenderer | None = None
         self._item_streams: dict[str, ItemStream | None] = {}
+        self._made = 0  # items new_item made
 
     # ---- what an environment author writes -------------------------------------------------
     async def setup(self) -> None:
@@ -142,15 +146,33 @@ class Environment(ABC):
         None (the default): the environment writes get_item instead."""
         return None
 
+    def new_item(self, rng: random.Random, index: int) -> Item | dict[str, Any] | Awaitable[Item | dict[str, Any]]:
+        """A new item, for an environment whose items are made rather than listed (a generator of
+        problems): drawn with `rng`, the instance's random.Random seeded from config.seed (also
+        `self.rng`, for a fixed pool drawn in setup), `index` counting the items made from 0. An
+        Item or a mapping of item_class's fields; a missing id becomes "{seed}-{index + 1}". May be
+        a coroutine (a search run off the event loop). Not written: items or get_item instead."""
+        raise NotImplementedError
+
     async def get_item(self) -> Item | None:
         """The next item, or None when finite data ran out and config.cycle is False.
-        Default: the next of items("train") (see items)."""
-        if (stream := self._item_stream("train")) is None:
+        Default: the next of items("train") (see items), else a new_item."""
+        if (stream := self._item_stream("train")) is not None:
+            return stream.next()
+        if type(self).new_item is Environment.new_item:
             raise NotImplementedError(
                 f"{type(self).__name__} has no items: return them from items(split) (a list of Items or a "
-                "datasets.Dataset), or write get_item"
+                "datasets.Dataset), make them in new_item(rng, index), or write get_item"
             )
-        return stream.next()
+        index, self._made = self._made, self._made + 1
+        made = self.new_item(self.rng, index)
+        made = await made if inspect.isawaitable(made) else made
+        return as_item(made, self.item_class, f"{self.config.seed}-{index + 1}", f"{type(self).__name__}.new_item")
+
+    @functools.cached_property
+    def rng(self) -> random.Random:
+        """The instance's random.Random, seeded from config.seed: what new_item draws with."""
+        return random.Random(self.config.seed)
 
     def _item_stream(self, split: str) -> ItemStream | None:
         if split not in self._item_streams:  # items(split) is asked once per instance

@@ -1,5 +1,6 @@
 """The item stream the base class runs for an environment that hands it its items
-(`Environment.items`): seeded order, ids, starting over, and a held-out split for `evaluate`."""
+(`Environment.items`): seeded order, ids, starting over, and a held-out split for `evaluate`; and
+the rows an environment gives (listed, or made by `Environment.new_item`) made into items."""
 
 from __future__ import annotations
 
@@ -44,15 +45,20 @@ class ItemStream:
         return self.item(index)
 
     def item(self, index: int) -> Any:
-        row = self.rows[index]
-        if isinstance(row, BaseModel):
-            return row
-        if isinstance(row, Mapping):  # a dataset's missing value is None: an id is made for it too
-            fields = dict(row)
-            if fields.get("id") is None:
-                fields["id"] = f"{self.split}-{index}"
-            return self.make_item(**fields)
-        raise TypeError(
-            f"items({self.split!r})[{index}] is a {type(row).__name__}; return Items, or mappings of the "
-            "item class's fields (id, prompt, answer, ...), e.g. the rows of a datasets.Dataset"
-        )
+        return as_item(self.rows[index], self.make_item, f"{self.split}-{index}", f"items({self.split!r})[{index}]")
+
+
+def as_item(row: Any, make_item: Callable[..., BaseModel], default_id: str, where: str) -> Any:
+    """`row` as an item: an Item as it is, a mapping of the item class's fields made into one
+    (a missing or None `id` becomes `default_id`); anything else a TypeError naming `where`."""
+    if isinstance(row, BaseModel):
+        return row
+    if isinstance(row, Mapping):  # a dataset's missing value is None: an id is made for it too
+        fields = dict(row)
+        if fields.get("id") is None:
+            fields["id"] = default_id
+        return make_item(**fields)
+    raise TypeError(
+        f"{where} is a {type(row).__name__}; return Items, or mappings of the item class's fields "
+        "(id, prompt, answer, ...), e.g. the rows of a datasets.Dataset"
+    )

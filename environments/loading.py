@@ -4,6 +4,8 @@ them in the `clotho.environments` entry-point group; checked when loaded, before
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -14,6 +16,7 @@ from environments.base import Environment, EnvironmentConfig, EnvironmentLoadErr
 from storage.layout import check_env_name
 
 ENTRY_POINT_GROUP = "clotho.environments"
+BUNDLED = "environments.bundled"  # the bundled environments' package (before: environments.NAME)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,21 @@ def resolve_import_path(name_or_path: str) -> str:
     return matches[0].import_path
 
 
+def moved_bundled_path(import_path: str) -> str:
+    """A bundled environment's import path from before it moved to environments/bundled/
+    ('environments.arithmetic:Arithmetic', as configs and deployments already registered hold it)
+    as it is now, with a warning that names the new path; any other path as given."""
+    module_name, _, class_name = import_path.partition(":")
+    package, _, leaf = module_name.rpartition(".")
+    if package != "environments" or importlib.util.find_spec(module_name) is not None:
+        return import_path
+    if importlib.util.find_spec(f"{BUNDLED}.{leaf}") is None:
+        return import_path
+    moved = f"{BUNDLED}.{leaf}:{class_name}"
+    warnings.warn(f"environment {import_path!r} moved to {moved!r}; use that path or its name {leaf!r}", FutureWarning, stacklevel=3)
+    return moved
+
+
 def load_environment_class(name_or_path: str) -> type[Environment]:
     """The Environment subclass for an installed name, 'module.path:ClassName' or the URL of a
     `clotho env serve` service (environments/remote.py), its name checked."""
@@ -60,7 +78,7 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
         from environments.remote import remote_environment_class
 
         return remote_environment_class(name_or_path)
-    import_path = resolve_import_path(name_or_path)
+    import_path = moved_bundled_path(resolve_import_path(name_or_path))
     module_name, _, class_name = import_path.partition(":")
     if not module_name or not class_name:
         raise EnvironmentLoadError(f"environment {import_path!r}: use 'module.path:ClassName'")

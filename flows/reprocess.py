@@ -33,7 +33,7 @@ from prefect.futures import as_completed
 
 from flows.artifacts import artifact_key
 from storage.filesystem import is_local, publish, resolve, storage_errors
-from storage.index import add_entry
+from storage.index import add_entry, drop_unpublished
 from storage.layout import ROLLOUTS, TEMPORARY, ShardLocation, join, new_shard_id, rollouts_url, split_run_url
 from storage.schema import (
     METADATA_COMPACTED_FROM,
@@ -285,6 +285,8 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
             earlier = json.loads(out_fs.cat_file(job_path))
             if earlier != description:
                 raise ReprocessError(f"output {output_url} holds another job's output ({earlier}); give a new output")
+            if not job.export and (dropped := drop_unpublished(out_fs, out_base)):  # a run of this job killed mid-write
+                logger.info("reprocess: %d index entries of shards an earlier run never wrote, removed", len(dropped))
         else:
             if is_local(out_fs):
                 out_fs.makedirs(posixpath.dirname(job_path), exist_ok=True)

@@ -4,26 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
-import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
+import anyio
 from prefect import flow, get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from environments.base import Environment, Item, RolloutFailure
 from core.scored_group import ScoredGroup
+from environments.base import Environment, Item, RolloutFailure
 from flows.admission import Admission
-from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report, stats_card, stats_table
-from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
-from storage.writer import ShardWriter
+from flows.group_store import GroupStore, Results
+from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import split_run_url
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec, check_servers, collect_lane, collect_one, ensure_server_limits, environment_for, hand_over_to
-
-Results = list[ScoredGroup | RolloutFailure]
 
 
 @flow(name="rollout", task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -71,118 +69,95 @@ async def rollout(
     """
     log = get_run_logger()
     storage, run = split_run_url(run_url)
-    check_limits(max_concurrent_groups, server_concurrency, task_run_s)
-    if not environments or not servers:
-        raise ValueError("rollout needs at least one environment and one server URL")
-    specs = [spec if isinstance(spec, EnvSpec) else EnvSpec.model_validate(spec) for spec in environments]
+    specs = checked_specs(environments, servers, max_concurrent_groups, server_concurrency, task_run_s)
     api_key = await resolve_api_key(api_key_secret)
     await check_servers(servers, api_key)
-    # The flow's own instances hand out items (they own curriculum and data); on this loop the
-    # task runs share them, so setup() runs once.
+    # The flow's own instances hand out items (curriculum, data); its task runs share them: one setup().
     sources = {spec.key: await environment_for(spec, servers[0], tokenizer, api_key) for spec in specs}
-    stats = {spec.key: RolloutStats(env=sources[spec.key].name) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
-    open_ended = f"ends once the trainer has taken step {until_step}'s groups" if until_step else "runs until cancelled"
-    progress = await progress_artifact(groups, run, open_ended)
-    card = stats_card(run)  # failures by reason as they happen, not only at the end
-    started_at = time.monotonic()
-
-    # The writer leaves first (its exit flushes every stored group), then the admission's clients.
-    async with (
-        contextlib.AsyncExitStack() as clients,
-        ShardWriter(storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s) as writer,
-    ):
-        admission = None
-        if max_policy_lag is not None:
-            version_clients = [await clients.enter_async_context(PolicyClient(url, api_key=api_key)) for url in servers]
-
-            async def served_version() -> int:
-                return min(await asyncio.gather(*(client.weight_version() for client in version_clients)))
-
-            async def flush_now() -> None:
-                for url in await asyncio.to_thread(writer.flush):
-                    emit_shard_event(url, run, None)
-
-            admission = Admission(
-                storage, run, max_lag=max_policy_lag, served_version=served_version, buffered=lambda: writer.pending_groups,
-                flush=flush_now, sampler=sampler_name(), logger=log, last_step=until_step,
-            )
-            clients.push_async_callback(admission.close)
-        def gone(spec: EnvSpec, error: Exception) -> None:
-            log.error("environment %s left the run: %s", stats[spec.key].env, error)
-            stats[spec.key].add(RolloutFailure.of(stats[spec.key].env, "get_item", error))
-
-        items = ItemStream(specs, sources, groups, seed, admission=admission, on_gone=gone)
-
-        async def store(spec: EnvSpec, results: Results) -> None:
-            """Counts and buffers finished groups; a cancel cannot cut it short."""
-
-            async def counted() -> None:
-                for result in results:
-                    stats[spec.key].add(result)
-                    if admission is not None:
-                        admission.finished(stored=isinstance(result, ScoredGroup))
-                scored = [result for result in results if isinstance(result, ScoredGroup)]
-                if scored:
-                    for url in await asyncio.to_thread(writer.add_many, scored):
-                        emit_shard_event(url, run, scored[0].env)
-                    if admission is not None and admission.flush_due():
-                        await flush_now()
-                # Then the instance that handed out the items learns from them (a curriculum); its
-                # bugs are logged, never a reason to lose a group already counted.
-                try:
-                    for group in scored:
-                        await sources[spec.key].observe(group)
-                    stats[spec.key].metrics = sources[spec.key].metrics()  # e.g. the level of a curriculum
-                except Exception as error:
-                    log.warning("env %s: observe/metrics failed: %s", stats[spec.key].env, error)
-                await progress.update(sum(s.groups + s.failures for s in stats.values()))
-                await card.show(lambda: stats_table(stats))  # the rows are built only when an update is due
-
-            await to_the_end(counted())
-
-        async def lane(index: int, server: str) -> int:
-            """Task runs one after another until the items run out; returns the task runs."""
-            task_runs = 0
-            task = dict(server_url=server, tokenizer=tokenizer, server_limit=limits.get(server), api_key=api_key)
-            while not items.exhausted:
-                try:
-                    if distributed:
-                        taken = await items.next()
-                        if taken is None:
-                            break
-                        await submit_and_store(*taken, task)
-                    else:
-                        await collect_lane(lane=index, items=items, store=store, seconds=task_run_s, **task)
-                except PolicyServerAuthError:
-                    raise  # every group would be refused: stop the flow
-                except PolicyServerUnreachable as error:  # retries exhausted; the group is a recorded failure
-                    log.error("lane %d: %s unreachable after retries (%s); going on", index, server, error)
-                task_runs += 1
-            return task_runs
-
-        async def submit_and_store(spec: EnvSpec, item: Item, task: dict[str, Any]) -> None:
-            """One group as a task run on the flow's task runner; a cancel still stores it when it
-            finished (a worker may have told Prefect Completed before the flow heard)."""
-            handed_over: Results = []
-            try:
-                with hand_over_to(handed_over.append):
-                    results = [await submitted(dict(spec=spec, item=item, **task), handed_over)]
-            except asyncio.CancelledError:
-                if handed_over:
-                    await store(spec, handed_over)
-                raise
-            except PolicyServerUnreachable as error:
-                results = [RolloutFailure.of(stats[spec.key].env, item.id, error)]
-            await store(spec, results)
-
-        lanes = [lane(index, servers[index % len(servers)]) for index in range(max_concurrent_groups)]
-        task_runs = sum(await all_or_none(lanes, flush_aged_shards(writer, run)))
-    seconds = time.monotonic() - started_at  # running groups and storing them; the report follows
-    await progress.close()
-    summary = await publish_report(stats, writer.written, seconds, run, storage, task_runs, card)
+    async with GroupStore.open(
+        storage, run, sources, tokenizer=tokenizer, groups=groups, shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s,
+        servers=servers, api_key=api_key, max_policy_lag=max_policy_lag, until_step=until_step, sampler=sampler_name(), log=log,
+    ) as store:  # fmt: skip
+        items = ItemStream(specs, sources, groups, seed, admission=store.admission, on_gone=store.gone)
+        lanes = Lanes(items, store, dict(tokenizer=tokenizer, api_key=api_key), limits, distributed, task_run_s, log)
+        task_runs = await lanes.run(servers, max_concurrent_groups)
+    summary = await store.report(task_runs)
     log.info("rollout finished: %s", summary["totals"])
     return summary
+
+
+@dataclasses.dataclass
+class Lanes:
+    """The flow's lanes: each samples a group at all times, in task runs one after another, until
+    the items run out; every finished group goes to the store the moment it is scored."""
+
+    items: ItemStream
+    store: GroupStore
+    task: dict[str, Any]  # the collect task's arguments every lane shares (tokenizer, API key)
+    limits: dict[str, str]  # each server's global concurrency limit, if any
+    distributed: bool  # a task run per group on the flow's task runner, or lanes on this loop
+    task_run_s: float
+    log: Any
+
+    async def run(self, servers: list[str], count: int) -> int:
+        """`count` lanes spread over the servers, beside the writer's aged-shard flush; returns the
+        task runs. A failure or a cancel cancels every lane: groups still sampling are abandoned,
+        never half-written; finished ones are stored first (GroupStore.store is shielded), then
+        the writer's exit flushes them."""
+        task_runs: list[int] = []
+
+        async def lane(index: int) -> None:
+            task_runs.append(await self.lane(index, servers[index % len(servers)]))
+
+        try:
+            async with anyio.create_task_group() as beside:
+                beside.start_soon(self.store.flush_aged)
+                async with anyio.create_task_group() as lanes:
+                    for index in range(count):
+                        lanes.start_soon(lane, index)
+                beside.cancel_scope.cancel()
+        except BaseExceptionGroup as errors:
+            raise first_error(errors) from None  # what a lane raised, not the task group's wrapping
+        return sum(task_runs)
+
+    async def lane(self, index: int, server: str) -> int:
+        """Task runs one after another until the items run out; returns the task runs."""
+        task = dict(server_url=server, server_limit=self.limits.get(server), **self.task)
+        task_runs = 0
+        while not self.items.exhausted:
+            try:
+                if not self.distributed:
+                    await collect_lane(lane=index, items=self.items, store=self.store.store, seconds=self.task_run_s, **task)
+                elif not await self.submit_one(task):
+                    break
+            except PolicyServerAuthError:
+                raise  # every group would be refused: stop the flow
+            except PolicyServerUnreachable as error:  # retries exhausted; the group is a recorded failure
+                self.log.error("lane %d: %s unreachable after retries (%s); going on", index, server, error)
+            task_runs += 1
+        return task_runs
+
+    async def submit_one(self, task: dict[str, Any]) -> bool:
+        """The next item's group as a task run on the flow's task runner; False when the items ran
+        out. A cancel still stores the group when it finished (a worker may have told Prefect
+        Completed before the flow heard)."""
+        taken = await self.items.next()
+        if taken is None:
+            return False
+        spec, item = taken
+        handed_over: Results = []
+        try:
+            with hand_over_to(handed_over.append):
+                results = [await submitted(dict(spec=spec, item=item, **task), handed_over)]
+        except asyncio.CancelledError:
+            if handed_over:
+                await self.store.store(spec, handed_over)
+            raise
+        except PolicyServerUnreachable as error:
+            results = [RolloutFailure.of(self.store.stats[spec.key].env, item.id, error)]
+        await self.store.store(spec, results)
+        return True
 
 
 class ItemStream:
@@ -231,29 +206,6 @@ class ItemStream:
             return None
 
 
-async def all_or_none(lanes: list[Awaitable[int]], background: Awaitable[None]) -> list[int]:
-    """Runs the lanes to their end beside a background task. A failure or a cancel cancels every
-    lane: groups still sampling are abandoned, never half-written; finished ones are stored first
-    (store() runs to its end), then the writer's exit flushes them."""
-    tasks = [asyncio.ensure_future(lane) for lane in lanes]
-    helper = asyncio.ensure_future(background)
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in [*tasks, helper]:
-            task.cancel()
-        await to_the_end(asyncio.gather(*tasks, helper, return_exceptions=True))
-
-
-async def flush_aged_shards(writer: ShardWriter, run: str) -> None:
-    """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
-    while True:
-        await asyncio.sleep(1.0)
-        if writer.due():
-            for url in await asyncio.to_thread(writer.flush_if_due):
-                emit_shard_event(url, run, None)
-
-
 async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
     """A task run submitted to the flow's task runner (e.g. Dask workers). Cancelled, it hands over
     the group of a run that already finished elsewhere; one still queued never starts."""
@@ -284,24 +236,6 @@ async def settled(future) -> None:
     await done
 
 
-async def to_the_end(awaitable):
-    """Awaits `awaitable` to completion even if the caller is cancelled meanwhile, then passes the
-    cancel on: storing groups that already finished must not be cut short by Ctrl-C."""
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while True:
-        try:
-            result = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise  # the awaitable itself was cancelled
-            cancelled = True
-            continue
-        if cancelled:
-            raise asyncio.CancelledError
-        return result
-
-
 def sampler_name() -> str:
     """This sampler's name in the run's progress: its flow run's id (a restarted flow is a new
     sampler; the old one's committed groups still count)."""
@@ -310,10 +244,24 @@ def sampler_name() -> str:
     return str(flow_run.id or "") or uuid.uuid4().hex[:12]
 
 
-def check_limits(max_concurrent_groups: int, server_concurrency: int | None, task_run_s: float) -> None:
+def first_error(errors: BaseExceptionGroup) -> BaseException:
+    """The first error in a task group's (nested) exception group: the one that cancelled the rest."""
+    while isinstance(errors, BaseExceptionGroup):
+        errors = errors.exceptions[0]
+    return errors
+
+
+def checked_specs(
+    environments: list[EnvSpec | dict], servers: list[str], max_concurrent_groups: int, server_concurrency: int | None,
+    task_run_s: float,
+) -> list[EnvSpec]:  # fmt: skip
+    """The flow's arguments checked, each error naming the argument and the fix; the environments as EnvSpecs."""
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")
     if server_concurrency is not None and server_concurrency < 1:
         raise ValueError(f"server_concurrency={server_concurrency}: use 1 or more, or None for no server limit")
     if not task_run_s >= 0:
         raise ValueError(f"task_run_s={task_run_s}: use seconds >= 0 (0: a task run per group)")
+    if not environments or not servers:
+        raise ValueError("rollout needs at least one environment and one server URL")
+    return [spec if isinstance(spec, EnvSpec) else EnvSpec.model_validate(spec) for spec in environments]

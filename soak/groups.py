@@ -1,6 +1,6 @@
 """The soak's environment: groups that differ from each other, cost little, and leave a journal.
 
-`environments.instant:Instant` makes every group the same (one completion, equal scores): its
+`environments.bundled.instant:Instant` makes every group the same (one completion, equal scores): its
 groups have zero advantages, so a trainer fed one twice, or in another order, ends with the same
 weights. Here each item's prompt, completions and scores come from a generator seeded by the item
 id (`{seed}-{n}`), so a step that trains other groups, or a group twice, lands on other weights.

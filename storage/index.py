@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 import fsspec
 
 from storage.filesystem import is_local, retrying
-from storage.layout import ShardLocation, join, new_shard_id, parse_shard_name
+from storage.layout import ROLLOUTS, ShardLocation, join, new_shard_id, parse_shard_name
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,17 @@ def remove_entries(fs: fsspec.AbstractFileSystem, run_path: str, locations: list
     paths = [entry_path(run_path, location) for location in locations]
     with contextlib.suppress(FileNotFoundError):
         fs.rm(paths)
+
+
+def drop_unpublished(fs: fsspec.AbstractFileSystem, run_path: str) -> list[IndexEntry]:
+    """Removes the entries whose shard was never written, and returns them: for a run whose one
+    writer is known to have stopped (a reprocess job run again after a kill), so its readers do
+    not wait out the grace period at the dead writer's last entry. Never while a writer may be
+    between an entry and its shard: that shard would then be missed."""
+    rollouts = join(run_path, ROLLOUTS)
+    unpublished = [entry for entry in list_entries(fs, run_path) if not fs.exists(join(rollouts, entry.location.name))]
+    remove_entries(fs, run_path, [entry.location for entry in unpublished])
+    return unpublished
 
 
 def list_entries(fs: fsspec.AbstractFileSystem, run_path: str, after: str = "") -> list[IndexEntry]:

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from environments.base import prompt_messages
-from environments.chess_mate import SIDES, ChessMate, ChessMateConfig, checking_moves, prompt_text, turned
+from environments.bundled.chess_mate import SIDES, ChessMate, ChessMateConfig, checking_moves, prompt_text, turned
 from environments.loading import EnvironmentLoadError, load_config
 from core.scored_group import ScoredGroup
 from environments.testing import EnvironmentConformance

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from environments.code_exec import CodeExec, CodeItem, token_spans
-from environments.code_tasks import TASKS
+from environments.bundled.code_exec import CodeExec, CodeItem, token_spans
+from environments.bundled.code_tasks import TASKS
 from environments.testing import EnvironmentConformance
 from inference.client import Completion
 from trainer.advantages import sequence_token_advantages

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from environments.compare import Compare, split_pairs
-from environments.sft import SFT
+from environments.bundled.compare import Compare, split_pairs
+from environments.bundled.sft import SFT
 
 
 def test_the_split_keeps_both_orders_of_a_pair_on_one_side_and_is_the_same_every_time():

@@ -10,7 +10,7 @@ import pytest
 
 from environments.base import Environment, EnvironmentConfig
 from environments.conformance import run_checks
-from environments.instant import Instant
+from environments.bundled.instant import Instant
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from tasks.rollout import EnvSpec
 
@@ -68,7 +68,7 @@ def test_environments_are_checked_when_loaded():
         load_environment_class("environments.base:Environment")
     with pytest.raises(EnvironmentLoadError, match=r"Unnamed.name: env name 'not a/partition'"):
         load_environment_class("tests.environments.test_conformance:Unnamed")
-    assert load_environment_class("arithmetic") is load_environment_class("environments.arithmetic:Arithmetic")
+    assert load_environment_class("arithmetic") is load_environment_class("environments.bundled.arithmetic:Arithmetic")
 
 
 def test_a_bad_config_is_refused_before_sampling_naming_the_field():

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from environments.continuation import Continuation
+from environments.bundled.continuation import Continuation
 from environments.testing import EnvironmentConformance
 
 

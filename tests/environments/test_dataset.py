@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from environments.base import Item, prompt_messages
-import environments.dataset as dataset_module
-from environments.dataset import Dataset, last_boxed
+import environments.bundled.dataset as dataset_module
+from environments.bundled.dataset import Dataset, last_boxed
 from environments.testing import EnvironmentConformance
 
 MATH_PROBLEMS = Path(__file__).parent / "data" / "math_problems"  # train.jsonl, test.jsonl: prompt, answer

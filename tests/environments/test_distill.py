@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from environments.distill import Distill
+from environments.bundled.distill import Distill
 from environments.testing import EnvironmentConformance
 from environments.conformance import run_checks
 from inference.client import PolicyClient

@@ -9,7 +9,7 @@ import pytest
 
 from environments.chat import ChatRenderer
 from environments.conformance import trained_segments
-from environments.group_chat import HOURS, Game, GroupChat, seen_by
+from environments.bundled.group_chat import HOURS, Game, GroupChat, seen_by
 from environments.testing import EnvironmentConformance
 from inference.client import Completion, PolicyClient
 

@@ -8,7 +8,7 @@ import datasets
 import pytest
 
 from environments.base import Environment, Item
-from environments.capitals import HELD_OUT, Capitals
+from environments.bundled.capitals import HELD_OUT, Capitals
 
 
 class Listed(Environment):
@@ -76,3 +76,53 @@ def test_capitals_hands_out_the_training_countries_and_evaluates_the_held_out_on
     item = draw(env, 1)[0]
     assert env.reward(item, [{"role": "assistant", "content": f" {item.answer.upper()}."}]) == 1.0
     assert env.reward(item, [{"role": "assistant", "content": "Springfield"}]) == 0.0
+
+
+def test_a_bundled_environment_s_import_path_from_before_it_moved_still_loads() -> None:
+    """Configs and registered deployments hold 'environments.NAME:Class' from before the bundled
+    environments moved to environments/bundled/: they load, with a warning naming the new path."""
+    import warnings
+
+    from environments.bundled.capitals import Capitals
+    from environments.loading import load_environment_class
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert load_environment_class("environments.capitals:Capitals") is Capitals
+        assert load_environment_class("capitals") is Capitals
+    assert [str(w.message) for w in caught] == [
+        "environment 'environments.capitals:Capitals' moved to 'environments.bundled.capitals:Capitals'; use that path or its name 'capitals'"
+    ]
+    with pytest.raises(Exception, match="cannot import environments.nothing_here"):
+        load_environment_class("environments.nothing_here:Thing")
+
+
+class Made(Environment):
+    """Items made, not listed: a problem generator in new_item (here async, as a search would be)."""
+
+    name = "made"
+
+    def __init__(self, config=None):
+        super().__init__(config, client=None, tokenizer=FakeTokenizer())
+
+    async def new_item(self, rng, index):
+        a = rng.randint(0, 99)
+        return {"prompt": f"{a} + {index}?", "answer": a + index} if index != 2 else Item(id="own", prompt="p", answer=0)
+
+    def reward(self, item, messages):
+        return 0.0
+
+
+def test_made_items_are_drawn_from_the_seed_and_numbered_from_it():
+    items = draw(Made({"seed": 5}), 4)
+    assert [i.id for i in items] == ["5-1", "5-2", "own", "5-4"]  # an item's own id is kept
+    assert all(i.answer == int(i.prompt.split(" + ")[0]) + n for n, i in enumerate(items) if i.id != "own")  # a mapping made an Item
+    assert draw(Made({"seed": 5}), 4) == items and draw(Made({"seed": 6}), 4) != items  # the seed decides, one stream an instance
+
+
+def test_an_environment_with_no_items_says_the_three_ways_to_give_them():
+    class Nothing(Made):
+        new_item = Environment.new_item
+
+    with pytest.raises(NotImplementedError, match=r"items\(split\).*new_item\(rng, index\).*get_item"):
+        draw(Nothing(), 1)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from environments.base import RolloutFailure
-from environments.llm_judge import SCORES, TOPICS, JudgeError, LLMJudge, judge_request, read_score
+from environments.bundled.llm_judge import SCORES, TOPICS, JudgeError, LLMJudge, judge_request, read_score
 from environments.testing import EnvironmentConformance
 from inference.client import PolicyClient, PolicyServerAuthError
 

@@ -10,7 +10,7 @@ import pytest
 import reasoning_gym
 
 from environments.loading import EnvironmentLoadError, load_config
-from environments.reasoning_gym import CHUNK, ReasoningGym, ReasoningGymItem, from_json, to_json
+from environments.bundled.reasoning_gym import CHUNK, ReasoningGym, ReasoningGymItem, from_json, to_json
 from environments.testing import EnvironmentConformance
 
 

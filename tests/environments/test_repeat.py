@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from environments.repeat import Repeat
+from environments.bundled.repeat import Repeat
 from environments.testing import EnvironmentConformance
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from environments.base import RolloutFailure
-from environments.sft import SFT, SFTConfig
+from environments.bundled.sft import SFT, SFTConfig
 from environments.testing import EnvironmentConformance
 from inference.client import PolicyClient
 

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from environments.base import prompt_messages
-from environments.compare import Compare
+from environments.bundled.compare import Compare
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage.schema import groups_to_table, table_to_groups
 from tasks.exports import export_dpo, export_sft

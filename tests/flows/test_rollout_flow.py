@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from environments.instant import Instant
+from environments.bundled.instant import Instant
 from flows.artifacts import artifact_key
 from storage.inspection import verify
 from storage.reader import ShardReader
@@ -43,7 +43,7 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
     params = {
         "servers": [policy_server.base_url], "run_url": f"{storage}/deployed",
         "tokenizer": str(tiny_model_dir), "groups": 6, "shard_max_groups": 4,
-        "environments": [{"import_path": "environments.arithmetic:Arithmetic", "config": {"group_size": 3, "max_tokens": 6}}],
+        "environments": [{"import_path": "environments.bundled.arithmetic:Arithmetic", "config": {"group_size": 3, "max_tokens": 6}}],
     }  # fmt: skip
     out = prefect_server.cli("deployment", "run", "rollout/rollout-arithmetic", "--params", json.dumps(params)).stdout
     flow_run_id = out.split("UUID:")[1].split()[0]
@@ -147,7 +147,7 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
         nonlocal flow_task
         flow_task = asyncio.current_task()
         await rollout(
-            environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
+            environments=[EnvSpec(import_path="environments.bundled.instant:Instant", config={"group_size": 2})],
             servers=[policy_server.base_url], run_url=f"{storage}/window", tokenizer=str(tiny_model_dir),
             groups=None, max_concurrent_groups=4, distributed=distributed, task_run_s=0.05,
         )  # fmt: skip
@@ -185,7 +185,7 @@ def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, polic
             flow = rollout.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
             summary = asyncio.run(
                 flow(
-                    environments=[EnvSpec(import_path="environments.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
+                    environments=[EnvSpec(import_path="environments.bundled.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
                     servers=[policy_server.base_url], run_url=f"{storage}/dask", tokenizer=str(tiny_model_dir),
                     groups=4, max_concurrent_groups=4, distributed=True, server_concurrency=2,
                 )  # fmt: skip
@@ -214,7 +214,7 @@ def test_a_lane_task_run_spans_many_groups(prefect_server, policy_server, tiny_m
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         summary = asyncio.run(
             rollout(
-                environments=[EnvSpec(import_path="environments.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
+                environments=[EnvSpec(import_path="environments.bundled.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
                 servers=[policy_server.base_url], run_url=f"{storage}/{run}", tokenizer=str(tiny_model_dir),
                 groups=7, max_concurrent_groups=2, task_run_s=task_run_s,
             )  # fmt: skip
@@ -326,7 +326,7 @@ def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(prefect
     async def main() -> int:
         flow = asyncio.ensure_future(
             rollout(
-                environments=[EnvSpec(import_path="environments.instant:Instant", config={"group_size": 2})],
+                environments=[EnvSpec(import_path="environments.bundled.instant:Instant", config={"group_size": 2})],
                 servers=[policy_server.base_url], run_url=f"{storage}/{run}", tokenizer=str(tiny_model_dir),
                 groups=None, max_concurrent_groups=4, shard_max_groups=1000, shard_max_age_s=3600, max_policy_lag=2,
             )  # fmt: skip

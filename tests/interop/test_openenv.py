@@ -195,4 +195,4 @@ def test_an_episode_ends_when_the_environment_says_done_with_its_own_parse_and_r
 
 def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it(served_openenv, policy_server, policy_tokenizer) -> None:
     with pytest.raises(RemoteServiceError, match="is not an OpenEnv Environment subclass"):
-        collect(served_openenv.url, {"environment": "environments.arithmetic:Arithmetic"}, policy_server, policy_tokenizer)
+        collect(served_openenv.url, {"environment": "environments.bundled.arithmetic:Arithmetic"}, policy_server, policy_tokenizer)

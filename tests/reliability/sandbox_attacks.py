@@ -302,7 +302,7 @@ def host_address() -> str | None:
 def score_attacks() -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from environments.code_exec import CodeExec, CodeItem
+    from environments.bundled.code_exec import CodeExec, CodeItem
     from environments.sandbox import run_python
 
     plan = json.load(sys.stdin)

@@ -138,3 +138,20 @@ def test_a_run_and_ledger_written_before_the_index_resume_exactly_once(tmp_path)
     read = {batch.shard.name for batch in reader.batches()}
     assert read == set(all_names) - set(saved["consumed"]) and len(read) == 23
     assert list(ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(reader.ledger.to_dict())).batches()) == []
+
+
+def test_a_stopped_writer_s_entry_with_no_shard_is_dropped_and_the_run_reads_whole_at_once(root: str) -> None:
+    """A writer killed between a shard's entry and the shard: readers stop at that entry until the
+    grace period passes. Where the run's one writer is known to have stopped (a reprocess job run
+    again), drop_unpublished removes such entries at once and nothing else."""
+    from storage.index import drop_unpublished
+
+    first = write(root, 2, seed=1)
+    fs, run_path = fsspec.core.url_to_fs(f"{root}/run")
+    dead = ShardLocation("gsm8k", 0, new_shard_id())
+    add_entry(fs, run_path, dead)  # its shard never written
+    later = write(root, 1, seed=2)
+    assert len(list(ShardReader(root, "run").groups())) == len(first)  # the pass ends at the dead entry
+    assert drop_unpublished(fs, run_path) == [IndexEntry.of(dead)]
+    assert sorted(g.group_id for g in ShardReader(root, "run").groups()) == sorted(g.group_id for g in first + later)
+    assert drop_unpublished(fs, run_path) == [] and len(list_entries(fs, run_path)) == 3

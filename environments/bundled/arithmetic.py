@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 import re
 
 from pydantic import Field
@@ -26,19 +27,15 @@ class Arithmetic(Environment):
     config_class = ArithmeticConfig
 
     async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-        self.problems = [self.problem() for _ in range(self.config.pool or 0)]
+        self.problems = [self.problem(self.rng) for _ in range(self.config.pool or 0)]
 
-    def problem(self) -> tuple[int, int, str]:
-        a, b = self.rng.randint(0, self.config.max_operand), self.rng.randint(0, self.config.max_operand)
-        return a, b, self.rng.choice(self.config.operations)
+    def problem(self, rng: random.Random) -> tuple[int, int, str]:
+        a, b = rng.randint(0, self.config.max_operand), rng.randint(0, self.config.max_operand)
+        return a, b, rng.choice(self.config.operations)
 
-    async def get_item(self) -> Item:
-        a, b, op = self.problems[self.count % len(self.problems)] if self.problems else self.problem()
-        self.count += 1
-        return Item(
-            id=f"{self.config.seed}-{self.count}",
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
+        a, b, op = self.problems[index % len(self.problems)] if self.problems else self.problem(rng)
+        return dict(
             prompt=[{"role": "user", "content": f"What is {a} {op} {b}? Give only the final answer."}],
             answer={"+": a + b, "-": a - b, "*": a * b}[op],
         )

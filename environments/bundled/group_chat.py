@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 import re
 
 from pydantic import Field
@@ -77,18 +78,13 @@ class GroupChat(Environment):
     chat_template = GROUP_CHAT_TEMPLATE
     chat_template_name = "group_chat"
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
         config = self.config
-        names = self.rng.sample(NAMES, config.attendees + config.policy_speakers)
+        names = rng.sample(NAMES, config.attendees + config.policy_speakers)
         attendees, speakers = names[: config.attendees], names[config.attendees :]
-        meeting = self.rng.choice(HOURS)  # one hour that suits everyone, so every game can be won
+        meeting = rng.choice(HOURS)  # one hour that suits everyone, so every game can be won
         others = [hour for hour in HOURS if hour != meeting]
-        free = {name: sorted([meeting, *self.rng.sample(others, 2)]) for name in attendees}
+        free = {name: sorted([meeting, *rng.sample(others, 2)]) for name in attendees}
         system = (
             f"Group chat: find one hour from {HOURS[0]} to {HOURS[-1]} when every attendee is free. "
             f"An organiser proposes with PROPOSE <hour>. Organisers: {', '.join(speakers)}."
@@ -97,8 +93,8 @@ class GroupChat(Environment):
             {"role": "user", "name": name, "content": f"I am free at {', '.join(map(str, hours))}."}
             for name, hours in free.items()
         ]
-        return Item(
-            id=f"{self.config.seed}-{self.count}", prompt=prompt,
+        return dict(
+            prompt=prompt,
             answer=sorted(set(HOURS).intersection(*free.values())), extras={"free": free, "speakers": speakers},
         )  # fmt: skip
 

@@ -10,6 +10,7 @@ step's cost, and they vary in length as the model learns to stop where the row e
 from __future__ import annotations
 
 import random
+from typing import Any
 
 from pydantic import Field
 
@@ -27,18 +28,9 @@ class Repeat(Environment):
     name = "repeat"
     config_class = RepeatConfig
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
-        row = "".join(str(self.rng.randrange(10)) for _ in range(self.config.digits))
-        return Item(
-            id=f"{self.config.seed}-{self.count}",
-            prompt=[{"role": "user", "content": f"Repeat these digits: {' '.join(row)}"}],
-            answer=row,
-        )
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
+        row = "".join(str(rng.randrange(10)) for _ in range(self.config.digits))
+        return dict(prompt=[{"role": "user", "content": f"Repeat these digits: {' '.join(row)}"}], answer=row)
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         written = [character for character in final_answer(messages) if character in "0123456789"]

@@ -131,10 +131,10 @@ class MathChild:
 
     def start(self) -> subprocess.Popen:
         if self.process is None or self.process.poll() is not None or self.owner != os.getpid():
-            root = str(Path(__file__).resolve().parents[1])  # where `environments` is, installed or not
+            root = str(Path(__file__).resolve().parents[2])  # where `environments` is, installed or not
             path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from environments.dataset import serve_math_checks; serve_math_checks()"],
+                [sys.executable, "-c", "from environments.bundled.dataset import serve_math_checks; serve_math_checks()"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path},
             )  # fmt: skip
             self.owner = os.getpid()

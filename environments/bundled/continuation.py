@@ -10,6 +10,7 @@ one's `chat_template` is "none").
 from __future__ import annotations
 
 import random
+from typing import Any
 import re
 
 from pydantic import Field
@@ -32,16 +33,10 @@ class Continuation(Environment):
     name = "continuation"
     config_class = ContinuationConfig
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
-        start, step = self.rng.randint(0, self.config.max_start), self.rng.randint(1, self.config.max_step)
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
+        start, step = rng.randint(0, self.config.max_start), rng.randint(1, self.config.max_step)
         terms = [start + step * i for i in range(self.config.terms)]
-        return Item(
-            id=f"{self.config.seed}-{self.count}",
+        return dict(
             prompt=", ".join(map(str, terms)) + ",",  # a text prefix, not messages
             answer=start + step * self.config.terms,
         )

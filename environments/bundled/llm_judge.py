@@ -112,15 +112,11 @@ class LLMJudge(Environment):
     _served_model: str | None = None  # the judge's model, asked once when judge_model is None
 
     async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
         self.judge_endpoint()  # a missing key variable fails here, before anything samples
 
-    async def get_item(self) -> Item:
-        self.count += 1
-        topic = self.rng.choice(TOPICS)
-        prompt = [{"role": "user", "content": f"Write a short joke about {topic}."}]
-        return Item(id=f"{self.config.seed}-{self.count}", prompt=prompt, extras={"topic": topic})
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
+        topic = rng.choice(TOPICS)
+        return dict(prompt=[{"role": "user", "content": f"Write a short joke about {topic}."}], extras={"topic": topic})
 
     def judge_endpoint(self) -> tuple[str, dict[str, str]]:
         """The judge's base URL and headers: the configured judge, or the policy server and its key."""

@@ -1,6 +1,6 @@
 """Function writing, scored by running the model's code against hidden asserts in the sandbox.
 
-The model sees a function's signature and docstring (environments.code_tasks) and answers with the
+The model sees a function's signature and docstring (environments.bundled.code_tasks) and answers with the
 function in a ```python block. Reward: the fraction of the item's asserts that hold. The code and
 the asserts' calls of its functions run in environments.sandbox, which prints the calls' values;
 the asserts themselves are evaluated outside, over those values read back as literals, so code
@@ -31,7 +31,7 @@ from pydantic import Field
 
 from core.advantages import AdvantageMode, group_advantages
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
-from environments.code_tasks import TASKS
+from environments.bundled.code_tasks import TASKS
 from environments.sandbox import Limits, run_python
 from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from typing import Any
 import re
 
 import chess
@@ -202,18 +203,13 @@ class ChessMate(Environment):
     config_class = ChessMateConfig
     item_class = ChessMateItem
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> ChessMateItem:
-        self.count += 1
+    async def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
         n = self.config.n
         # Off the event loop: a mate-in-2 search takes seconds, and the flow's groups keep sampling meanwhile.
-        found = await asyncio.to_thread(playout_position, self.rng, n)
+        found = await asyncio.to_thread(playout_position, rng, n)
         boards = {side: found if found.turn == (side == "white") else turned(found) for side in SIDES}
-        return ChessMateItem(
-            id=f"{self.config.seed}-{self.count}", n=n, fens={side: board.fen() for side, board in boards.items()},
+        return dict(
+            n=n, fens={side: board.fen() for side, board in boards.items()},
             prompt=[{"role": "user", "content": prompt_text(boards["white"].fen(), n)}],
             answer={side: [move.uci() for move in winning_moves(board, n)] for side, board in boards.items()},
         )  # fmt: skip

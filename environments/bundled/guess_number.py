@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 import re
 
 from pydantic import Field
@@ -33,17 +34,11 @@ class GuessNumber(Environment):
     name = "guess_number"
     config_class = GuessNumberConfig
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
+    def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
         high = self.config.high
-        return Item(
-            id=f"{self.config.seed}-{self.count}",
+        return dict(
             prompt=[{"role": "user", "content": f"Guess a number between 1 and {high}. {self.config.turns} tries left."}],
-            answer=self.rng.randint(1, high),
+            answer=rng.randint(1, high),
         )
 
     def reward(self, item: Item, messages: list[dict]) -> float:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Coroutine
 from pydantic import BaseModel, ConfigDict, Field
 
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.failures import FAILURE_REASONS, GroupTimeoutError, RolloutFailure, failure_reason
+from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, RolloutFailure, failure_reason
 from environments.items import ItemStream, Rows, as_item
 from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
@@ -397,6 +397,7 @@ class Environment(ABC):
 
 __all__ = [
     "FAILURE_REASONS",
+    "DroppedByEnvironment",
     "Environment",
     "EnvironmentConfig",
     "GroupTimeoutError",

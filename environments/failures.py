@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pydantic import BaseModel, Field, ValidationError
 
 from core.scored_group import CONTRACT_REASONS, InvalidGroupError
@@ -12,8 +14,14 @@ class GroupTimeoutError(TimeoutError):
     """A group ran past its environment's group_timeout_s and was cut."""
 
 
+class DroppedByEnvironment(Exception):
+    """The environment itself chose to give no group for an item (its own filters: Atropos drops a
+    group whose scores are all equal, say): no error, recorded under its own reason so that the
+    failures by reason say whose decision it was."""
+
+
 # Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.
-FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "exception")
+FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "dropped-by-environment", "exception")
 
 # A failure keeps this much of its error and traceback: an exception may carry megabytes of text.
 MAX_ERROR_CHARS = 2000
@@ -28,6 +36,8 @@ def failure_reason(error: BaseException) -> str:
         return "timeout"
     if isinstance(error, PolicyServerUnreachable):
         return "unreachable"
+    if isinstance(error, DroppedByEnvironment):
+        return "dropped-by-environment"
     if isinstance(error, ValidationError):  # a ScoredSequence or ScoredGroup field of the wrong type
         return "invalid"
     return "exception"
@@ -51,3 +61,34 @@ class RolloutFailure(BaseModel):
             env=env, item_id=item_id, error=message, traceback=traceback[-MAX_TRACEBACK_CHARS:],
             reason=failure_reason(error),
         )  # fmt: skip
+
+
+_NLTK_RESOURCE = re.compile(r"Resource '?([\w/.-]+?)'? not found")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # older NLTK colours the resource's name
+_DOWNLOAD_ERRORS = {"URLError", "ConnectionError", "ConnectError", "gaierror", "OfflineModeIsEnabled", "LocalEntryNotFoundError"}
+
+
+def run_time_fetch(error: BaseException) -> str | None:
+    """What an environment tried to download while it was being set up, when `error` (or an error
+    it was raised from) says the download failed: a machine without the network, as many training
+    clusters are. None for any other error."""
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        if isinstance(error, LookupError) and (match := _NLTK_RESOURCE.search(_ANSI.sub("", str(error)))):
+            resource = match.group(1)
+            return f"NLTK's {resource!r} data (fetch it where the environment runs: python -m nltk.downloader {resource})"
+        if type(error).__name__ in _DOWNLOAD_ERRORS:
+            return f"a download ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else 'no message'})"
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def fetch_failed(what: str, error: BaseException) -> str | None:
+    """The message for `what` (an environment and its step) failing on a run-time download; None
+    when `error` is not one."""
+    fetch = run_time_fetch(error)
+    if fetch is None:
+        return None
+    return f"{what}: it downloads data at run time and could not: it tried to fetch {fetch}; provide it beforehand or give the environment the network"
+

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError
+from environments.failures import fetch_failed
 from storage.layout import check_env_name
 
 ENTRY_POINT_GROUP = "clotho.environments"
@@ -124,3 +125,7 @@ def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConf
         raise EnvironmentLoadError(
             f"environment {cls.name} config: {problems} (fields of {cls.config_class.__name__}: {fields})"
         ) from None
+    except Exception as error:  # a check that makes the environment (a TextArena game) may download data
+        if (message := fetch_failed(f"environment {cls.name} config", error)) is not None:
+            raise EnvironmentLoadError(message) from error
+        raise

@@ -37,6 +37,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from environments.base import Environment, Item, RolloutFailure
+from environments.failures import fetch_failed
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class, resolve_import_path
 from core.scored_group import ScoredGroup
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
@@ -81,7 +82,12 @@ class EnvironmentService:
         body = await request.json()
         client = PolicyClient(body["server_url"], api_key=body.get("api_key"))
         env = self.env_class(load_config(self.env_class, body.get("config")), client=client, tokenizer=body["tokenizer"])
-        await env.setup()
+        try:
+            await env.setup()
+        except Exception as error:
+            if (message := fetch_failed(f"environment {env.name} setup", error)) is not None:
+                raise EnvironmentLoadError(message) from error
+            raise
         session = secrets.token_hex(8)
         self.sessions[session] = env
         return JSONResponse({"session": session, "name": env.name})

@@ -66,7 +66,7 @@ from environments.atropos_format import (
     IGNORE_INDEX, UNSAMPLED_LOGPROB, check_sequence, decoded_messages, from_atropos, from_json_safe, is_exact_json,
     to_json_safe, trained_runs,
 )  # fmt: skip
-from environments.base import Environment, EnvironmentConfig, Item
+from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
 from environments.chat import Messages
 from core.scored_group import ScoredGroup
 from inference.client import Completion, PolicyClient, PolicyServerError
@@ -285,9 +285,9 @@ class Atropos(Environment):
                 )
             data = groups[0] if groups else None
         if not data:
-            raise RuntimeError(
-                "the Atropos environment returned no group for this item (Atropos drops such items, e.g. when "
-                "every score is equal); clotho records it as a failed group"
+            raise DroppedByEnvironment(
+                "the Atropos environment returned no group for this item: its own filters dropped it (Atropos "
+                "drops a group whose scores are all equal, for one)"
             )
         group = await self.to_group(item, dict(data), sampled)
         self._non_exact_groups += not group.extras["token_exact"]

@@ -126,3 +126,4 @@ def test_an_environment_with_no_items_says_the_three_ways_to_give_them():
 
     with pytest.raises(NotImplementedError, match=r"items\(split\).*new_item\(rng, index\).*get_item"):
         draw(Nothing(), 1)
+

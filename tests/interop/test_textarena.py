@@ -116,3 +116,17 @@ def test_the_service_fills_the_player_count_and_names_a_bad_table(served_textare
     ]:
         with pytest.raises(EnvironmentLoadError, match=message):
             load_config(env_class, config)
+
+
+@pytest.mark.integration
+def test_a_game_that_downloads_its_data_at_run_time_is_refused_once_at_config_naming_it(served_textarena) -> None:
+    """Wordle-v0 fetches NLTK's word list when it is made; on a machine without the network (CI, most
+    clusters) /config says so, with the fix, instead of a 500 from deep inside TextArena."""
+    env_class = load_environment_class(served_textarena.url)
+    try:
+        load_config(env_class, {"game": "Wordle-v0", "group_size": 1})
+    except EnvironmentLoadError as error:
+        assert "downloads data at run time" in str(error) and "NLTK's 'words' data" in str(error), error
+        assert "python -m nltk.downloader words" in str(error)
+    else:
+        pytest.skip("Wordle's word list is already on this machine: nothing to fetch")

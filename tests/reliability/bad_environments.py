@@ -12,7 +12,7 @@ import math
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
+from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item, prompt_messages
 from core.scored_group import ScoredGroup, ScoredSequence
 
 # 10 MiB of int32 token ids in one group.
@@ -103,6 +103,16 @@ class RaisingReward(Finite):
         return {"answers": []}["answer"][0]  # KeyError: 'answer'
 
 
+class Dropping(Finite):
+    """Its own filter drops every group (as Atropos environments drop a group whose scores are all
+    equal): no error, recorded under a reason that says it was the environment's choice."""
+
+    name = "bad_dropping"
+
+    async def collect_trajectories(self, item: Item) -> ScoredGroup:
+        raise DroppedByEnvironment("every score of the group was equal; this environment's filter keeps no such group")
+
+
 class Hang(Finite):
     """Samples, then waits for something that never comes (a tool call without a timeout)."""
 
@@ -158,6 +168,7 @@ BAD_OUTPUTS = {
     EmptyGroup: ("empty", "a group needs at least one sequence"),
     OutOfVocabulary: ("out-of-vocab", "tokenize with the policy's tokenizer"),
     RaisingReward: ("exception", "KeyError: 'answer'"),
+    Dropping: ("dropped-by-environment", "this environment's filter keeps no such group"),
     Hang: ("timeout", "raise group_timeout_s"),
     Huge: ("too-large", "raise max_group_tokens"),
 }

@@ -135,10 +135,18 @@ def serve_command(
     environment: str = typer.Argument(..., help="Installed name (clotho env list) or import path module.path:ClassName."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (loopback by default; the API has no key)."),
     port: int = typer.Option(8100, min=1, max=65535, help="Port to listen on."),
+    with_: list[str] = typer.Option([], "--with", help="A package the environment needs beyond this Python environment (repeatable): gymnasium, 'numpy<2'."),
+    requirements: list[str] = typer.Option([], "--requirements", "-r", help="The environment's requirements file, or its project directory (pyproject.toml) (repeatable)."),
 ) -> None:
     """Serve one environment over HTTP, in this Python environment, for rollouts elsewhere to use by
-    URL: `clotho rollout --env http://HOST:PORT ...`, `clotho env check http://HOST:PORT`."""
+    URL: `clotho rollout --env http://HOST:PORT ...`, `clotho env check http://HOST:PORT`. With
+    --with or --requirements it runs in a layer over this environment holding those too, built
+    once and reused (clotho/env_venv.py)."""
     import logging
+
+    if with_ or requirements:
+        serve_in_layer(environment, host, port, with_, requirements)
+        return
 
     from environments.loading import EnvironmentLoadError
     from environments.serve import create_app
@@ -152,6 +160,21 @@ def serve_command(
 
     typer.echo(f"serving environment {environment} on http://{host}:{port}")
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def serve_in_layer(environment: str, host: str, port: int, packages: list[str], requirement_files: list[str]) -> None:
+    """`clotho env serve` again, in the layer with the environment's own dependencies (this process
+    becomes it: signals and exit codes are the server's)."""
+    import os
+
+    from clotho.env_venv import LayerError, environment_layer, pip_arguments
+
+    try:
+        python = environment_layer(pip_arguments(packages, requirement_files), echo=typer.echo)
+    except LayerError as error:
+        raise typer.BadParameter(str(error), param_hint="--with / --requirements") from None
+    command = [str(python), "-m", "clotho.cli", "env", "serve", environment, "--host", host, "--port", str(port)]
+    os.execv(command[0], command)
 
 
 def _start_tiny_server(timeout_s: float):

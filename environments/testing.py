@@ -117,9 +117,11 @@ class ServedEnvironment:
         stop_process(self.process, 10, whole_group=False)
 
 
-def serve_environment(environment: str, *, clotho: str | Path | None = None, timeout: float = 120.0) -> ServedEnvironment:
-    """Starts `clotho env serve ENVIRONMENT` on a free loopback port with the `clotho` executable of
-    any virtual environment (default: this one's) and waits until it answers."""
+def serve_environment(
+    environment: str, *, clotho: str | Path | None = None, timeout: float = 120.0, options: Sequence[str] = ()
+) -> ServedEnvironment:
+    """Starts `clotho env serve ENVIRONMENT [OPTIONS]` on a free loopback port with the `clotho`
+    executable of any virtual environment (default: this one's) and waits until it answers."""
     import httpx
 
     from inference.server import free_port
@@ -129,7 +131,7 @@ def serve_environment(environment: str, *, clotho: str | Path | None = None, tim
     log_path = CACHE / "logs" / f"env-serve-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen([str(clotho), "env", "serve", environment, "--port", str(port)], stdout=log, stderr=log)
+        process = subprocess.Popen([str(clotho), "env", "serve", environment, "--port", str(port), *options], stdout=log, stderr=log)
     served = ServedEnvironment(f"http://127.0.0.1:{port}", process, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

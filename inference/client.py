@@ -219,6 +219,13 @@ class PolicyClient:
         response = await self.request("GET", "/v1/models")
         return response.json()["data"][0]["root"]
 
+    async def max_model_len(self) -> int | None:
+        """The served model's context length in tokens (prompt and completion), as vLLM's /v1/models
+        gives it; None from a server that does not say."""
+        response = await self.request("GET", "/v1/models")
+        value = response.json()["data"][0].get("max_model_len")
+        return int(value) if value else None
+
     async def weight_version(self) -> int:
         """The policy version of the served weights (0 until a reload announced one)."""
         response = await self.request("GET", "/weight_info")

@@ -48,8 +48,8 @@ import asyncio
 import collections
 import contextvars
 import hashlib
-import importlib
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -68,7 +68,8 @@ from environments.atropos_format import (
 )  # fmt: skip
 from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
 from environments.chat import Messages
-from core.scored_group import ScoredGroup
+from environments.loading import import_module_at
+from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import Completion, PolicyClient, PolicyServerError
 
 # The completions the backend returned while the current group was collected: (prompt ids, completion).
@@ -80,9 +81,11 @@ HELD_ITEMS = 4096
 SAMPLING_ARGS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "min_tokens", "stop_token_ids")
 MAX_TOKENS_ALIASES = ("max_new_tokens", "max_completion_tokens")
 
+log = logging.getLogger(__name__)
+
 
 class AtroposConfig(EnvironmentConfig):
-    env: str = Field(description="The Atropos environment: 'module.path:ClassName' of an atroposlib BaseEnv subclass.")
+    env: str = Field(description="The Atropos environment: 'module.path:ClassName' or 'path/to/file.py:ClassName' of an atroposlib BaseEnv subclass.")
     env_config: dict[str, Any] = Field(
         default_factory=dict,
         description="Fields of the environment's own config (its env_config_cls), over its config_init() defaults.",
@@ -103,11 +106,13 @@ class AtroposItem(Item):
 
 
 def atropos_class(path: str) -> type[BaseEnv]:
-    module_name, _, class_name = path.partition(":")
+    """The Atropos environment class at 'module.path:ClassName' or 'path/to/file.py:ClassName' (a
+    file from an Atropos repository as it is, its sibling modules importable)."""
+    module_name, _, class_name = path.rpartition(":")
     if not module_name or not class_name:
-        raise ValueError(f"env {path!r}: give 'module.path:ClassName' of an Atropos BaseEnv subclass")
+        raise ValueError(f"env {path!r}: give 'module.path:ClassName' or 'path/to/file.py:ClassName' of an Atropos BaseEnv subclass")
     try:
-        env_class = getattr(importlib.import_module(module_name), class_name, None)
+        env_class = getattr(import_module_at(module_name), class_name, None)
     except ImportError as error:
         raise ValueError(f"env {path!r}: cannot import {module_name}: {error}") from error
     if not (isinstance(env_class, type) and issubclass(env_class, BaseEnv)):
@@ -147,6 +152,26 @@ class ClothoServer(APIServer):
     def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.default_max_tokens, self.greedy = default_max_tokens, greedy
+        self.context: int | None = None  # the served model's max_model_len, asked once
+        self.clamped = False
+
+    async def fitted(self, prompt_ids: list[int], max_tokens: int) -> int:
+        """`max_tokens` within what the served model's context leaves after the prompt. Atropos
+        environments size their requests for the model they were written for (max_token_length
+        8192 and up); served a model with a shorter context, vLLM refuses every such request,
+        so it is cut to fit, said once."""
+        if self.context is None:
+            self.context = await self.client.max_model_len() or 0
+        room = self.context - len(prompt_ids)
+        if not self.context or max_tokens <= room:
+            return max_tokens
+        if room < 1:
+            raise PolicyServerError(f"the prompt is {len(prompt_ids)} tokens, the served model's whole context (max_model_len {self.context})")
+        if not self.clamped:
+            self.clamped = True
+            log.warning("the Atropos environment asks for up to %d tokens; the served model's context (max_model_len %d) "
+                        "leaves %d after a %d-token prompt: sampling up to that", max_tokens, self.context, room, len(prompt_ids))  # fmt: skip
+        return room
 
     async def check_server_status_task(self, chat_completion: bool = True) -> None:
         self.server_healthy = True  # PolicyClient waits for the server and says when it is gone
@@ -165,6 +190,7 @@ class ClothoServer(APIServer):
             sampling["stop"] = [sampling["stop"]]
         if self.greedy:
             sampling["temperature"] = 0.0
+        sampling["max_tokens"] = await self.fitted(prompt_ids, int(sampling["max_tokens"]))
         completions = await self.client.complete(prompt_ids, **sampling)
         if (sampled := _sampled.get()) is not None:
             sampled.extend((tuple(prompt_ids), completion) for completion in completions)
@@ -239,11 +265,27 @@ class Atropos(Environment):
             backend.bind(client, self.atropos.tokenizer, default_max_tokens=self.config.max_tokens,
                          greedy=self.config.temperature == 0.0)  # fmt: skip
         self._held: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self.context: int | None = None  # the served model's max_model_len (setup asks)
         self._handed_out = 0
         self._non_exact_groups = 0
 
     async def setup(self) -> None:
+        await self.fit_context()
         await self.atropos.setup()
+
+    async def fit_context(self) -> None:
+        """An Atropos environment keeps its conversations within config.max_token_length, set for
+        the model it was written for (8192 and up). Unless env_config sets it, it becomes the
+        served model's context when that is shorter, as an Atropos user sets it for their model."""
+        config = self.atropos.config
+        if "max_token_length" in self.config.env_config:
+            self.context = await self.client.max_model_len()
+            return
+        self.context = context = await self.client.max_model_len()
+        if context and context < config.max_token_length:
+            log.info("max_token_length %d of %s is more than the served model's context: %d", config.max_token_length,
+                     self.config.env, context)  # fmt: skip
+            config.max_token_length = context
 
     async def get_item(self) -> AtroposItem | None:
         backlog = self.atropos.backlog
@@ -304,6 +346,13 @@ class Atropos(Environment):
         overrides = data.get("overrides") or [{}] * n
         checks = [check_sequence(list(data["tokens"][i]), list(data["masks"][i]), given[i], by_prompt) for i in range(n)]
         rescore = [i for i, check in enumerate(checks) if check.logprobs is None]
+        for i in rescore:  # scored by the served model: it must fit its context, as training must
+            if self.context and len(data["tokens"][i]) > self.context:
+                raise InvalidGroupError(
+                    f"sequence {i}: {len(data['tokens'][i])} tokens, more than the served model's context ({self.context}); "
+                    "the environment re-tokenized its text into more tokens than were sampled: keep its conversations "
+                    "shorter (env_config max_token_length) or serve a model with a longer context", reason="too-large",
+                )  # fmt: skip
         rescored = await asyncio.gather(*(self.client.prompt_logprobs(list(data["tokens"][i])) for i in rescore))
         for i, values in zip(rescore, rescored):
             checks[i].logprobs = [lp if m != IGNORE_INDEX else UNSAMPLED_LOGPROB for lp, m in zip(values, data["masks"][i])]

@@ -6,7 +6,7 @@ import random
 import pytest
 
 import flows.rollout_report as report
-from flows.rollout import ItemStream, check_limits
+from flows.rollout import ItemStream, checked_specs
 
 
 async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
@@ -41,14 +41,17 @@ async def test_throttled_updates_are_flushed_on_close(monkeypatch):
 
 
 def test_limits_are_checked_naming_the_parameter():
-    check_limits(8, None, 10.0)
-    check_limits(8, 4, 0.0)
+    specs = [{"import_path": "arithmetic"}]
+    assert [spec.import_path for spec in checked_specs(specs, ["http://s"], 8, None, 10.0)] == ["arithmetic"]
+    checked_specs(specs, ["http://s"], 8, 4, 0.0)
     with pytest.raises(ValueError, match="server_concurrency=0"):
-        check_limits(8, 0, 10.0)
+        checked_specs(specs, ["http://s"], 8, 0, 10.0)
     with pytest.raises(ValueError, match="max_concurrent_groups=0"):
-        check_limits(0, None, 10.0)
+        checked_specs(specs, ["http://s"], 0, None, 10.0)
     with pytest.raises(ValueError, match="task_run_s=-1"):
-        check_limits(8, None, -1)
+        checked_specs(specs, ["http://s"], 8, None, -1)
+    with pytest.raises(ValueError, match="at least one environment and one server URL"):
+        checked_specs(specs, [], 8, None, 10.0)
 
 
 class Finite:

@@ -34,9 +34,9 @@ def adapter_venv(name: str) -> Path:
     return ROOT / f".venv-env-{name}"
 
 
-def serve_adapter(name: str, environment: str) -> ServedEnvironment:
-    """`clotho env serve ENVIRONMENT` from .venv-env-NAME."""
-    return serve_environment(environment, clotho=adapter_venv(name) / "bin" / "clotho", timeout=300)
+def serve_adapter(name: str, environment: str, options: tuple[str, ...] = ()) -> ServedEnvironment:
+    """`clotho env serve ENVIRONMENT [OPTIONS]` from .venv-env-NAME."""
+    return serve_environment(environment, clotho=adapter_venv(name) / "bin" / "clotho", timeout=600, options=options)
 
 
 def rollout_groups(prefect_server, policy_server, tokenizer: str, env_url: str, config: dict, run_url: str,

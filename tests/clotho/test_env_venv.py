@@ -1,0 +1,56 @@
+"""An environment's own dependencies (clotho/env_venv.py): a layer over the running environment
+with what it adds, built once and reused, the base's packages (clotho itself, editable) behind it."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from clotho.env_venv import LayerError, environment_layer, pip_arguments
+
+
+def project(root: Path, version: str) -> Path:
+    """A one-module project of its own, as an environment's package would be."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "pyproject.toml").write_text(
+        f'[project]\nname = "clotho-layer-probe"\nversion = "{version}"\n[build-system]\nrequires = ["setuptools"]\n'
+        'build-backend = "setuptools.build_meta"\n[tool.setuptools]\npy-modules = ["layer_probe"]\n'
+    )
+    (root / "layer_probe.py").write_text(f"VERSION = {version!r}\n")
+    return root
+
+
+@pytest.mark.slow
+def test_a_layer_adds_what_the_environment_needs_over_the_base_and_is_built_once(tmp_path) -> None:
+    source = project(tmp_path / "probe", "1.0")
+    said: list[str] = []
+    python = environment_layer(pip_arguments([], [str(source)]), root=tmp_path / "layers", echo=said.append)
+    probe = "import layer_probe, pydantic, clotho.env_venv; print(layer_probe.VERSION, pydantic.__file__)"
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "1.0" and str(tmp_path) not in out[1]  # its own package; the base's pydantic, not a copy
+    assert environment_layer(pip_arguments([], [str(source)]), root=tmp_path / "layers", echo=said.append) == python
+    assert said[-1].endswith("(built before)")
+    project(source, "2.0")  # the environment's requirements changed: a new layer
+    assert environment_layer(pip_arguments([], [str(source)]), root=tmp_path / "layers", echo=said.append) != python
+
+
+def test_requirements_that_cannot_be_met_say_so(tmp_path) -> None:
+    with pytest.raises(LayerError, match="--requirements nowhere.txt: no such file"):
+        pip_arguments([], ["nowhere.txt"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LayerError, match="without pyproject.toml or setup.py"):
+        pip_arguments([], [str(tmp_path / "empty")])
+    (tmp_path / "reqs.txt").write_text("gymnasium\n")
+    assert pip_arguments(["numpy<3"], [str(tmp_path / "reqs.txt")]) == ["numpy<3", "-r", str(tmp_path / "reqs.txt")]
+
+
+@pytest.mark.slow
+def test_a_failed_install_names_pip_s_reason_and_leaves_no_layer_to_reuse(tmp_path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "setup.py").write_text("raise SystemExit('this project does not build')\n")
+    with pytest.raises(LayerError, match="(?s)failed in .*this project does not build.*Fix the requirement"):
+        environment_layer(pip_arguments([], [str(broken)]), root=tmp_path / "layers", echo=lambda _: None)
+    assert not list((tmp_path / "layers").glob("*/.clotho-layer.json"))

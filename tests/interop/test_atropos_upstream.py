@@ -1,0 +1,57 @@
+"""Atropos environments as they are in Atropos's own repository (tests/data/upstream: unchanged
+copies), served by the adapter from .venv-env-atropos by file path, as a user who cloned Atropos
+would point clotho at them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.interop.conftest import rollout_groups, serve_adapter
+
+ADAPTER = "environments.adapters.atropos:Atropos"
+UPSTREAM = Path(__file__).resolve().parents[1] / "data" / "upstream" / "atropos" / "environments"
+# Each environment's file and what `clotho env serve` adds for it: gym_taxi makes Taxi-v3, which
+# gymnasium 1.3 removed (the adapter's lock has 1.4), so it is served with its own gymnasium.
+ENVIRONMENTS = {
+    "gym_taxi": ("game_environments/gymnasium/gym_taxi.py:GymTaxiEnv", ("--with", "gymnasium<1.3")),
+    "blackjack": ("game_environments/gymnasium/blackjack/blackjack_env_no_thinking.py:BlackjackEnvNoThinking", ()),
+    "regex": ("community/regex_generation/regex_env.py:RegexEnv", ()),  # imports its sibling regex_problems
+}
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The adapter served once per set of options."""
+    services = {}
+
+    def serve(options: tuple[str, ...]):
+        if options not in services:
+            services[options] = serve_adapter("atropos", ADAPTER, options)
+        return services[options]
+
+    yield serve
+    for service in services.values():
+        service.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(ENVIRONMENTS))
+def test_an_upstream_atropos_environment_runs_unchanged_from_its_file(
+    name, served, prefect_server, policy_server, policy_tokenizer, tmp_path
+) -> None:
+    path, options = ENVIRONMENTS[name]
+    config = {"env": str(UPSTREAM / path), "group_size": 2}  # the environment's own settings otherwise
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served(options).url, config,
+                                     f"file://{tmp_path}/store/{name}", groups=4, concurrency=2)  # fmt: skip
+    [row] = summary["environments"]
+    print(name, summary["totals"], row.get("failures by reason"))
+    # Every item is a stored group or an outcome of the environment's own making, never an error
+    # of the adapter's: Atropos drops a group whose scores are all equal (the tiny stand-in model's
+    # answers mostly all score the same), and a conversation the environment re-tokenizes into
+    # more tokens than the stand-in's 2048-token context is too large to score or train.
+    totals = summary["totals"]
+    assert totals["groups"] + totals["failures"] == 4, summary
+    assert set(totals["failures_by_reason"]) <= {"dropped-by-environment", "too-large"}, summary
+    assert len(groups) == totals["groups"] and all(not group.extras.get("rollout_errors") for group in groups)

@@ -237,14 +237,17 @@ class ScoredGroup(BaseModel):
         return self
 
     def check_limits(
-        self, vocab_size: int | None = None, max_group_size: int | None = None, max_tokens: int | None = None
+        self, vocab_size: int | None = None, max_group_size: int | None = None, max_tokens: int | None = None,
+        expected: str | None = None,
     ) -> None:
-        """Checks that need the run's context: the configured group size and token budget
-        (EnvironmentConfig.group_size, max_group_tokens) and the tokenizer's vocabulary."""
+        """Checks that need the run's context: the most sequences a group may hold (its
+        environment's max_group_sequences, `expected` saying how that follows from its config:
+        group_size by default), the token budget (max_group_tokens) and the tokenizer's vocabulary."""
         if max_group_size is not None and len(self.sequences) > max_group_size:
+            expected = expected or f"group_size {max_group_size}"
             raise InvalidGroupError(
-                f"group {self.group_id} (env {self.env}): {len(self.sequences)} sequences > "
-                f"group_size {max_group_size}; return at most group_size sequences or raise group_size",
+                f"group {self.group_id} (env {self.env}): {len(self.sequences)} sequences > {max_group_size} expected "
+                f"({expected}); return at most that many sequences or raise group_size",
                 reason="too-many-sequences",
             )
         if max_tokens is not None and self.num_tokens > max_tokens:

@@ -222,6 +222,16 @@ class Environment(ABC):
         stream = self._item_stream("eval")
         return stream.next() if stream is not None else await self.get_item()
 
+    @property
+    def max_group_sequences(self) -> int:
+        """The most sequences one group may hold: group_size, one per rollout. An environment whose
+        rollout (an episode of several trained agents) gives several sequences says how many."""
+        return self.config.group_size
+
+    def group_sequences_expected(self) -> str:
+        """How max_group_sequences follows from the config, for the error that a group exceeds it."""
+        return f"group_size {self.config.group_size}"
+
     # ---- what the framework calls ----------------------------------------------------------
     async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
         """collect_trajectories, stamped with the served policy version, failures returned as data.
@@ -249,7 +259,8 @@ class Environment(ABC):
                     f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
                 )
             group.check_limits(
-                vocab_size=self.vocab_size, max_group_size=self.config.group_size, max_tokens=self.config.max_group_tokens
+                vocab_size=self.vocab_size, max_group_size=self.max_group_sequences, max_tokens=self.config.max_group_tokens,
+                expected=self.group_sequences_expected(),
             )
         except RUN_ERRORS:
             version.cancel()

@@ -91,8 +91,9 @@ class Conformance:
         _, group = await self.sampled()
         env = self.env
         require(group.env == env.name, f"group.env {group.env!r} != environment name {env.name!r}")
-        require(1 <= len(group.sequences) <= env.config.group_size, f"{len(group.sequences)} sequences; return 1..group_size ({env.config.group_size})")
-        group.check_limits(vocab_size=env.vocab_size, max_group_size=env.config.group_size)
+        most = env.max_group_sequences
+        require(1 <= len(group.sequences) <= most, f"{len(group.sequences)} sequences; return 1..{most} ({env.group_sequences_expected()})")
+        group.check_limits(vocab_size=env.vocab_size, max_group_size=most, expected=env.group_sequences_expected())
         for index, sequence in enumerate(group.sequences):
             where = f"sequences[{index}]"
             require(not sequence.mask[0], f"{where}: the first token is trained; the prompt is context (mask False)")

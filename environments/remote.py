@@ -122,7 +122,11 @@ class RemoteEnvironment(Environment):
             response = await self._http.post("/sessions", json=body)
         except httpx.TransportError as error:
             raise _unreachable(self.url, "/sessions", error) from None
-        self.session = _answer(self.url, "/sessions", response)["session"]
+        answer = _answer(self.url, "/sessions", response)
+        self.session = answer["session"]
+        # What the served environment expects of a group (a service from before says nothing: group_size).
+        self._max_sequences = int(answer.get("max_group_sequences") or self.config.group_size)
+        self._expected = answer.get("group_sequences_expected") or f"group_size {self.config.group_size}"
 
     async def get_item(self) -> Item | None:
         async for attempt in async_attempts(  # a service restarting: wait a little (about 15 s in all)
@@ -148,10 +152,18 @@ class RemoteEnvironment(Environment):
             return RolloutFailure.model_validate(answer["failure"])
         try:  # what the service sent is checked here too, against this side's vocabulary
             group = ScoredGroup.model_validate(answer["group"])
-            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.config.group_size, max_tokens=self.config.max_group_tokens)
+            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.max_group_sequences, max_tokens=self.config.max_group_tokens,
+                               expected=self.group_sequences_expected())
         except (InvalidGroupError, ValidationError) as error:
             return RolloutFailure.of(self.name, item.id, error)
         return group
+
+    @property
+    def max_group_sequences(self) -> int:
+        return getattr(self, "_max_sequences", self.config.group_size)
+
+    def group_sequences_expected(self) -> str:
+        return getattr(self, "_expected", f"group_size {self.config.group_size}")
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         result = await self.collect_group(item)

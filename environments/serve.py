@@ -90,7 +90,8 @@ class EnvironmentService:
             raise
         session = secrets.token_hex(8)
         self.sessions[session] = env
-        return JSONResponse({"session": session, "name": env.name})
+        return JSONResponse({"session": session, "name": env.name, "max_group_sequences": env.max_group_sequences,
+                             "group_sequences_expected": env.group_sequences_expected()})  # fmt: skip
 
     async def close_session(self, request: Request) -> JSONResponse:
         env = self.sessions.pop(request.path_params["session"], None)

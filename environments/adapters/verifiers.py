@@ -8,9 +8,12 @@ own Env, else SingleAgentEnv), its model calls answered by the policy server:
     --TrainClient renders the chat (`renderers`), POST {token_ids, sampling_params}--> this module's
     /inference/v1/generate on loopback --prompt ids--> the policy server's /v1/completions
 
-and each episode's trace is one sequence: its trainable branch's token_ids, sampled_mask and
-logprobs (kept per message node as returned), scored with trace.reward, the weighted sum of the
-taskset's @vf.reward functions (each in extras["rewards"], @vf.metric values in extras["metrics"]).
+and each training sample of an episode is one sequence: a trainable agent's trace, each of its
+trainable branches' token_ids, sampled_mask and logprobs (kept per message node as returned),
+scored with trace.reward, the weighted sum of the taskset's @vf.reward functions (each in
+extras["rewards"], @vf.metric values in extras["metrics"]) or what the Env recorded. An episode of
+two trainable agents (self-play) gives two sequences, each naming its agent in extras["agent"]: a
+group holds up to group_size x samples_per_episode sequences.
 
     config {"env": {"taskset": {"id": "gsm8k-v1"}}, "group_size": 4}     an installed taskset
     config {"env": {"taskset": {"id": "my_pkg.my_taskset", "num_tasks": 8},
@@ -28,7 +31,8 @@ last name (`plugin_id`).
 
 `reward(item, messages)` is verifiers' offline re-score (what vf-replay does): the conversation is
 made a trace again and the task's rewards run on it without a runtime. It agrees with the stored
-score unless a reward needs the runtime or an Env.finalize scores across traces.
+score unless a reward needs the runtime or the Env records it (Env.run, Env.finalize: a game's
+payoff, as upstream kuhn_poker records it).
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from verifiers.v1.dialects.chat import message_to_wire, parse_message
+from verifiers.v1.configs.agent import agent_config_fields
 from verifiers.v1.env import RunSlot
 from verifiers.v1.runtimes import SubprocessConfig
 from verifiers.v1.state import state_cls
@@ -72,6 +77,12 @@ class VerifiersConfig(EnvironmentConfig):
         description="verifiers' [env] block (EnvConfig) as `vf-eval --env.*` reads it: taskset.id (an installed "
         "taskset id or a module path) and the taskset's own fields, an Env id, each agent's harness, runtime and "
         "limits ('agent' on the single-agent env). Agents default to the null harness on the subprocess runtime."
+    )
+    samples_per_episode: int | None = Field(
+        default=None, ge=1,
+        description="Training samples one episode may give (its trainable agents' traces x their branches), each "
+        "stored as a sequence of the group; None: one per agent the Env declares (two for a two-player self-play "
+        "Env). A group holds up to group_size x this many sequences.",
     )
     renderer: dict[str, Any] | None = Field(
         default=None,
@@ -219,6 +230,7 @@ class Verifiers(Environment):
         self.env_config = local_env_config(self.config.env)
         self.taskset = vf.load_taskset(self.env_config.taskset)
         self.task_type = type(self.taskset).task_type()
+        self.samples = self.config.samples_per_episode or max(1, len(agent_config_fields(self.env_config)))
         self.epoch = 0
         self.tasks = self.epoch_tasks()
         provision_chat_program()
@@ -267,30 +279,46 @@ class Verifiers(Environment):
         env = vf.load_environment(self.env_config)
         run_errors = self.generate.run_errors
 
-        async def rollout() -> ScoredSequence:
-            return self.sequence(await env.run_slot(RunSlot(task), context))
+        async def rollout(index: int) -> list[ScoredSequence]:
+            return self.sequences(await env.run_slot(RunSlot(task), context), index)
 
         async with env.serving():
-            sequences, errors = await self.gather_sequences([rollout() for _ in range(self.config.group_size)])
+            episodes, errors = await self.gather_sequences([rollout(index) for index in range(self.config.group_size)])
         if errors and self.generate.run_errors > run_errors:
             error = self.generate.last_run_error
             raise type(error)(str(error))
-        return self.make_group(item, sequences, errors=errors)
+        return self.make_group(item, [sequence for episode in episodes for sequence in episode], errors=errors)
 
-    def sequence(self, episode: vf.Episode) -> ScoredSequence:
-        """The episode's one trainable branch as it was sampled, scored with its trace's reward."""
+    @property
+    def max_group_sequences(self) -> int:
+        return self.config.group_size * getattr(self, "samples", self.config.samples_per_episode or 1)
+
+    def group_sequences_expected(self) -> str:
+        return f"group_size {self.config.group_size} episodes x samples_per_episode {getattr(self, 'samples', '?')}"
+
+    def sequences(self, episode: vf.Episode, index: int = 0) -> list[ScoredSequence]:
+        """Every training sample of the episode (each trainable agent's trace, each of its trainable
+        branches) as it was sampled, scored with its trace's reward: one sequence each, as a
+        self-play game's seats are. A sample in which nothing was sampled (an agent that never
+        spoke) trains nothing and is left out."""
         if not episode.ok:
             found = [*episode.errors, *(error for trace in episode.traces for error in trace.errors)]
             described = "; ".join(f"{error.type}: {error.message}" for error in found)
             raise RolloutFailed(described or "verifiers marked the episode failed")
         trainable = [trace for trace in episode.traces if trace.agent.trainable]
         samples = [(trace, branch) for trace in trainable for branch in trace.branches if branch.trainable]
-        if len(samples) != 1:
+        if len(samples) > self.samples:
             raise RolloutFailed(
-                f"the episode gave {len(samples)} training samples (trainable traces x branches); clotho stores one "
-                "sequence per rollout: play a single trainable agent whose prompts only extend (no compaction)"
+                f"the episode gave {len(samples)} training samples (trainable traces x branches), more than "
+                f"samples_per_episode {self.samples}; raise samples_per_episode (--set samples_per_episode={len(samples)})"
             )
-        trace, branch = samples[0]
+        sequences = [self.sequence(trace, branch, index) for trace, branch in samples if any(branch.sampled_mask)]
+        if not sequences:
+            raise RolloutFailed(f"the episode gave no training sample with a sampled token ({len(samples)} samples)")
+        return sequences
+
+    def sequence(self, trace, branch, episode: int) -> ScoredSequence:
+        """One training sample as it was sampled, scored with its trace's reward."""
         last_call = branch.calls[-1] if branch.calls else None
         return ScoredSequence(
             tokens=branch.token_ids, mask=branch.sampled_mask, logprobs=branch.logprobs, score=trace.reward,
@@ -299,7 +327,7 @@ class Verifiers(Environment):
             extras={
                 "rewards": {name: r.model_dump() for name, r in trace.rewards.items() if r is not None},
                 "metrics": trace.metrics, "trace_id": trace.id, "stop_condition": trace.stop_condition,
-                "turns": trace.num_turns,
+                "turns": trace.num_turns, "agent": trace.agent.name, "episode": episode,
             },
         )  # fmt: skip
 

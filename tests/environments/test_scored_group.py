@@ -60,7 +60,7 @@ def test_limits_need_the_run_context():
     g = group(seq(), seq(tokens=[1, 2, 3, 600]))
     with pytest.raises(InvalidGroupError, match=r"sequences\[1\]\.tokens: id 600 >= vocab size 512"):
         g.check_limits(vocab_size=512)
-    with pytest.raises(InvalidGroupError, match="2 sequences > group_size 1"):
+    with pytest.raises(InvalidGroupError, match=r"2 sequences > 1 expected \(group_size 1\)"):
         g.check_limits(max_group_size=1)
     g.check_limits(vocab_size=601, max_group_size=2)
 

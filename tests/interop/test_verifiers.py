@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -138,3 +139,58 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
         "role": "assistant", "content": "<think>two and two</think>4",
         "verifiers_message": {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
     }  # fmt: skip
+
+
+@pytest.mark.integration
+def test_an_episode_of_two_trainable_agents_stores_both_traces_as_sequences_of_the_group(
+    served_verifiers, prefect_server, policy_server, policy_tokenizer, tmp_path
+) -> None:
+    """Self-play in verifiers' terms (examples/verifiers_two_seats: two trainable agents per
+    episode, as upstream kuhn_poker): every trainable trace is a sequence with its own mask,
+    logprobs and score; a group is group_size episodes x 2 samples."""
+    config = {"env": {"taskset": {"id": "environments.adapters.examples.verifiers_two_seats"}}, "group_size": 2, "max_tokens": 6}
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, config,
+                                     f"file://{tmp_path}/store/two-seats", groups=2)  # fmt: skip
+    assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
+    for group in groups:
+        assert len(group.sequences) == 4, [s.extras for s in group.sequences]
+        seats = sorted((s.extras["episode"], s.extras["agent"]) for s in group.sequences)
+        assert seats == [(0, "player0"), (0, "player1"), (1, "player0"), (1, "player1")]
+        for sequence in group.sequences:
+            assert any(sequence.mask) and all(lp < 0 for lp, m in zip(sequence.logprobs, sequence.mask) if m)
+            assert sequence.score == sequence.extras["rewards"]["correct"]["score"]
+    # Capped where the config says: one sample an episode is too few for two agents.
+    one = {**config, "samples_per_episode": 1}
+    summary, _ = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, one,
+                                f"file://{tmp_path}/store/one-seat", groups=1)  # fmt: skip
+    assert summary["totals"]["groups"] == 0 and summary["totals"]["failures"] == 1, summary  # each episode failed, saying why
+
+
+KUHN_POKER = Path(__file__).resolve().parents[1] / "data" / "upstream" / "verifiers" / "environments" / "kuhn_poker"
+
+
+@pytest.fixture(scope="module")
+def served_kuhn_poker():
+    """The adapter with upstream kuhn_poker installed as its README says (its own package, taskset
+    id kuhn-poker), in a layer over .venv-env-verifiers (clotho env serve --requirements DIR)."""
+    served = serve_adapter("verifiers", ADAPTER, ("--requirements", str(KUHN_POKER)))
+    yield served
+    served.stop()
+
+
+@pytest.mark.integration
+def test_upstream_kuhn_poker_self_play_stores_each_seat_s_trace_with_its_payoff(
+    served_kuhn_poker, prefect_server, policy_server, policy_tokenizer, tmp_path
+) -> None:
+    config = {"env": {"taskset": {"id": "kuhn-poker"}}, "group_size": 2, "max_tokens": 8}
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_kuhn_poker.url, config,
+                                     f"file://{tmp_path}/store/kuhn", groups=2)  # fmt: skip
+    assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
+    for group in groups:
+        assert 2 <= len(group.sequences) <= 4  # a seat that never got to move (the other forfeited first) trains nothing
+        by_episode: dict[int, dict[str, float]] = {}
+        for sequence in group.sequences:
+            assert any(sequence.mask) and sequence.extras["agent"] in ("player0", "player1")
+            by_episode.setdefault(sequence.extras["episode"], {})[sequence.extras["agent"]] = sequence.score
+        for seats in by_episode.values():  # zero-sum: the payoff the Env recorded on each seat's trace
+            assert all(score in (-2.0, -1.0, 1.0, 2.0) for score in seats.values()) and (len(seats) < 2 or sum(seats.values()) == 0)

@@ -28,11 +28,11 @@ numbers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import importlib
 import inspect
 import json
+import logging
 import random
 import uuid
 from collections.abc import Callable
@@ -45,13 +45,16 @@ from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
 from openenv.core.env_server.serialization import serialize_observation
 from openenv.core.env_server.types import Action
 from openenv.core.generic_client import GenericEnvClient
-from pydantic import Field
+from pydantic import Field, ValidationError
+from websockets.exceptions import ConnectionClosedOK
 
+from environments.adapters.openenv_session import Capacity, SchemaAction, server_error
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession, Messages
 from core.scored_group import ScoredGroup, ScoredSequence
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
+log = logging.getLogger(__name__)
 
 
 class OpenEnvConfig(EnvironmentConfig):
@@ -63,7 +66,10 @@ class OpenEnvConfig(EnvironmentConfig):
     parse: str | None = Field(
         default=None,
         description="Import path of parse(text) -> Action or dict: the policy's turn as the action. "
-        "Default: the whole text as the action's `message` field (the echo environment's action).",
+        "Default: from the action's JSON schema (the class step() is annotated with, or a server's /schema): "
+        "an action of one string field takes the whole text; any other, the first JSON object in the text "
+        "(or, for one field, the bare value), with the schema in a system message. Without a schema: the "
+        "whole text as `message`.",
     )
     render: str | None = Field(
         default=None,
@@ -80,13 +86,14 @@ class OpenEnvConfig(EnvironmentConfig):
     max_concurrent_episodes: int | None = Field(
         default=None,
         ge=1,
-        description="Most episodes open at once; an OpenEnv server refuses sessions past its "
-        "max_concurrent_envs (1 in `openenv init`'s app). None: every episode of every group at once.",
+        description="Most episodes open at once. None: as many as the environment takes; an OpenEnv server "
+        "that refuses a session for capacity (max_concurrent_envs, 1 in `openenv init`'s app) sets the limit "
+        "to its own, and the refused episode waits for a slot.",
     )
 
 
 def message_action(text: str) -> dict[str, Any]:
-    """The default parse: the whole text as the action's `message`."""
+    """The parse without a schema: the whole text as the action's `message`."""
     return {"message": text}
 
 
@@ -153,13 +160,18 @@ class InProcessEpisode:
             observation = await self.run(self.env.step, action)
         return as_step_result(serialize_observation(observation))
 
-    def action_class(self) -> type[Action]:
-        """The Action subclass `step` is annotated with, for a parse that returns a dict."""
+    def annotated_action(self) -> type[Action] | None:
+        """The Action subclass `step` is annotated with, if any."""
         try:
             found = get_type_hints(self.env_class.step).get("action")
         except Exception:  # an annotation that does not resolve names no class either
             found = None
-        if not (isinstance(found, type) and issubclass(found, Action) and found is not Action):
+        return found if isinstance(found, type) and issubclass(found, Action) and found is not Action else None
+
+    def action_class(self) -> type[Action]:
+        """The Action subclass `step` is annotated with, for a parse that returns a dict."""
+        found = self.annotated_action()
+        if found is None:
             raise TypeError(
                 f"parse returned a dict, but {self.env_class.__name__}.step(action) is annotated with "
                 f"{found!r}, not an Action subclass; annotate it or give a parse that returns the Action"
@@ -201,14 +213,11 @@ class OpenEnv(Environment):
         config = self.config
         self.rng = random.Random(config.seed)
         self.count = 0
-        self.parse: Callable[[str], Action | dict[str, Any]] = (
-            load_object(config.parse, "parse") if config.parse else message_action
-        )
         self.render: Callable[[dict[str, Any]], str] = load_object(config.render, "render") if config.render else text_fields
-        self.slots = asyncio.Semaphore(config.max_concurrent_episodes) if config.max_concurrent_episodes else None
+        self.capacity = Capacity(config.max_concurrent_episodes)
         if config.environment.startswith(URL_SCHEMES):
             self.env_class = None
-            await self.check_server(config.environment)
+            schema = await self.check_server(config.environment)
         else:
             self.env_class = load_object(config.environment, "environment")
             if not (isinstance(self.env_class, type) and issubclass(self.env_class, OpenEnvEnvironment)):
@@ -216,19 +225,29 @@ class OpenEnv(Environment):
                     f"environment {config.environment!r} is not an OpenEnv Environment subclass "
                     "(openenv.core.env_server.interfaces.Environment); name the class, or an OpenEnv server's URL"
                 )
+            action = InProcessEpisode(self.env_class).annotated_action()
+            schema = action.model_json_schema() if action is not None else None
+        self.schema_action = SchemaAction(schema) if schema and not config.parse else None
+        self.parse: Callable[[str], Action | dict[str, Any]] = (
+            load_object(config.parse, "parse") if config.parse else self.schema_action or message_action
+        )
 
-    async def check_server(self, url: str) -> None:
+    async def check_server(self, url: str) -> dict[str, Any] | None:
+        """GET /health, then the action's JSON schema from /schema (None where it has none)."""
         if not url.startswith(("http://", "https://")):
-            return  # a ws:// URL: the first episode's connection says whether it answers
+            return None  # a ws:// URL: the first episode's connection says whether it answers
         try:
             async with httpx.AsyncClient(timeout=10.0) as http:
                 (await http.get(url.rstrip("/") + "/health")).raise_for_status()
+                schema = await http.get(url.rstrip("/") + "/schema")
         except httpx.HTTPError as error:
             raise ConnectionError(f"OpenEnv server {url}: GET /health failed ({error!r}); is it running?") from None
+        return schema.json().get("action") if schema.status_code == 200 else None
 
     async def get_item(self) -> Item:
         self.count += 1
-        prompt = [{"role": "system", "content": self.config.system_prompt}] if self.config.system_prompt else []
+        system = self.config.system_prompt or (self.schema_action.instructions() if self.schema_action else None)
+        prompt = [{"role": "system", "content": system}] if system else []
         return Item(id=f"{self.config.seed}-{self.count}", prompt=prompt, extras={"seed": self.rng.randrange(2**31)})
 
     def reward(self, item: Item, messages: Messages) -> float:
@@ -249,17 +268,46 @@ class OpenEnv(Environment):
 
     async def episode(self, item: Item) -> ScoredSequence:
         episode_id = f"{item.id}-{uuid.uuid4().hex[:8]}"
-        async with self.slots or contextlib.nullcontext():
-            episode = ServerEpisode(self.config.environment) if self.env_class is None else InProcessEpisode(self.env_class)
-            try:
-                session, done = await self.play(episode, item, episode_id)
-            finally:
-                await episode.close()
-        extras = {"turns": session.trajectory.turns, "done": done, "episode_id": episode_id}
+        wait, refusals = 0.05, 0
+        while True:  # a server at capacity: wait for a slot of the (learned) limit, then again
+            async with self.capacity.slot():
+                episode = ServerEpisode(self.config.environment) if self.env_class is None else InProcessEpisode(self.env_class)
+                try:
+                    result = await episode.reset(seed=item.extras["seed"], episode_id=episode_id)
+                except Exception as error:
+                    await self.close(episode)
+                    # A full server answers CAPACITY_REACHED and closes; the close can come first.
+                    refused = server_error(error) or (("CAPACITY_REACHED", "") if isinstance(error, ConnectionClosedOK) else None)
+                    if refused is None or refused[0] != "CAPACITY_REACHED":
+                        raise
+                    self.capacity.refused(refused[1])
+                    refusals += 1
+                else:
+                    try:
+                        session, ended = await self.play(episode, item, episode_id, result)
+                    finally:
+                        await self.close(episode)
+                    break
+            await asyncio.sleep(wait)
+            wait = min(2 * wait, 1.0)
+        extras = {"turns": session.trajectory.turns, "episode_id": episode_id, **ended}
+        if refusals:
+            extras["capacity_refusals"] = refusals  # the server was full; the episode waited for a session
         return session.to_sequence(self.reward(item, session.messages), extras=extras)
 
-    async def play(self, episode: InProcessEpisode | ServerEpisode, item: Item, episode_id: str) -> tuple[ChatSession, bool]:
-        result = await episode.reset(seed=item.extras["seed"], episode_id=episode_id)
+    async def close(self, episode: InProcessEpisode | ServerEpisode) -> None:
+        """Closing an episode that is over is not part of it: a failure there is logged, not raised."""
+        try:
+            await episode.close()
+        except Exception as error:
+            log.warning("closing an OpenEnv episode: %s: %s", type(error).__name__, error)
+
+    async def play(
+        self, episode: InProcessEpisode | ServerEpisode, item: Item, episode_id: str, result: StepResult[dict[str, Any]]
+    ) -> tuple[ChatSession, dict[str, Any]]:
+        """The episode from its reset: an action per turn until the environment is done, max_turns,
+        an action the environment refuses (invalid: the episode ends there, that turn earning
+        nothing), or the server closing the session (its normal end of an episode)."""
         if result.done:
             raise RuntimeError(
                 f"episode {episode_id}: the environment was done at reset (seed {item.extras['seed']}); no action to sample"
@@ -267,9 +315,22 @@ class OpenEnv(Environment):
         session = self.chat(prompt_messages(item) + [self.observation_message(result)])
         for turn in range(self.config.max_turns):
             await session.sample(self.client, **self.sampling())
-            result = await episode.step(self.parse(session.messages[-1]["content"]))
+            try:
+                result = await episode.step(self.parse(session.messages[-1]["content"]))
+            except ValidationError as error:  # in process: the action model refused the parsed fields
+                session.messages[-1]["reward"] = 0.0
+                return session, {"done": False, "invalid_action": f"{error.error_count()} errors: {error.errors()[0]['msg']}"}
+            except RuntimeError as error:
+                answered = server_error(error)
+                if answered is None or answered[0] != "VALIDATION_ERROR":
+                    raise
+                session.messages[-1]["reward"] = 0.0
+                return session, {"done": False, "invalid_action": answered[1]}
+            except ConnectionClosedOK:  # the server ended the session: the episode's end, not a failure
+                session.messages[-1]["reward"] = 0.0
+                return session, {"done": True, "closed_by_server": True}
             session.messages[-1]["reward"] = float(result.reward or 0.0)  # what this action earned
             if result.done or turn == self.config.max_turns - 1:
                 break
             session.add_messages([self.observation_message(result)])
-        return session, result.done
+        return session, {"done": result.done}

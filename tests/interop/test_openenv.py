@@ -52,21 +52,31 @@ def tokenizer(policy_tokenizer):
 @pytest.fixture(scope="module")
 def echo_server() -> str:
     """The echo environment's own OpenEnv server (uvicorn on openenv's create_app), in its venv."""
+    yield from openenv_server("openenv_echo")
+
+
+@pytest.fixture(scope="module")
+def grid_server() -> str:
+    """The grid example's server: one session at a time, as upstream grid_world's and connect4's."""
+    yield from openenv_server("openenv_grid")
+
+
+def openenv_server(example: str):
     python = adapter_venv("openenv") / "bin" / "python"
     port = free_port()
-    log_path = CACHE / "logs" / f"openenv-echo-{port}.log"
+    log_path = CACHE / "logs" / f"{example}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [str(python), "-m", "uvicorn", f"{EXAMPLES}.openenv_echo:app", "--host", "127.0.0.1", "--port", str(port)],
+            [str(python), "-m", "uvicorn", f"{EXAMPLES}.{example}:app", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, stdout=log, stderr=log,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
         while True:
-            assert process.poll() is None, f"the OpenEnv echo server exited: {log_path.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"the OpenEnv echo server did not answer; see {log_path}"
+            assert process.poll() is None, f"the OpenEnv {example} server exited: {log_path.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, f"the OpenEnv {example} server did not answer; see {log_path}"
             try:
                 if httpx.get(url + "/health", timeout=2.0).status_code == 200:
                     break
@@ -196,3 +206,23 @@ def test_an_episode_ends_when_the_environment_says_done_with_its_own_parse_and_r
 def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it(served_openenv, policy_server, policy_tokenizer) -> None:
     with pytest.raises(RemoteServiceError, match="is not an OpenEnv Environment subclass"):
         collect(served_openenv.url, {"environment": "environments.bundled.arithmetic:Arithmetic"}, policy_server, policy_tokenizer)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["in process", "one-session server"])
+def test_an_action_of_several_fields_runs_with_no_settings_and_a_one_session_server_queues(
+    mode, request, served_openenv, policy_server, tokenizer
+) -> None:
+    """The grid example's action (a direction and a number of steps), as upstream grid_world's and
+    connect4's are not messages: no parse given, its JSON schema asks for and reads the action; a
+    reply that is no valid action ends that episode earning nothing. Its server takes one session
+    at a time: four episodes at once wait for it in turn (CAPACITY_REACHED), none fails."""
+    environment = f"{EXAMPLES}.openenv_grid:GridEnvironment" if mode == "in process" else request.getfixturevalue("grid_server")
+    group = collect(served_openenv.url, {"environment": environment, "group_size": 4, "max_tokens": 16, "max_turns": 3}, policy_server, tokenizer)
+    assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
+    for sequence in group.sequences:
+        system = sequence.messages[0]
+        assert system["role"] == "system" and '"direction"' in system["content"] and "metadata" not in system["content"]
+        assert sequence.extras["done"] or "invalid_action" in sequence.extras or sequence.extras["turns"] == 3, sequence.extras
+    refusals = sum(sequence.extras.get("capacity_refusals", 0) for sequence in group.sequences)
+    assert (refusals > 0) == (mode == "one-session server"), refusals  # the server was full, and said so

@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,14 +62,16 @@ def grid_server() -> str:
     yield from openenv_server("openenv_grid")
 
 
-def openenv_server(example: str):
-    python = adapter_venv("openenv") / "bin" / "python"
+def openenv_server(example: str, python: Path | None = None, module_path: bool = False):
+    """An OpenEnv server app (`app` of an example, or of any module) under uvicorn, until the test ends."""
+    python = python or adapter_venv("openenv") / "bin" / "python"
     port = free_port()
     log_path = CACHE / "logs" / f"{example}-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    module = example if module_path else f"{EXAMPLES}.{example}"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [str(python), "-m", "uvicorn", f"{EXAMPLES}.{example}:app", "--host", "127.0.0.1", "--port", str(port)],
+            [str(python), "-m", "uvicorn", f"{module}:app", "--host", "127.0.0.1", "--port", str(port)],
             cwd=ROOT, stdout=log, stderr=log,
         )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -226,3 +229,39 @@ def test_an_action_of_several_fields_runs_with_no_settings_and_a_one_session_ser
         assert sequence.extras["done"] or "invalid_action" in sequence.extras or sequence.extras["turns"] == 3, sequence.extras
     refusals = sum(sequence.extras.get("capacity_refusals", 0) for sequence in group.sequences)
     assert (refusals > 0) == (mode == "one-session server"), refusals  # the server was full, and said so
+
+
+CONNECT4 = ROOT / "tests" / "data" / "upstream" / "openenv" / "envs" / "connect4_env"  # unchanged: tests/data/upstream
+
+
+def connect4_layer() -> Path:
+    """The python of .venv-env-openenv with upstream connect4_env installed over it, as its README
+    installs it (`pip install` of its folder): what `clotho env serve --requirements DIR` builds."""
+    python = adapter_venv("openenv") / "bin" / "python"
+    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], [{str(CONNECT4)!r}]), echo=lambda _: None))"
+    return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
+
+
+@pytest.fixture(scope="module")
+def connect4_server():
+    """Upstream connect4_env's own server app (one session at a time), from its installed package."""
+    yield from openenv_server("connect4_env.server.app", python=connect4_layer(), module_path=True)
+
+
+@pytest.fixture(scope="module")
+def served_connect4():
+    served = serve_adapter("openenv", ADAPTER, ("--requirements", str(CONNECT4)))
+    yield served
+    served.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["in process", "its own server"])
+def test_upstream_connect4_runs_unchanged_with_no_settings(mode, request, served_connect4, policy_server, tokenizer) -> None:
+    """OpenEnv's connect4_env as its repository has it (meta-pytorch/OpenEnv@685de41): the action is
+    a column (an int), its server takes one session. Before: 1 of 4 (CAPACITY_REACHED,
+    ConnectionClosedOK) and no action but by a parse of one's own."""
+    environment = "connect4_env.server.connect4_environment:Connect4Environment" if mode == "in process" else request.getfixturevalue("connect4_server")
+    group = collect(served_connect4.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
+    assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
+    assert all('"column"' in sequence.messages[0]["content"] for sequence in group.sequences)

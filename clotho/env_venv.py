@@ -69,6 +69,20 @@ def layer_key(arguments: list[str]) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def built_elsewhere(arguments: list[str], where: Path) -> list[str]:
+    """The arguments with each project directory copied under `where` first: pip builds a project
+    in its own tree (build/, *.egg-info), and the environment's source stays as it was."""
+    copied = []
+    for argument in arguments:
+        path = Path(argument)
+        if path.is_dir():
+            target = where / f"{len(copied)}-{path.name}"
+            shutil.copytree(path, target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".venv"))
+            argument = str(target)
+        copied.append(argument)
+    return copied
+
+
 def environment_layer(arguments: list[str], root: Path | None = None, echo=print) -> Path:
     """The python of the layer holding `arguments` (pip install's) over this environment: reused
     when built before, else built now. LayerError when pip fails."""
@@ -87,8 +101,8 @@ def environment_layer(arguments: list[str], root: Path | None = None, echo=print
     # An executable .pth line: addsitedir also runs the base's own .pth files (editable installs).
     lines = [f"import site; site.addsitedir({path!r})" for path in sorted(base)]
     (site_packages / "_clotho_base.pth").write_text("\n".join(lines) + "\n")
-    install = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", *arguments],
-                             capture_output=True, text=True)  # fmt: skip
+    install = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
+                              *built_elsewhere(arguments, layer / "src")], capture_output=True, text=True)  # fmt: skip
     if install.returncode != 0:
         tail = "\n".join((install.stdout + install.stderr).strip().splitlines()[-15:])
         raise LayerError(f"pip install {' '.join(arguments)} failed in {layer}:\n{tail}\nFix the requirement (a name, a version pin that exists) and run again")

@@ -42,7 +42,9 @@ from typing import Any, get_type_hints
 import httpx
 from openenv.core.client_types import StepResult
 from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironment
-from openenv.core.env_server.serialization import serialize_observation
+from openenv.core.env_server.mcp_environment import MCPEnvironment
+from openenv.core.env_server.mcp_types import CallToolAction
+from openenv.core.env_server.serialization import deserialize_action, serialize_observation
 from openenv.core.env_server.types import Action
 from openenv.core.generic_client import GenericEnvClient
 from pydantic import Field, ValidationError
@@ -98,8 +100,12 @@ def message_action(text: str) -> dict[str, Any]:
 
 
 def text_fields(observation: dict[str, Any]) -> str:
-    """The default render: the observation's string fields named with 'text' or 'message', in field
-    order, one per line; the whole observation as JSON when it has none."""
+    """The default render: a tool call's result (or error) for an MCP environment's observation;
+    else the observation's string fields named with 'text' or 'message', in field order, one per
+    line; the whole observation as JSON when it has none."""
+    if "tool_name" in observation and ("result" in observation or "error" in observation):
+        shown = observation.get("error") or observation.get("result")
+        return shown if isinstance(shown, str) else json.dumps(shown, sort_keys=True, default=str)
     texts = [value for name, value in observation.items() if isinstance(value, str) and ("text" in name or "message" in name)]
     return "\n".join(texts) if texts else json.dumps(observation, sort_keys=True)
 
@@ -152,13 +158,17 @@ class InProcessEpisode:
         return as_step_result(serialize_observation(observation))
 
     async def step(self, action: Action | dict[str, Any]) -> StepResult[dict[str, Any]]:
-        if isinstance(action, dict):
-            action = self.action_class().model_validate(action)
+        if isinstance(action, dict):  # an MCP environment's tool calls and listings as OpenEnv's server reads them
+            action = deserialize_action(action, Action if self.mcp() else self.action_class())
         if self.overrides("step_async"):
             observation = await self.env.step_async(action)
         else:
             observation = await self.run(self.env.step, action)
         return as_step_result(serialize_observation(observation))
+
+    def mcp(self) -> bool:
+        """An MCP environment: its actions are tool calls (CallToolAction), step not annotated."""
+        return issubclass(self.env_class, MCPEnvironment) and self.annotated_action() is None
 
     def annotated_action(self) -> type[Action] | None:
         """The Action subclass `step` is annotated with, if any."""
@@ -225,8 +235,11 @@ class OpenEnv(Environment):
                     f"environment {config.environment!r} is not an OpenEnv Environment subclass "
                     "(openenv.core.env_server.interfaces.Environment); name the class, or an OpenEnv server's URL"
                 )
-            action = InProcessEpisode(self.env_class).annotated_action()
+            episode = InProcessEpisode(self.env_class)
+            action = CallToolAction if episode.mcp() else episode.annotated_action()
             schema = action.model_json_schema() if action is not None else None
+        # An MCP environment's action is a tool call: its tools are listed to the policy each episode.
+        self.mcp = bool(schema) and {"tool_name", "arguments"} <= set(schema.get("properties", {}))
         self.schema_action = SchemaAction(schema) if schema and not config.parse else None
         self.parse: Callable[[str], Action | dict[str, Any]] = (
             load_object(config.parse, "parse") if config.parse else self.schema_action or message_action
@@ -295,6 +308,14 @@ class OpenEnv(Environment):
             extras["capacity_refusals"] = refusals  # the server was full; the episode waited for a session
         return session.to_sequence(self.reward(item, session.messages), extras=extras)
 
+    async def tools_text(self, episode: InProcessEpisode | ServerEpisode) -> str:
+        """The MCP environment's tools (OpenEnv's ListToolsAction), for the policy to call by name."""
+        listed = await episode.step({"type": "list_tools"})
+        lines = [f"- {tool.get('name')}({json.dumps(tool.get('input_schema') or tool.get('inputSchema') or {}, sort_keys=True)}): "
+                 f"{(tool.get('description') or '').strip().splitlines()[0] if tool.get('description') else ''}"
+                 for tool in listed.observation.get("tools", [])]  # fmt: skip
+        return "Tools you can call (tool_name, arguments):\n" + "\n".join(lines)
+
     async def close(self, episode: InProcessEpisode | ServerEpisode) -> None:
         """Closing an episode that is over is not part of it: a failure there is logged, not raised."""
         try:
@@ -312,7 +333,10 @@ class OpenEnv(Environment):
             raise RuntimeError(
                 f"episode {episode_id}: the environment was done at reset (seed {item.extras['seed']}); no action to sample"
             )
-        session = self.chat(prompt_messages(item) + [self.observation_message(result)])
+        first = self.observation_message(result)
+        if self.mcp and not self.config.parse:
+            first["content"] += "\n\n" + await self.tools_text(episode)
+        session = self.chat(prompt_messages(item) + [first])
         for turn in range(self.config.max_turns):
             await session.sample(self.client, **self.sampling())
             try:

@@ -231,37 +231,61 @@ def test_an_action_of_several_fields_runs_with_no_settings_and_a_one_session_ser
     assert (refusals > 0) == (mode == "one-session server"), refusals  # the server was full, and said so
 
 
-CONNECT4 = ROOT / "tests" / "data" / "upstream" / "openenv" / "envs" / "connect4_env"  # unchanged: tests/data/upstream
+UPSTREAM = ROOT / "tests" / "data" / "upstream" / "openenv" / "envs"  # unchanged copies: tests/data/upstream
 
 
-def connect4_layer() -> Path:
-    """The python of .venv-env-openenv with upstream connect4_env installed over it, as its README
-    installs it (`pip install` of its folder): what `clotho env serve --requirements DIR` builds."""
+def upstream_layer(name: str) -> Path:
+    """The python of .venv-env-openenv with an upstream environment's package installed over it, as
+    its README installs it (`pip install` of its folder): what `clotho env serve --requirements DIR` builds."""
     python = adapter_venv("openenv") / "bin" / "python"
-    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], [{str(CONNECT4)!r}]), echo=lambda _: None))"
+    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], [{str(UPSTREAM / name)!r}]), echo=lambda _: None))"
     return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
 @pytest.fixture(scope="module")
-def connect4_server():
-    """Upstream connect4_env's own server app (one session at a time), from its installed package."""
-    yield from openenv_server("connect4_env.server.app", python=connect4_layer(), module_path=True)
+def upstream_servers():
+    """Each upstream environment's own server app, from its installed package, started once."""
+    started = {}
+
+    def server(name: str) -> str:
+        if name not in started:
+            generator = openenv_server(f"{name}.server.app", python=upstream_layer(name), module_path=True)
+            started[name] = (generator, next(generator))
+        return started[name][1]
+
+    yield server
+    for generator, _ in started.values():
+        generator.close()
 
 
 @pytest.fixture(scope="module")
-def served_connect4():
-    served = serve_adapter("openenv", ADAPTER, ("--requirements", str(CONNECT4)))
+def served_upstream():
+    """The adapter with connect4_env and echo_env installed in its layer."""
+    served = serve_adapter("openenv", ADAPTER, ("--requirements", str(UPSTREAM / "connect4_env"), "--requirements", str(UPSTREAM / "echo_env")))
     yield served
     served.stop()
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["in process", "its own server"])
-def test_upstream_connect4_runs_unchanged_with_no_settings(mode, request, served_connect4, policy_server, tokenizer) -> None:
+def test_upstream_connect4_runs_unchanged_with_no_settings(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
     """OpenEnv's connect4_env as its repository has it (meta-pytorch/OpenEnv@685de41): the action is
     a column (an int), its server takes one session. Before: 1 of 4 (CAPACITY_REACHED,
     ConnectionClosedOK) and no action but by a parse of one's own."""
-    environment = "connect4_env.server.connect4_environment:Connect4Environment" if mode == "in process" else request.getfixturevalue("connect4_server")
-    group = collect(served_connect4.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
+    environment = "connect4_env.server.connect4_environment:Connect4Environment" if mode == "in process" else upstream_servers("connect4_env")
+    group = collect(served_upstream.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
     assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
     assert all('"column"' in sequence.messages[0]["content"] for sequence in group.sequences)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["in process", "its own server"])
+def test_upstream_echo_env_an_mcp_environment_runs_its_tool_calls(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
+    """echo_env is an MCP environment now (CallToolAction): the policy is shown its tools and its
+    reply is read as a tool call. Before: the rollout was cancelled."""
+    environment = "echo_env.server.echo_environment:EchoEnvironment" if mode == "in process" else upstream_servers("echo_env")
+    group = collect(served_upstream.url, {"environment": environment, "group_size": 2, "max_tokens": 12, "max_turns": 2}, policy_server, tokenizer)
+    assert len(group.sequences) == 2 and not group.extras.get("rollout_errors"), group.extras
+    for sequence in group.sequences:
+        assert '"tool_name"' in sequence.messages[0]["content"]  # the system message: the tool call's schema
+        assert "- echo_message(" in sequence.messages[1]["content"] and "- echo_with_length(" in sequence.messages[1]["content"]

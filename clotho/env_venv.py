@@ -14,6 +14,7 @@ content): change either and a new layer is built, the old one is left for `rm -r
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import os
@@ -25,6 +26,8 @@ from importlib.metadata import distributions
 from pathlib import Path
 
 READY = ".clotho-layer.json"  # written last: a layer without it was cut short and is built again
+# What a project folder holds that is not its source: builds, caches, its own venv.
+NOT_SOURCE = ("build", "*.egg-info", "__pycache__", ".venv", ".git")
 
 
 class LayerError(RuntimeError):
@@ -61,12 +64,20 @@ def layer_key(arguments: list[str]) -> str:
         path = Path(argument)
         if path.is_file():
             contents.append(hashlib.sha256(path.read_bytes()).hexdigest())
-        elif path.is_dir():
-            for name in ("pyproject.toml", "setup.py", "setup.cfg", "requirements.txt"):
-                if (path / name).is_file():
-                    contents.append(hashlib.sha256((path / name).read_bytes()).hexdigest())
+        elif path.is_dir():  # installed as a copy: any change to its source is a new layer
+            for file in source_files(path):
+                contents.append(f"{file.relative_to(path)}:{hashlib.sha256(file.read_bytes()).hexdigest()}")
     blob = json.dumps({"prefix": sys.prefix, "python": sys.version, "base": base, "add": arguments, "contents": contents})
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def source_files(project: Path) -> list[Path]:
+    """The project folder's files, NOT_SOURCE left out, in a fixed order."""
+    files = []
+    for directory, subdirectories, names in os.walk(project):
+        subdirectories[:] = sorted(d for d in subdirectories if not any(fnmatch.fnmatch(d, p) for p in NOT_SOURCE))
+        files += [Path(directory) / name for name in sorted(names) if not any(fnmatch.fnmatch(name, p) for p in NOT_SOURCE)]
+    return files
 
 
 def built_elsewhere(arguments: list[str], where: Path) -> list[str]:
@@ -77,7 +88,7 @@ def built_elsewhere(arguments: list[str], where: Path) -> list[str]:
         path = Path(argument)
         if path.is_dir():
             target = where / f"{len(copied)}-{path.name}"
-            shutil.copytree(path, target, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".venv"))
+            shutil.copytree(path, target, ignore=shutil.ignore_patterns(*NOT_SOURCE))
             argument = str(target)
         copied.append(argument)
     return copied

@@ -100,6 +100,8 @@ class RemoteEnvironment(Environment):
         super().__init__(config, client=client, tokenizer=tokenizer)
         self.session: str | None = None
         self._metrics: dict[str, float] = {}
+        self._max_sequences: int | None = None  # what the service's environment expects of a group (setup)
+        self._expected: str | None = None
         self._http = httpx.AsyncClient(base_url=self.url, timeout=TIMEOUT)
 
     async def _call(self, path: str, body: dict | None = None) -> dict[str, Any]:
@@ -125,8 +127,7 @@ class RemoteEnvironment(Environment):
         answer = _answer(self.url, "/sessions", response)
         self.session = answer["session"]
         # What the served environment expects of a group (a service from before says nothing: group_size).
-        self._max_sequences = int(answer.get("max_group_sequences") or self.config.group_size)
-        self._expected = answer.get("group_sequences_expected") or f"group_size {self.config.group_size}"
+        self._max_sequences, self._expected = answer.get("max_group_sequences"), answer.get("group_sequences_expected")
 
     async def get_item(self) -> Item | None:
         async for attempt in async_attempts(  # a service restarting: wait a little (about 15 s in all)
@@ -160,10 +161,10 @@ class RemoteEnvironment(Environment):
 
     @property
     def max_group_sequences(self) -> int:
-        return getattr(self, "_max_sequences", self.config.group_size)
+        return int(self._max_sequences or super().max_group_sequences)
 
     def group_sequences_expected(self) -> str:
-        return getattr(self, "_expected", f"group_size {self.config.group_size}")
+        return self._expected or super().group_sequences_expected()
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         result = await self.collect_group(item)

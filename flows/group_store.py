@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -81,8 +81,7 @@ class GroupStore:
         return [result for result in results if isinstance(result, ScoredGroup)]
 
     async def write(self, scored: list[ScoredGroup]) -> None:
-        for url in await asyncio.to_thread(self.writer.add_many, scored):
-            emit_shard_event(url, self.run, scored[0].env)
+        await self.published(self.writer.add_many, scored, env=scored[0].env)
         if self.admission is not None and self.admission.flush_due():
             await self.flush()
 
@@ -104,16 +103,19 @@ class GroupStore:
 
     async def flush(self) -> None:
         """Writes every buffered group now (the admission asks when the trainer waits for them)."""
-        for url in await asyncio.to_thread(self.writer.flush):
-            emit_shard_event(url, self.run, None)
+        await self.published(self.writer.flush)
 
     async def flush_aged(self) -> None:
         """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
         while True:
             await asyncio.sleep(1.0)
             if self.writer.due():
-                for url in await asyncio.to_thread(self.writer.flush_if_due):
-                    emit_shard_event(url, self.run, None)
+                await self.published(self.writer.flush_if_due)
+
+    async def published(self, write: Callable[..., list[str]], *args: Any, env: str | None = None) -> None:
+        """One of the writer's writes, off the event loop; each shard it wrote becomes an event."""
+        for url in await asyncio.to_thread(write, *args):
+            emit_shard_event(url, self.run, env)
 
     async def report(self, task_runs: int) -> dict[str, Any]:
         """The flow's summary (its time: from the store's opening to now, running groups and

@@ -285,7 +285,7 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
             earlier = json.loads(out_fs.cat_file(job_path))
             if earlier != description:
                 raise ReprocessError(f"output {output_url} holds another job's output ({earlier}); give a new output")
-            if not job.export and (dropped := drop_unpublished(out_fs, out_base)):  # a run of this job killed mid-write
+            if not job.export and (dropped := drop_unpublished(out_fs, out_base, rollouts_url(*split_run_url(job.output_url)))):  # a run killed mid-write
                 logger.info("reprocess: %d index entries of shards an earlier run never wrote, removed", len(dropped))
         else:
             if is_local(out_fs):

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 import fsspec
 
 from storage.filesystem import is_local, retrying
-from storage.layout import ROLLOUTS, ShardLocation, join, new_shard_id, parse_shard_name
+from storage.layout import ShardLocation, join, new_shard_id, parse_shard_name
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,17 @@ def remove_entries(fs: fsspec.AbstractFileSystem, run_path: str, locations: list
         fs.rm(paths)
 
 
-def drop_unpublished(fs: fsspec.AbstractFileSystem, run_path: str) -> list[IndexEntry]:
+def drop_unpublished(fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None) -> list[IndexEntry]:
     """Removes the entries whose shard was never written, and returns them: for a run whose one
     writer is known to have stopped (a reprocess job run again after a kill), so its readers do
     not wait out the grace period at the dead writer's last entry. Never while a writer may be
-    between an entry and its shard: that shard would then be missed."""
-    rollouts = join(run_path, ROLLOUTS)
-    unpublished = [entry for entry in list_entries(fs, run_path) if not fs.exists(join(rollouts, entry.location.name))]
+    between an entry and its shard: that shard would then be missed. Lists the run's shards once
+    (as backfill, its converse)."""
+    from storage.shard_file import find_shards  # shard_file imports this module
+
+    _, shards = find_shards(rollouts_url, storage_options=storage_options)
+    published = {shard.location.shard_id for shard in shards}
+    unpublished = [entry for entry in list_entries(fs, run_path) if entry.shard_id not in published]
     remove_entries(fs, run_path, [entry.location for entry in unpublished])
     return unpublished
 

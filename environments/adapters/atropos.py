@@ -152,18 +152,18 @@ class ClothoServer(APIServer):
     def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool) -> None:
         self.client, self.tokenizer = client, tokenizer
         self.default_max_tokens, self.greedy = default_max_tokens, greedy
-        self.context: int | None = None  # the served model's max_model_len, asked once
+        self.context: int | None = None  # the served model's max_model_len (Atropos.fit_context sets it)
         self.clamped = False
 
-    async def fitted(self, prompt_ids: list[int], max_tokens: int) -> int:
+    def fitted(self, prompt_ids: list[int], max_tokens: int) -> int:
         """`max_tokens` within what the served model's context leaves after the prompt. Atropos
         environments size their requests for the model they were written for (max_token_length
         8192 and up); served a model with a shorter context, vLLM refuses every such request,
         so it is cut to fit, said once."""
-        if self.context is None:
-            self.context = await self.client.max_model_len() or 0
+        if not self.context:
+            return max_tokens
         room = self.context - len(prompt_ids)
-        if not self.context or max_tokens <= room:
+        if max_tokens <= room:
             return max_tokens
         if room < 1:
             raise PolicyServerError(f"the prompt is {len(prompt_ids)} tokens, the served model's whole context (max_model_len {self.context})")
@@ -190,7 +190,7 @@ class ClothoServer(APIServer):
             sampling["stop"] = [sampling["stop"]]
         if self.greedy:
             sampling["temperature"] = 0.0
-        sampling["max_tokens"] = await self.fitted(prompt_ids, int(sampling["max_tokens"]))
+        sampling["max_tokens"] = self.fitted(prompt_ids, int(sampling["max_tokens"]))
         completions = await self.client.complete(prompt_ids, **sampling)
         if (sampled := _sampled.get()) is not None:
             sampled.extend((tuple(prompt_ids), completion) for completion in completions)
@@ -274,18 +274,18 @@ class Atropos(Environment):
         await self.atropos.setup()
 
     async def fit_context(self) -> None:
-        """An Atropos environment keeps its conversations within config.max_token_length, set for
+        """The served model's context, asked once, for the backends' requests and the rescoring.
+        An Atropos environment keeps its conversations within config.max_token_length, set for
         the model it was written for (8192 and up). Unless env_config sets it, it becomes the
         served model's context when that is shorter, as an Atropos user sets it for their model."""
+        self.context = await self.client.max_model_len()
+        for backend in self.atropos.server.servers:
+            backend.context = self.context
         config = self.atropos.config
-        if "max_token_length" in self.config.env_config:
-            self.context = await self.client.max_model_len()
-            return
-        self.context = context = await self.client.max_model_len()
-        if context and context < config.max_token_length:
+        if "max_token_length" not in self.config.env_config and self.context and self.context < config.max_token_length:
             log.info("max_token_length %d of %s is more than the served model's context: %d", config.max_token_length,
-                     self.config.env, context)  # fmt: skip
-            config.max_token_length = context
+                     self.config.env, self.context)  # fmt: skip
+            config.max_token_length = self.context
 
     async def get_item(self) -> AtroposItem | None:
         backlog = self.atropos.backlog

@@ -133,6 +133,20 @@ def as_step_result(payload: dict[str, Any]) -> StepResult[dict[str, Any]]:
     return StepResult(observation=payload.get("observation", {}), reward=payload.get("reward"), done=bool(payload.get("done")))
 
 
+def annotated_action(env_class: type[OpenEnvEnvironment]) -> type[Action] | None:
+    """The Action subclass the class's `step` is annotated with, if any."""
+    try:
+        found = get_type_hints(env_class.step).get("action")
+    except Exception:  # an annotation that does not resolve names no class either
+        found = None
+    return found if isinstance(found, type) and issubclass(found, Action) and found is not Action else None
+
+
+def is_mcp(env_class: type[OpenEnvEnvironment]) -> bool:
+    """An MCP environment: its actions are tool calls (CallToolAction), step not annotated."""
+    return issubclass(env_class, MCPEnvironment) and annotated_action(env_class) is None
+
+
 class InProcessEpisode:
     """One instance of an OpenEnv Environment class, on a thread of its own: as OpenEnv's server
     runs a session, a synchronous environment neither blocks the event loop nor changes threads,
@@ -159,28 +173,16 @@ class InProcessEpisode:
 
     async def step(self, action: Action | dict[str, Any]) -> StepResult[dict[str, Any]]:
         if isinstance(action, dict):  # an MCP environment's tool calls and listings as OpenEnv's server reads them
-            action = deserialize_action(action, Action if self.mcp() else self.action_class())
+            action = deserialize_action(action, Action if is_mcp(self.env_class) else self.action_class())
         if self.overrides("step_async"):
             observation = await self.env.step_async(action)
         else:
             observation = await self.run(self.env.step, action)
         return as_step_result(serialize_observation(observation))
 
-    def mcp(self) -> bool:
-        """An MCP environment: its actions are tool calls (CallToolAction), step not annotated."""
-        return issubclass(self.env_class, MCPEnvironment) and self.annotated_action() is None
-
-    def annotated_action(self) -> type[Action] | None:
-        """The Action subclass `step` is annotated with, if any."""
-        try:
-            found = get_type_hints(self.env_class.step).get("action")
-        except Exception:  # an annotation that does not resolve names no class either
-            found = None
-        return found if isinstance(found, type) and issubclass(found, Action) and found is not Action else None
-
     def action_class(self) -> type[Action]:
         """The Action subclass `step` is annotated with, for a parse that returns a dict."""
-        found = self.annotated_action()
+        found = annotated_action(self.env_class)
         if found is None:
             raise TypeError(
                 f"parse returned a dict, but {self.env_class.__name__}.step(action) is annotated with "
@@ -235,8 +237,7 @@ class OpenEnv(Environment):
                     f"environment {config.environment!r} is not an OpenEnv Environment subclass "
                     "(openenv.core.env_server.interfaces.Environment); name the class, or an OpenEnv server's URL"
                 )
-            episode = InProcessEpisode(self.env_class)
-            action = CallToolAction if episode.mcp() else episode.annotated_action()
+            action = CallToolAction if is_mcp(self.env_class) else annotated_action(self.env_class)
             schema = action.model_json_schema() if action is not None else None
         # An MCP environment's action is a tool call: its tools are listed to the policy each episode.
         self.mcp = bool(schema) and {"tool_name", "arguments"} <= set(schema.get("properties", {}))

@@ -291,10 +291,10 @@ class Verifiers(Environment):
 
     @property
     def max_group_sequences(self) -> int:
-        return self.config.group_size * getattr(self, "samples", self.config.samples_per_episode or 1)
+        return self.config.group_size * self.samples
 
     def group_sequences_expected(self) -> str:
-        return f"group_size {self.config.group_size} episodes x samples_per_episode {getattr(self, 'samples', '?')}"
+        return f"group_size {self.config.group_size} episodes x samples_per_episode {self.samples}"
 
     def sequences(self, episode: vf.Episode, index: int = 0) -> list[ScoredSequence]:
         """Every training sample of the episode (each trainable agent's trace, each of its trainable

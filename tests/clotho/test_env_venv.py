@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clotho.env_venv import LayerError, environment_layer, pip_arguments
+from clotho.env_venv import LayerError, environment_layer, layer_key, pip_arguments
 
 
 def project(root: Path, version: str) -> Path:
@@ -32,8 +32,20 @@ def test_a_layer_adds_what_the_environment_needs_over_the_base_and_is_built_once
     assert out[0] == "1.0" and str(tmp_path) not in out[1]  # its own package; the base's pydantic, not a copy
     assert environment_layer(pip_arguments([], [str(source)]), root=tmp_path / "layers", echo=said.append) == python
     assert said[-1].endswith("(built before)")
-    project(source, "2.0")  # the environment's requirements changed: a new layer
+    project(source, "2.0")  # the environment changed: a new layer
     assert environment_layer(pip_arguments([], [str(source)]), root=tmp_path / "layers", echo=said.append) != python
+
+
+def test_a_project_s_source_decides_its_layer_not_its_builds(tmp_path) -> None:
+    """A project folder is installed as a copy: a change to any of its source files is a new
+    layer, while what a build leaves in it (build/, *.egg-info, __pycache__) is not."""
+    source = project(tmp_path / "probe", "1.0")
+    key = layer_key(pip_arguments([], [str(source)]))
+    (source / "build" / "lib").mkdir(parents=True)
+    (source / "build" / "lib" / "layer_probe.py").write_text("stale\n")
+    assert layer_key(pip_arguments([], [str(source)])) == key
+    (source / "layer_probe.py").write_text("VERSION = '1.0'  # edited\n")
+    assert layer_key(pip_arguments([], [str(source)])) != key
 
 
 def test_requirements_that_cannot_be_met_say_so(tmp_path) -> None:

@@ -152,6 +152,6 @@ def test_a_stopped_writer_s_entry_with_no_shard_is_dropped_and_the_run_reads_who
     add_entry(fs, run_path, dead)  # its shard never written
     later = write(root, 1, seed=2)
     assert len(list(ShardReader(root, "run").groups())) == len(first)  # the pass ends at the dead entry
-    assert drop_unpublished(fs, run_path) == [IndexEntry.of(dead)]
+    assert drop_unpublished(fs, run_path, f"{root}/run/rollouts") == [IndexEntry.of(dead)]
     assert sorted(g.group_id for g in ShardReader(root, "run").groups()) == sorted(g.group_id for g in first + later)
-    assert drop_unpublished(fs, run_path) == [] and len(list_entries(fs, run_path)) == 3
+    assert drop_unpublished(fs, run_path, f"{root}/run/rollouts") == [] and len(list_entries(fs, run_path)) == 3

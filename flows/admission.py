@@ -27,14 +27,18 @@ their place back, and the shards a waiting trainer needs are flushed the moment 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from storage.progress import (
     SamplerPosition,
     TrainerPosition,
+    claim_sampler_slot,
+    read_run_end,
     read_sampler_positions,
     read_trainer_position,
     write_sampler_position,
@@ -66,6 +70,7 @@ def admits(
 class Admission:
     """Admits this sampler's groups under the rule, counting its own exactly and reading the
     trainer's and the other samplers' positions at most every `refresh_s` (faster while blocked).
+    It writes its counts to a sampler slot it claims first (storage.progress).
 
     `served_version()` is the oldest version the flow's servers serve and `buffered()` the groups
     its shard writer holds (stored, not yet in a shard). Call `acquire()` before a group samples
@@ -73,7 +78,6 @@ class Admission:
     admission blocks with groups still buffered: they are what the trainer is waiting for.
     """
 
-    DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
     HEARTBEAT_S = 5.0
     FIRST_WAIT_S = 0.02  # a blocked acquire looks again after this, then twice as long each time
     BLOCKED_SAY_S = 60.0  # while admission stays blocked, its reason is logged at INFO this often
@@ -95,7 +99,11 @@ class Admission:
     ):
         self.storage, self.run, self.max_lag = storage, run, max_lag
         self.served_version, self.buffered, self.flush = served_version, buffered, flush
-        self.sampler = sampler
+        self.sampler = sampler  # this flow's name: the holder of the slot it writes
+        self.slot: str | None = None  # claimed at the first refresh
+        self.carried = 0  # the committed groups of the slot's earlier holders, carried on in it
+        self.adopted = 0  # what the slot held when this sampler claimed it
+        self.run_end: int | None = None  # the step a pipeline's stop rule ended the run at
         self.refresh_s, self.storage_options, self.log = refresh_s, storage_options, logger
         self.last_step = last_step
         self.stored = 0  # this sampler's groups given to the writer: in shards, or buffered there
@@ -122,7 +130,7 @@ class Admission:
     def pending(self) -> int:
         """Groups admitted by every sampler and not yet consumed by the trainer."""
         consumed = self.trainer.groups_consumed if self.trainer else 0
-        return max(0, self.stored + self.sampling + self.others - consumed)
+        return max(0, self.carried + self.stored + self.sampling + self.others - consumed)
 
     async def acquire(self) -> bool:
         """Wait until one more group may sample, and count it; False once the trainer has taken
@@ -162,17 +170,22 @@ class Admission:
     @property
     def end_step(self) -> int | None:
         """The last step anything sampled here will be trained in: `last_step`, or earlier where the
-        run was ended early (the trainer position's last_step, written by the pipeline)."""
-        ends = [step for step in (self.last_step, self.trainer.last_step if self.trainer else None) if step is not None]
+        run was ended early (progress/end.json, written by a pipeline whose stop rule held)."""
+        ends = [step for step in (self.last_step, self.run_end) if step is not None]
         return min(ends, default=None)
 
     @property
     def done(self) -> bool:
         return self.trainer is not None and self.end_step is not None and self.trainer.steps >= self.end_step
 
+    def _trains_my_steps(self, trainer: TrainerPosition) -> bool:
+        """Whether the position is of a trainer that trains this sampler's steps: one of an earlier
+        pipeline phase, which ended before them, has that phase's batch and checkpoint settings."""
+        return self.last_step is None or trainer.end_step is None or trainer.end_step >= self.last_step
+
     def _admits(self) -> bool:
         """The rule, and with an end step nothing that only a later step would train."""
-        if self.trainer is None:
+        if self.trainer is None or not self._trains_my_steps(self.trainer):
             return False
         pending, trainer, end = self.pending(), self.trainer, self.end_step
         if end is not None and training_step(pending, trainer.steps, trainer.groups_per_step) > end:
@@ -187,6 +200,24 @@ class Admission:
         when the shard is full or old, since the trainer waits for exactly these."""
         return self.trainer is not None and self.buffered() >= self.trainer.groups_per_step
 
+    @contextlib.asynccontextmanager
+    async def heartbeat(self):
+        """While open, this sampler's counts are written every HEARTBEAT_S even when no group
+        starts (all its lanes busy with long groups), so it is never taken for dead."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(self.HEARTBEAT_S)
+                await self._write(force=False)
+
+        beating = asyncio.ensure_future(beat())
+        try:
+            yield self
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+
     async def close(self) -> None:
         """Publish the final counts once the flow's writer is closed (its last flush wrote every
         stored group): nothing of this sampler is in flight any more, and it writes no more."""
@@ -196,6 +227,11 @@ class Admission:
     def _why_blocked(self) -> str:
         if self.trainer is None:
             return "waiting for the trainer's position (progress/trainer.json): is a trainer running?"
+        if not self._trains_my_steps(self.trainer):
+            return (
+                f"waiting for a trainer of steps up to {self.last_step}: progress/trainer.json is of one that "
+                f"ended at step {self.trainer.end_step} (the phase's trainer writes its own as it starts)"
+            )
         return (
             f"waiting for the trainer: {self.pending()} groups admitted and not consumed (this flow: "
             f"{self.sampling} sampling, {self.buffered()} buffered, {self.committed} in shards; other flows "
@@ -210,32 +246,51 @@ class Admission:
             return
         self.refreshed_at = now
         self.version = await self.served_version()
-        self.trainer, samplers, retired = await asyncio.to_thread(self._read_positions)
+        if self.slot is None:
+            await asyncio.to_thread(self._claim)
+        self.trainer, samplers, self.run_end = await asyncio.to_thread(self._read_positions)
         wall = time.time()
-        self.others = retired + sum(
-            s.committed + (s.in_flight if wall - s.updated_at < self.DEAD_AFTER_S else 0)
+        mine = next((s for s in samplers if s.sampler == self.slot), None)
+        if mine is not None and mine.holder != self.sampler:
+            await self._taken_over(mine)
+        self.others = (self.trainer.retired_committed if self.trainer else 0) + sum(
+            s.committed + (0 if s.free(wall) else s.in_flight)  # a dead holder's in-flight never arrive
             for s in samplers
-            if s.sampler != self.sampler
+            if s.sampler != self.slot
         )
         await self._write(force=False)
 
-    def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition], int]:
-        """The trainer's position, the samplers', then the trainer's retired count read again: the
-        trainer publishes a retirement before it removes the files, so read in this order a
-        retired sampler is counted once or (for a moment) twice, never not at all; and
-        `groups_consumed` from the first read is never newer than the samplers' counts."""
+    def _claim(self) -> None:
+        claimed = claim_sampler_slot(self.storage, self.run, self.sampler, storage_options=self.storage_options)
+        self.slot, self.carried = claimed.sampler, claimed.committed
+        self.adopted = claimed.adopted
+        if claimed.sampler != self.sampler:
+            self.log.debug("sampler slot %s taken over with %d committed groups", claimed.sampler, claimed.committed)
+
+    async def _taken_over(self, mine: SamplerPosition) -> None:
+        """Another flow took this sampler's slot over (it stopped writing long enough to look dead,
+        or both claimed it at once): it carries on what it read there, `mine.adopted`; the groups
+        this sampler counted past that go on in a slot of its own."""
+        self.log.warning("sampler slot %s was taken over by %s; going on in a new one", self.slot, mine.holder)
+        self.slot, self.carried = f"{self.sampler}-{uuid.uuid4().hex[:6]}", self.carried - mine.adopted
+        self.adopted, self.written = 0, None
+        await self._write(force=True)
+
+    def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition], int | None]:
+        """The trainer's position, then the samplers': read in this order, `groups_consumed` is
+        never newer than the samplers' counts. Then the run's end, if a pipeline ended it early."""
         options = dict(storage_options=self.storage_options)
         trainer = read_trainer_position(self.storage, self.run, **options)
         samplers = read_sampler_positions(self.storage, self.run, **options)
-        again = read_trainer_position(self.storage, self.run, **options) if trainer is not None else None
-        return trainer, samplers, again.retired_committed if again is not None else 0
+        return trainer, samplers, read_run_end(self.storage, self.run, **options)
 
     async def _write(self, force: bool, closed: bool = False) -> None:
-        counts = (self.committed, self.in_flight)
+        counts = (self.carried + self.committed, self.in_flight)
         now = time.monotonic()
-        if not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S:
+        if self.slot is None or (not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S):
             return
-        position = SamplerPosition(self.sampler, committed=counts[0], in_flight=counts[1], closed=closed)
+        position = SamplerPosition(self.slot, committed=counts[0], in_flight=counts[1], closed=closed,
+                                   holder=self.sampler, adopted=self.adopted)  # fmt: skip
         await asyncio.to_thread(
             write_sampler_position, self.storage, self.run, position, storage_options=self.storage_options
         )

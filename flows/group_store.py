@@ -59,7 +59,8 @@ class GroupStore:
                     storage, run, max_lag=max_policy_lag, served_version=functools.partial(lowest_served_version, version_clients),
                     buffered=lambda: writer.pending_groups, flush=store.flush, sampler=sampler, logger=log, last_step=until_step,
                 )  # fmt: skip
-                clients.push_async_callback(store.admission.close)
+                clients.push_async_callback(store.admission.close)  # after the heartbeat stopped: its last word
+                await clients.enter_async_context(store.admission.heartbeat())
             yield store
 
     async def store(self, spec: EnvSpec, results: Results) -> None:

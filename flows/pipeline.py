@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import subprocess
@@ -40,7 +39,7 @@ from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.layout import split_run_url
-from storage.progress import TrainerPosition, groups_committed, read_trainer_position, write_trainer_position
+from storage.progress import clear_run_end, groups_committed, read_trainer_position, write_run_end
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
@@ -119,7 +118,7 @@ async def run_phase(
         log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
         return
     log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
-    set_trainer_position(config, phase, storage, run)
+    clear_run_end(storage, run)  # a run its stop rule ended, resumed: its samplers sample again
     view.measured.phase(phase.name, end_step)
     work_dir = default_work_dir(storage, run)
     trainer = start_trainer(config, phase, end_step, work_dir)
@@ -186,30 +185,12 @@ def stop_servers(servers: list[PolicyServer]) -> None:
         server.stop()
 
 
-def set_trainer_position(config: PipelineConfig, phase: Phase, storage: str, run: str) -> None:
-    """Before a phase's rollout flows start, the samplers must know where the trainer is and with
-    the phase's batch and checkpoint settings (the previous phase's would admit the wrong number
-    of groups): the run's position so far (step 0 for a new run) with this phase's settings. The
-    phase's trainer writes its own as soon as it is up."""
-    from trainer.config import TrainerConfig
-
-    settings = TrainerConfig.model_validate({**config.trainer_fields(phase), "model": config.model})
-    known = read_trainer_position(storage, run)
-    position = TrainerPosition(
-        steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
-        policy_version=known.policy_version if known else 0, groups_per_step=settings.groups_per_step,
-        save_every=settings.save_every, max_staleness=config.max_lag,
-        retired_committed=known.retired_committed if known else 0,
-    )  # fmt: skip
-    write_trainer_position(storage, run, position)
-
-
 def end_run_here(storage: str, run: str) -> None:
     """The run ends at the stopped trainer's position: the samplers read it (flows.admission), store
     what they are sampling and end, as at a phase's last step."""
     position = read_trainer_position(storage, run)
     if position is not None:
-        write_trainer_position(storage, run, dataclasses.replace(position, last_step=position.steps))
+        write_run_end(storage, run, position.steps)
 
 
 def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher:

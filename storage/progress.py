@@ -1,16 +1,19 @@
 """Where a run stands, for bounded staleness: the trainer's position (steps whose data it took,
-groups consumed, the newest published version, its batch and staleness settings) and each
-sampler's counts (groups committed to shards, groups in flight).
+groups consumed, the newest published version, its batch and staleness settings), each sampler's
+counts (groups committed to shards, groups in flight) and, when a pipeline's stop rule ended the
+run early, the step it ended at.
 
-    {root}/{run}/progress/trainer.json             written by the trainer after every read and publish
-    {root}/{run}/progress/samplers/{sampler}.json  written by each rollout flow as its counts change
+    {root}/{run}/progress/trainer.json          the trainer's: as it starts, after every read and publish
+    {root}/{run}/progress/samplers/{slot}.json  the rollout flow holding the slot, as its counts change
+    {root}/{run}/progress/end.json              the pipeline's (`clotho run`), when its stop rule held
 
-A sampler's file stays until its flow closes and the trainer folds its count into its own
-(`retired_committed`), so the samplers' directory holds the live samplers, not every flow run the
-run ever had. Small JSON documents, each with one writer (the trainer also removes closed
-samplers' files), replaced whole (a PUT on object stores, a rename on
-local disks), so a reader sees the old or the new one, never half. Reading them costs the same at
-step 10 and at step 10**6: none grows with the run's history.
+Each file has one writer. A sampler's file is a slot: a rollout flow that starts takes over a slot
+whose holder closed or died (stopped writing for `DEAD_AFTER_S`), carrying its committed count on,
+and makes a new one only when none is free. So the samplers' directory holds as many files as the
+run ever had flows at once, not one per flow run, and nothing ever removes another part's file.
+Small JSON documents, replaced whole (a PUT on object stores, a rename on local disks), so a reader
+sees the old or the new one, never half. Reading them costs the same at step 10 and at step 10**6:
+none grows with the run's history.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from storage.layout import join, run_url
 PROGRESS = "progress"
 TRAINER_FILE = "trainer.json"
 SAMPLERS = "samplers"
+END_FILE = "end.json"
 
 
 @dataclass(frozen=True)
@@ -42,27 +46,37 @@ class TrainerPosition:
     groups_per_step: int
     save_every: int
     max_staleness: int
-    # Groups committed by samplers that closed and whose files the trainer removed (folded here so
-    # the samplers' directory holds the live ones only: a poll reads it whole).
+    # The step this trainer trains up to (its --steps): a sampler that samples for a later phase
+    # waits for that phase's trainer (None in files written before it was kept).
+    end_step: int | None = None
+    # Groups committed by samplers whose files trainers before slots removed (runs started before
+    # slots, storage format 1); kept and carried on, never added to now.
     retired_committed: int = 0
     updated_at: float = field(default_factory=time.time)
-    # The run's last step when it ended before its configured end (a pipeline's stop rule, written
-    # once the trainer is stopped): the samplers sample nothing past it and end.
-    last_step: int | None = None
 
 
 @dataclass(frozen=True)
 class SamplerPosition:
-    """One rollout flow's groups: `committed` to shards since it started, `in_flight` admitted and
-    not yet in a shard (sampling, or buffered in its writer). A sampler that stopped updating is
-    dead: its in-flight groups will never arrive, its committed ones did. A closed one is folded
-    into the trainer's `retired_committed` and its file removed (`retire_closed_samplers`)."""
+    """One sampler slot: `committed`, the groups its holders committed to shards (the ones before
+    the present holder included), `in_flight` admitted by the holder and not yet in a shard
+    (sampling, or buffered in its writer). A holder that stopped updating is dead: its in-flight
+    groups will never arrive, its committed ones did."""
 
-    sampler: str
+    sampler: str  # the slot: its file's name
     committed: int
     in_flight: int
-    closed: bool = False  # its flow ended: it never writes again, so the trainer may retire it
+    closed: bool = False  # its holder's flow ended: it never writes again, the slot is free
     updated_at: float = field(default_factory=time.time)
+    holder: str = ""  # the rollout flow writing the slot ("": the slot's own name, as before slots)
+    adopted: int = 0  # of `committed`, what the holder took over from the slot's previous holders
+
+    def free(self, now: float) -> bool:
+        """Whether a starting sampler may take the slot over: its holder closed, or died."""
+        return self.closed or now - self.updated_at > DEAD_AFTER_S
+
+
+DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
+CLAIM_SETTLE_S = 0.5  # a slot claimed is read back after this: two flows that claimed it, one keeps it
 
 
 def trainer_position_url(root: str, run: str) -> str:
@@ -81,6 +95,23 @@ def write_trainer_position(
     replace_json(trainer_position_url(root, run), asdict(position), storage_options)
 
 
+def announce_trainer(
+    root: str, run: str, *, groups_per_step: int, save_every: int, max_staleness: int, end_step: int,
+    storage_options: dict[str, Any] | None = None,
+) -> TrainerPosition:
+    """A starting trainer's first word, before it loads anything: where the run stands (its last
+    published position, step 0 for a new run) with this trainer's settings and end, so the samplers
+    of its steps sample while it loads. Once loaded it writes its own resumed position."""
+    known = read_trainer_position(root, run, storage_options=storage_options)
+    position = TrainerPosition(
+        steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
+        policy_version=known.policy_version if known else 0, groups_per_step=groups_per_step, save_every=save_every,
+        max_staleness=max_staleness, end_step=end_step, retired_committed=known.retired_committed if known else 0,
+    )  # fmt: skip
+    write_trainer_position(root, run, position, storage_options=storage_options)
+    return position
+
+
 def read_trainer_position(
     root: str, run: str, *, storage_options: dict[str, Any] | None = None
 ) -> TrainerPosition | None:
@@ -95,10 +126,18 @@ def write_sampler_position(
     replace_json(sampler_position_url(root, run, position.sampler), asdict(position), storage_options)
 
 
+def read_sampler_position(
+    root: str, run: str, slot: str, *, storage_options: dict[str, Any] | None = None
+) -> SamplerPosition | None:
+    url = sampler_position_url(root, run, slot)
+    data = _read(url, storage_options)
+    return None if data is None else _load(SamplerPosition, data, url)
+
+
 def read_sampler_positions(
     root: str, run: str, *, storage_options: dict[str, Any] | None = None
 ) -> list[SamplerPosition]:
-    """Every sampler's last position (one file per rollout flow run that ever sampled this run)."""
+    """Every sampler slot's last position."""
     url = join(run_url(root, run), PROGRESS, SAMPLERS)
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
@@ -117,29 +156,52 @@ def read_sampler_positions(
 
 
 def groups_committed(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> int:
-    """Every group the run's samplers committed to shards: the live ones' and the retired ones'."""
+    """Every group the run's samplers committed to shards."""
     live = sum(position.committed for position in read_sampler_positions(root, run, storage_options=storage_options))
     trainer = read_trainer_position(root, run, storage_options=storage_options)
     return live + (trainer.retired_committed if trainer is not None else 0)
 
 
-def retire_closed_samplers(
-    root: str, run: str, *, storage_options: dict[str, Any] | None = None
-) -> list[SamplerPosition]:
-    """The closed samplers' positions, to fold into the trainer's `retired_committed`; the trainer
-    saves that, publishes its position, and only then calls `remove_sampler_positions` on them
-    (a sampler reading in between counts them twice: it admits less for a moment, never more)."""
-    return [position for position in read_sampler_positions(root, run, storage_options=storage_options) if position.closed]
+def claim_sampler_slot(
+    root: str, run: str, holder: str, *, storage_options: dict[str, Any] | None = None, settle_s: float = CLAIM_SETTLE_S
+) -> SamplerPosition:
+    """A slot for the sampler `holder`: the first free one (its committed count carried on), read
+    back after `settle_s` so that of two flows that claimed it at once one keeps it and the other
+    tries the next; a new slot named after the holder when none is free."""
+    for slot in sorted((p for p in read_sampler_positions(root, run, storage_options=storage_options) if p.free(time.time())),
+                       key=lambda p: p.sampler):  # fmt: skip
+        claimed = SamplerPosition(slot.sampler, slot.committed, 0, holder=holder, adopted=slot.committed)
+        write_sampler_position(root, run, claimed, storage_options=storage_options)
+        time.sleep(settle_s)
+        again = read_sampler_position(root, run, slot.sampler, storage_options=storage_options)
+        if again is not None and again.holder == holder:
+            return claimed
+    claimed = SamplerPosition(holder, 0, 0, holder=holder)
+    write_sampler_position(root, run, claimed, storage_options=storage_options)
+    return claimed
 
 
-def remove_sampler_positions(
-    root: str, run: str, samplers: list[str], *, storage_options: dict[str, Any] | None = None
-) -> None:
-    for sampler in samplers:
-        url = sampler_position_url(root, run, sampler)
-        fs, path = resolve(url, storage_options)
-        with storage_errors(url), contextlib.suppress(FileNotFoundError):
-            fs.rm(path)
+def end_url(root: str, run: str) -> str:
+    return join(run_url(root, run), PROGRESS, END_FILE)
+
+
+def write_run_end(root: str, run: str, last_step: int, *, storage_options: dict[str, Any] | None = None) -> None:
+    """The run ends at `last_step` (a pipeline's stop rule held): its samplers sample nothing that
+    only a later step would train, and end. Written by the pipeline only."""
+    replace_json(end_url(root, run), {"last_step": last_step, "updated_at": time.time()}, storage_options)
+
+
+def read_run_end(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
+    data = _read(end_url(root, run), storage_options)
+    return None if data is None else int(data["last_step"])
+
+
+def clear_run_end(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> None:
+    """A pipeline that resumes a run it ended early takes its end back before its samplers start."""
+    url = end_url(root, run)
+    fs, path = resolve(url, storage_options)
+    with storage_errors(url), contextlib.suppress(FileNotFoundError):
+        fs.rm(path)
 
 
 def _load(cls, data: dict[str, Any], where: str):

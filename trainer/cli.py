@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 import typer
@@ -34,6 +35,7 @@ def train_command(
     from pydantic import ValidationError
 
     from storage.cli import check_run_url
+    from storage.progress import announce_trainer
     from storage.reader import TokenizerMismatchError
     from trainer.config import TrainerConfig
     from trainer.data import DataTimeoutError, check_run_tokenizer
@@ -67,6 +69,12 @@ def train_command(
     except (FileNotFoundError, PermissionError) as error:  # a bucket that is not there, credentials refused
         typer.echo(f"clotho train: --run: {' '.join(str(error).split())}", err=True)
         raise typer.Exit(2) from None
+
+    if int(os.environ.get("RANK", "0")) == 0:  # before torch loads: the samplers of its steps start now
+        announce_trainer(
+            storage, run_name, groups_per_step=trainer_config.groups_per_step, save_every=trainer_config.save_every,
+            max_staleness=trainer_config.max_staleness, end_step=trainer_config.steps,
+        )  # fmt: skip
 
     import torch
 

@@ -24,7 +24,7 @@ from storage.checkpoints import apply_retention
 from storage.filesystem import is_local, resolve
 from storage.layout import run_url
 from storage.ledger import Ledger
-from storage.progress import TrainerPosition, remove_sampler_positions, retire_closed_samplers, write_trainer_position
+from storage.progress import TrainerPosition, write_trainer_position
 from storage.reader import ShardReader
 from trainer.checkpointing import clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
@@ -118,8 +118,6 @@ class TrainingRun:
             trackers = open_trackers(config.report_to, run=run, config=config.model_dump(mode="json"), directory=self.work_dir)
             self.metrics_log = MetricsLog(self.work_dir, trackers)
             self.publish_position(self.step)
-            # Samplers retired by the saved state whose files a kill left behind (see storage.progress).
-            remove_sampler_positions(storage, run, (saved or {}).get("retired_samplers", []), storage_options=storage_options)
             log.info(
                 "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
                 config.model, self.reader.url, "resuming" if saved else "starting", self.step, config.steps,
@@ -133,7 +131,8 @@ class TrainingRun:
         position = TrainerPosition(
             steps=step, groups_consumed=int(self.totals["groups_consumed"] + consumed_extra), policy_version=self.policy_version,
             groups_per_step=self.config.groups_per_step, save_every=self.config.save_every,
-            max_staleness=self.config.max_staleness, retired_committed=int(self.totals.get("retired_committed", 0)),
+            max_staleness=self.config.max_staleness, end_step=self.config.steps,
+            retired_committed=int(self.totals.get("retired_committed", 0)),  # runs before sampler slots
         )  # fmt: skip
         write_trainer_position(self.storage, self.run, position, storage_options=self.storage_options)
 
@@ -196,8 +195,7 @@ class TrainingRun:
 
     def save(self) -> dict[str, float]:
         """Publish the weights as policy version `step`, then (every state_every steps and at the
-        last) the state to resume from; retire closed samplers and apply retention. Returns what
-        it cost."""
+        last) the state to resume from, and apply retention. Returns what it cost."""
         config, step = self.config, self.step
         ledger_state = self.reader.ledger.to_dict() if self.reader is not None else None
         publish_started = time.monotonic()
@@ -208,28 +206,14 @@ class TrainingRun:
         )  # fmt: skip
         costs = {"publish_s": time.monotonic() - publish_started}  # what a step pays beside its update
         self.policy_version = step
-        save_state = step % config.resume_state_every == 0 or step == config.steps
-        retiring = []
         if self.rank == 0:
             self.publish_position(step)
-            if save_state:
-                # Closed samplers fold into the trainer's count: saved, published, then removed.
-                retiring = retire_closed_samplers(self.storage, self.run, storage_options=self.storage_options)
-                self.totals["retired_committed"] += sum(position.committed for position in retiring)
-        if save_state:
-            trainer_state = {
-                "step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals,
-                "retired_samplers": [position.sampler for position in retiring],
-            }  # fmt: skip
+        if step % config.resume_state_every == 0 or step == config.steps:
+            trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals}
             state_started = time.monotonic()
             save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size))
             costs["save_state_s"] = time.monotonic() - state_started
             self.state_step = step
-        if retiring:
-            self.publish_position(step)
-            remove_sampler_positions(self.storage, self.run, trainer_state["retired_samplers"], storage_options=self.storage_options)
-            for position in retiring:
-                log.info("retired finished sampler %s with %d committed groups", position.sampler, position.committed)
         if url is not None:
             log.info("step %d: published %s", step, url)
             if config.keep_last is not None:

@@ -21,8 +21,7 @@ from storage.progress import (
     groups_committed,
     read_sampler_positions,
     read_trainer_position,
-    remove_sampler_positions,
-    retire_closed_samplers,
+    write_run_end,
     write_sampler_position,
     write_trainer_position,
 )
@@ -216,7 +215,7 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
         writer["buffered"] += 1
     assert not await admitted_within(admission, 0.2), "two groups pending = one step for k = 0"
     assert flushed[:1] == [2], "blocked with groups buffered: flush them for the trainer"
-    assert read_sampler_positions(root, "run") == [SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12))]
+    assert read_sampler_positions(root, "run") == [SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12), holder="a")]
 
     # The trainer took both for step 1 and trains on version 0: k = 0 waits for version 1 served.
     write_trainer_position(root, "run", position(steps=1, consumed=2, version=0))
@@ -252,10 +251,8 @@ async def test_a_blocked_sampler_looks_again_soon_not_at_its_slowest_refresh(tmp
 
 
 async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_path):
-    """A pipeline whose stop rule held writes the stopped trainer's position with last_step: the
+    """A pipeline whose stop rule held writes the step the run ended at (progress/end.json): the
     sampler admits nothing more and acquire says it is done (False), as at a phase's last step."""
-    import dataclasses
-
     root = str(tmp_path)
     admission = Admission(
         root, "run", max_lag=1, served_version=Served(3), buffered=lambda: 0, flush=lambda: asyncio.sleep(0),
@@ -263,10 +260,25 @@ async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_p
     )  # fmt: skip
     write_trainer_position(root, "run", position(steps=3, consumed=6, version=3, max_staleness=1))
     assert await admitted_within(admission, 1) and admission.end_step == 100
-    write_trainer_position(root, "run", dataclasses.replace(position(steps=3, consumed=6, version=3, max_staleness=1), last_step=3))
+    write_run_end(root, "run", 3)
     await asyncio.sleep(0.05)  # past refresh_s: the next acquire reads the positions again
     assert await asyncio.wait_for(admission.acquire(), timeout=1) is False
     assert admission.done and admission.end_step == 3
+
+
+async def test_a_sampler_of_a_later_phase_waits_for_that_phases_trainer(tmp_path):
+    """At a phase's start progress/trainer.json may still be the last phase's trainer's, with that
+    phase's batch: a sampler of steps up to 10 waits until a trainer of those steps announces."""
+    root = str(tmp_path)
+    admission = Admission(
+        root, "run", max_lag=1, served_version=Served(4), buffered=lambda: 0, flush=lambda: asyncio.sleep(0),
+        sampler="a", refresh_s=0.02, last_step=10,
+    )  # fmt: skip
+    write_trainer_position(root, "run", dataclasses.replace(position(steps=4, consumed=8, version=4), end_step=4))
+    assert not await admitted_within(admission, 0.2)
+    assert "a trainer of steps up to 10" in admission._why_blocked()
+    write_trainer_position(root, "run", dataclasses.replace(position(steps=4, consumed=8, version=4), end_step=10))
+    assert await admitted_within(admission, 1)
 
 
 async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(tmp_path):
@@ -279,44 +291,74 @@ async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(
     admission = Admission(
         root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="me", refresh_s=0.02
     )
+    await admission._refresh(force=True)  # claims its slot: a new one, none is free
     write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=2))
     write_sampler_position(root, "run", SamplerPosition("dead", committed=0, in_flight=5, updated_at=1.0))
+    await asyncio.sleep(0.05)  # past refresh_s: the next acquire reads them
     assert await admitted_within(admission, 1), "3 of 4 pending: one more fits"
     assert not await admitted_within(admission, 0.2)
     await admission.close()
     mine = {p.sampler: p for p in read_sampler_positions(root, "run")}["me"]
-    assert (mine.committed, mine.in_flight) == (0, 0)
+    assert (mine.committed, mine.in_flight, mine.closed, mine.holder) == (0, 0, True, "me")
     assert read_trainer_position(root, "run").groups_per_step == 4
 
 
-async def test_a_closed_sampler_retired_by_the_trainer_still_counts_once(tmp_path):
-    # Closed samplers' files are folded into the trainer's retired_committed and removed, so a poll
-    # reads the live samplers only; pending must be the same before, during and after.
+async def flush_nothing():
+    pass
+
+
+def sampler(root: str, name: str, **options) -> Admission:
+    return Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush_nothing, sampler=name,
+                     refresh_s=0.0, **options)  # fmt: skip
+
+
+async def store(admission: Admission, groups: int) -> None:
+    for _ in range(groups):
+        assert await admission.acquire()
+        admission.finished(stored=True)
+
+
+async def test_a_starting_sampler_takes_over_a_closed_slot_and_its_count(tmp_path, monkeypatch):
+    """Each slot file has one writer: a flow that ended leaves its slot closed and the next flow
+    takes it over, carrying its committed groups on, so the samplers' directory holds as many
+    files as flows ran at once and every committed group counts once."""
+    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
     root = str(tmp_path)
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=8))
-
-    async def flush():
-        pass
-
-    ended = Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="ended")
-    for _ in range(3):
-        assert await ended.acquire()
-        ended.finished(stored=True)
+    ended = sampler(root, "ended")
+    await store(ended, 3)
     await ended.close()
     write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=0))
-    me = Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="me")
+    me = sampler(root, "me")
+    await me._refresh(force=True)
+    assert (me.slot, me.pending(), groups_committed(root, "run")) == ("ended", 4, 4)
+    await store(me, 2)
+    await me.close()
+    slots = {p.sampler: p for p in read_sampler_positions(root, "run")}
+    assert sorted(slots) == ["ended", "live"] and (slots["ended"].holder, slots["ended"].committed) == ("me", 5)
+    assert groups_committed(root, "run") == 6
 
-    async def pending() -> int:
-        await me._refresh(force=True)
-        return me.pending()
 
-    assert await pending() == 4 and groups_committed(root, "run") == 4
-    retiring = retire_closed_samplers(root, "run")
-    assert [p.sampler for p in retiring] == ["ended"]
-    # What the trainer does at a save: publish the fold, then remove the files.
-    folded = dataclasses.replace(read_trainer_position(root, "run"), retired_committed=3)
-    write_trainer_position(root, "run", folded)
-    assert await pending() == 4 + 3  # for a moment counted twice: it admits less, never more
-    remove_sampler_positions(root, "run", ["ended"])
-    assert await pending() == 4 and groups_committed(root, "run") == 4
-    assert [p.sampler for p in read_sampler_positions(root, "run")] == ["live", "me"]
+async def test_a_holder_taken_for_dead_goes_on_in_a_new_slot_counting_each_group_once(tmp_path, monkeypatch):
+    """A flow that stopped writing for DEAD_AFTER_S looks dead and a new flow takes its slot over
+    with what it read there; when the slow one writes again it sees that and moves its later
+    groups to a slot of its own."""
+    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
+    root = str(tmp_path)
+    write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=16))
+    slow = sampler(root, "slow")
+    await store(slow, 2)
+    await slow._write(force=True)
+    stalled = read_sampler_positions(root, "run")[0]
+    write_sampler_position(root, "run", dataclasses.replace(stalled, updated_at=time.time() - 61))
+    new = sampler(root, "new")
+    await store(new, 1)
+    assert (new.slot, new.carried) == ("slow", 2)
+    await store(slow, 1)  # it refreshes, sees the slot held by "new", and moves
+    assert slow.slot.startswith("slow-")
+    for admission in (new, slow, new):  # each reads the other's latest counts
+        await admission._refresh(force=True)
+    assert slow.pending() == new.pending() == 4
+    await slow.close()
+    await new.close()
+    assert groups_committed(root, "run") == 4

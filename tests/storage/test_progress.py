@@ -1,5 +1,5 @@
 """The run's progress documents round-trip on every backend, are replaced whole, and a sampler
-list is one file per sampler."""
+list is one file per slot."""
 
 from __future__ import annotations
 
@@ -8,9 +8,16 @@ import pytest
 from storage.progress import (
     SamplerPosition,
     TrainerPosition,
+    announce_trainer,
+    claim_sampler_slot,
+    clear_run_end,
+    groups_committed,
+    read_run_end,
+    read_sampler_position,
     read_sampler_positions,
     read_trainer_position,
     write_sampler_position,
+    write_run_end,
     write_trainer_position,
 )
 from storage.reader import ShardReader
@@ -35,3 +42,31 @@ def test_positions_round_trip_and_replace_whole(root: str) -> None:
 def test_a_bad_sampler_name_is_refused(root: str) -> None:
     with pytest.raises(ValueError, match="sampler 'a/b'"):
         write_sampler_position(root, "run", SamplerPosition("a/b", committed=0, in_flight=0))
+
+
+def test_two_flows_claiming_one_free_slot_at_once_get_one_each(root: str) -> None:
+    """Both write their claim, read it back after the settle time: the later writer keeps the
+    slot, the other takes a new one named after itself."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    write_sampler_position(root, "run", SamplerPosition("old", committed=4, in_flight=0, closed=True))
+    with ThreadPoolExecutor(2) as pool:
+        claims = list(pool.map(lambda holder: claim_sampler_slot(root, "run", holder, settle_s=0.3), ["a", "b"]))
+    assert sorted(c.sampler for c in claims) in (["a", "old"], ["b", "old"])
+    kept = next(c for c in claims if c.sampler == "old")
+    assert kept.committed == kept.adopted == 4 and read_sampler_position(root, "run", "old").holder == kept.holder
+    assert groups_committed(root, "run") == 4
+
+
+def test_the_announced_trainer_keeps_the_runs_counts_with_its_own_settings(root: str) -> None:
+    assert announce_trainer(root, "run", groups_per_step=4, save_every=2, max_staleness=1, end_step=10).steps == 0
+    write_trainer_position(root, "run", TrainerPosition(steps=10, groups_consumed=41, policy_version=10, groups_per_step=4,
+                                                        save_every=2, max_staleness=1, end_step=10))  # fmt: skip
+    later = announce_trainer(root, "run", groups_per_step=8, save_every=1, max_staleness=0, end_step=30)
+    assert (later.steps, later.groups_consumed, later.policy_version, later.groups_per_step, later.end_step) == (10, 41, 10, 8, 30)
+    assert read_trainer_position(root, "run") == later
+    assert read_run_end(root, "run") is None
+    write_run_end(root, "run", 12)
+    assert read_run_end(root, "run") == 12
+    clear_run_end(root, "run")
+    assert read_run_end(root, "run") is None

@@ -66,11 +66,14 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     later[1].extras.update(WINDOW)
     write_shards(root, "run", later, groups_per_shard=2)
 
-    # A rollout flow that ended: the trainer folds it into its own count at its first save.
-    write_sampler_position(root, "run", SamplerPosition("ended-flow", committed=5, in_flight=0, closed=True))
+    # A rollout flow that ended: its slot is the samplers' to take over; the trainer writes only its own file.
+    ended = SamplerPosition("ended-flow", committed=5, in_flight=0, closed=True)
+    write_sampler_position(root, "run", ended)
     settings = ("save_every=1", "max_staleness=0", "loss.kl_coef=0.01", "keep_last=1")
     run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))
-    assert read_sampler_positions(root, "run") == [] and read_trainer_position(root, "run").retired_committed == 5
+    assert read_sampler_positions(root, "run") == [ended]
+    position = read_trainer_position(root, "run")
+    assert (position.steps, position.groups_consumed, position.policy_version, position.end_step) == (2, 5, 2, 2)
 
     first, second = read_metrics(tmp_path / "run" / "trainer")
     assert (first["step"], first["stale_groups_skipped"], first["groups"]) == (1, 0, 2)

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import sys
 import warnings
 from dataclasses import dataclass
-from pathlib import Path
 from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import ValidationError
 
+from core.imports import load_attribute
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError
 from environments.failures import fetch_failed
 from storage.layout import check_env_name
@@ -59,32 +58,6 @@ def resolve_import_path(name_or_path: str) -> str:
     return matches[0].import_path
 
 
-def import_module_at(where: str):
-    """A module by its import path ('package.module'), or a Python file by its path ('dir/env.py'):
-    loaded as if run as a script in its directory (its directory first on sys.path), so the
-    sibling modules it imports resolve, as they do for an upstream environment run the way its
-    README says (`python regex_env.py serve`). ImportError, naming what is missing, otherwise."""
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    file = Path(where).expanduser().resolve()
-    if not file.is_file():
-        raise ImportError(f"no file {file}")
-    if str(file.parent) not in sys.path:
-        sys.path.insert(0, str(file.parent))
-    name = file.stem
-    if getattr(sys.modules.get(name), "__file__", None) == str(file):
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # before it runs: dataclasses and pickling look their module up
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
-
 def moved_bundled_path(import_path: str) -> str:
     """A bundled environment's import path from before it moved to environments/bundled/
     ('environments.arithmetic:Arithmetic', as configs and deployments already registered hold it)
@@ -109,14 +82,8 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
 
         return remote_environment_class(name_or_path)
     import_path = moved_bundled_path(resolve_import_path(name_or_path))
-    module_name, _, class_name = import_path.partition(":")
-    if not module_name or not class_name:
-        raise EnvironmentLoadError(f"environment {import_path!r}: use 'module.path:ClassName' or 'path/to/file.py:ClassName'")
-    try:
-        module = import_module_at(module_name)
-    except ImportError as error:
-        raise EnvironmentLoadError(f"environment {import_path!r}: cannot import {module_name}: {error}") from error
-    cls = getattr(module, class_name, None)
+    cls = load_attribute(import_path, "environment", EnvironmentLoadError)
+    class_name = import_path.rpartition(":")[2]
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvironmentLoadError(
             f"environment {import_path!r}: {class_name} is not an Environment subclass; "

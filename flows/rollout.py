@@ -79,7 +79,7 @@ async def rollout(
         storage, run, sources, tokenizer=tokenizer, groups=groups, shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s,
         servers=servers, api_key=api_key, max_policy_lag=max_policy_lag, until_step=until_step, sampler=sampler_name(), log=log,
     ) as store:  # fmt: skip
-        items = ItemStream(specs, sources, groups, seed, admission=store.admission, on_gone=store.gone)
+        items = WeightedItems(specs, sources, groups, seed, admission=store.admission, on_gone=store.gone)
         lanes = Lanes(items, store, dict(tokenizer=tokenizer, api_key=api_key), limits, distributed, task_run_s, log)
         task_runs = await lanes.run(servers, max_concurrent_groups)
     summary = await store.report(task_runs)
@@ -92,7 +92,7 @@ class Lanes:
     """The flow's lanes: each samples a group at all times, in task runs one after another, until
     the items run out; every finished group goes to the store the moment it is scored."""
 
-    items: ItemStream
+    items: WeightedItems
     store: GroupStore
     task: dict[str, Any]  # the collect task's arguments every lane shares (tokenizer, API key)
     limits: dict[str, str]  # each server's global concurrency limit, if any
@@ -160,7 +160,7 @@ class Lanes:
         return True
 
 
-class ItemStream:
+class WeightedItems:
     """The run's items, environments picked by weight, until `groups` were handed out (None:
     forever) or every environment ran out. Lanes share it; with an `admission` each item waits
     until a group may start sampling (bounded staleness, flows.admission)."""

@@ -105,7 +105,7 @@ def _retry_unless_refused(task, task_run, state) -> bool:
 
 
 class ItemSource(Protocol):
-    """What a lane takes its items from (flows.rollout.ItemStream)."""
+    """What a lane takes its items from (flows.rollout.WeightedItems)."""
 
     async def next(self) -> tuple[EnvSpec, Item] | None: ...
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from core.imports import load_attribute
 from core.overrides import apply_overrides
 from core.advantages import AdvantageMode
 from trainer.trackers import check_report_to
@@ -160,28 +160,15 @@ class LossConfig(BaseModel):
 def load_loss(name: str) -> Callable[..., Any]:
     """The function a `loss.name` names: a built-in's short name or 'package.module:function'."""
     path = BUILTIN_LOSSES.get(name, name)
-    module_name, _, attribute = path.partition(":")
-    if not module_name or not attribute:
+    if ":" not in path:
         raise ValueError(
             f"loss.name: {name!r} is neither a built-in loss ({', '.join(BUILTIN_LOSSES)}) nor an "
             "import path; write one of those or 'package.module:function'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(
-            f"loss.name: {name!r}: cannot import {module_name} ({error}); check the spelling and "
-            "that the module is installed or importable from the trainer's working directory"
-        ) from error
-    function = getattr(module, attribute, None)
-    if function is None:
-        raise ValueError(
-            f"loss.name: {name!r}: module {module_name} has no attribute {attribute!r}; name a "
-            "function defined there"
-        )
+    function = load_attribute(path, "loss.name")
     if not callable(function):
         raise ValueError(
-            f"loss.name: {name!r}: {attribute} is not a function but of type "
+            f"loss.name: {name!r}: {path.rpartition(':')[2]} is not a function but of type "
             f"{type(function).__name__}; "
             "point at a function (inputs: LossInputs, config: LossConfig) -> (loss, metrics)"
         )

@@ -11,13 +11,14 @@ JSONL file stays the record: a tracker that fails to log is warned about once an
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
 import uuid
 from pathlib import Path
 from typing import Any, Protocol
+
+from core.imports import load_attribute
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,9 @@ def check_report_to(names: list[str]) -> list[str]:
 
 
 def _load(path: str) -> type:
-    module_name, _, class_name = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"'{path}': module {module_name} does not import ({error}); install it or fix the path") from None
-    tracker = getattr(module, class_name, None)
+    tracker = load_attribute(path, "report_to")
     if not callable(tracker):
-        raise ValueError(f"'{path}': {module_name} has no class {class_name}")
+        raise ValueError(f"report_to: {path!r} is not a class")
     return tracker
 
 

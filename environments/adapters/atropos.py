@@ -68,7 +68,7 @@ from environments.atropos_format import (
 )  # fmt: skip
 from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
 from environments.chat import Messages
-from environments.loading import import_module_at
+from core.imports import load_attribute
 from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import Completion, PolicyClient, PolicyServerError
 
@@ -108,15 +108,9 @@ class AtroposItem(Item):
 def atropos_class(path: str) -> type[BaseEnv]:
     """The Atropos environment class at 'module.path:ClassName' or 'path/to/file.py:ClassName' (a
     file from an Atropos repository as it is, its sibling modules importable)."""
-    module_name, _, class_name = path.rpartition(":")
-    if not module_name or not class_name:
-        raise ValueError(f"env {path!r}: give 'module.path:ClassName' or 'path/to/file.py:ClassName' of an Atropos BaseEnv subclass")
-    try:
-        env_class = getattr(import_module_at(module_name), class_name, None)
-    except ImportError as error:
-        raise ValueError(f"env {path!r}: cannot import {module_name}: {error}") from error
+    env_class = load_attribute(path, "env")
     if not (isinstance(env_class, type) and issubclass(env_class, BaseEnv)):
-        raise ValueError(f"env {path!r}: {class_name} is not a subclass of atroposlib.envs.base.BaseEnv")
+        raise ValueError(f"env: {path!r} is not a subclass of atroposlib.envs.base.BaseEnv")
     return env_class
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import json
 import logging
@@ -53,6 +52,7 @@ from websockets.exceptions import ConnectionClosedOK
 from environments.adapters.openenv_session import Capacity, SchemaAction, server_error
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession, Messages
+from core.imports import load_attribute
 from core.scored_group import ScoredGroup, ScoredSequence
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
@@ -108,16 +108,6 @@ def text_fields(observation: dict[str, Any]) -> str:
         return shown if isinstance(shown, str) else json.dumps(shown, sort_keys=True, default=str)
     texts = [value for name, value in observation.items() if isinstance(value, str) and ("text" in name or "message" in name)]
     return "\n".join(texts) if texts else json.dumps(observation, sort_keys=True)
-
-
-def load_object(import_path: str, field: str) -> Any:
-    module_name, _, attribute = import_path.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"{field} {import_path!r}: use 'module.path:name'")
-    try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
-        raise ValueError(f"{field} {import_path!r}: {type(error).__name__}: {error}") from error
 
 
 def accepted(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -225,13 +215,13 @@ class OpenEnv(Environment):
         config = self.config
         self.rng = random.Random(config.seed)
         self.count = 0
-        self.render: Callable[[dict[str, Any]], str] = load_object(config.render, "render") if config.render else text_fields
+        self.render: Callable[[dict[str, Any]], str] = load_attribute(config.render, "render") if config.render else text_fields
         self.capacity = Capacity(config.max_concurrent_episodes)
         if config.environment.startswith(URL_SCHEMES):
             self.env_class = None
             schema = await self.check_server(config.environment)
         else:
-            self.env_class = load_object(config.environment, "environment")
+            self.env_class = load_attribute(config.environment, "environment")
             if not (isinstance(self.env_class, type) and issubclass(self.env_class, OpenEnvEnvironment)):
                 raise ValueError(
                     f"environment {config.environment!r} is not an OpenEnv Environment subclass "
@@ -243,7 +233,7 @@ class OpenEnv(Environment):
         self.mcp = bool(schema) and {"tool_name", "arguments"} <= set(schema.get("properties", {}))
         self.schema_action = SchemaAction(schema) if schema and not config.parse else None
         self.parse: Callable[[str], Action | dict[str, Any]] = (
-            load_object(config.parse, "parse") if config.parse else self.schema_action or message_action
+            load_attribute(config.parse, "parse") if config.parse else self.schema_action or message_action
         )
 
     async def check_server(self, url: str) -> dict[str, Any] | None:

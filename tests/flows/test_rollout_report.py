@@ -6,7 +6,7 @@ import random
 import pytest
 
 import flows.rollout_report as report
-from flows.rollout import ItemStream, checked_specs
+from flows.rollout import WeightedItems, checked_specs
 
 
 async def test_concurrent_updates_never_leave_the_bar_behind(monkeypatch):
@@ -73,7 +73,7 @@ class Spec:
         self.key, self.weight = key, weight
 
 
-async def drain(stream: ItemStream, lanes: int = 4) -> list[tuple[str, str]]:
+async def drain(stream: WeightedItems, lanes: int = 4) -> list[tuple[str, str]]:
     taken = []
 
     async def lane():
@@ -86,7 +86,7 @@ async def drain(stream: ItemStream, lanes: int = 4) -> list[tuple[str, str]]:
 
 async def test_the_item_stream_hands_out_exactly_the_groups_asked_for_mixed_by_weight():
     specs = [Spec("a", 3.0), Spec("b", 1.0)]
-    stream = ItemStream(specs, {"a": Finite("a", 10**6), "b": Finite("b", 10**6)}, groups=400, seed=0)
+    stream = WeightedItems(specs, {"a": Finite("a", 10**6), "b": Finite("b", 10**6)}, groups=400, seed=0)
     taken = await drain(stream)
     assert len(taken) == 400 and len(set(taken)) == 400 and stream.exhausted
     share_a = sum(key == "a" for key, _ in taken) / 400
@@ -94,7 +94,7 @@ async def test_the_item_stream_hands_out_exactly_the_groups_asked_for_mixed_by_w
 
 
 async def test_the_item_stream_ends_when_every_environment_ran_out():
-    stream = ItemStream([Spec("a", 1.0), Spec("b", 1.0)], {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, seed=0)
+    stream = WeightedItems([Spec("a", 1.0), Spec("b", 1.0)], {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, seed=0)
     assert sorted(i for _, i in await drain(stream)) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]
 
 
@@ -111,7 +111,7 @@ async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_non
             assert not stored
             Counting.given_back += 1
 
-    stream = ItemStream([Spec("a", 1.0)], {"a": Finite("a", 10)}, groups=None, seed=0, admission=Counting())
+    stream = WeightedItems([Spec("a", 1.0)], {"a": Finite("a", 10)}, groups=None, seed=0, admission=Counting())
     assert len(await drain(stream, lanes=3)) == 10
     # One admission per item, and one for the call that found none left, given back.
     assert (Counting.acquired, Counting.given_back) == (11, 1)

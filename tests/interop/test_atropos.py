@@ -164,8 +164,9 @@ def test_a_group_without_messages_gets_them_decoded_from_its_tokens(served_atrop
 def test_the_service_names_a_bad_environment_or_config_field(served_atropos) -> None:
     env_class = load_environment_class(served_atropos.url)
     for config, message in [
-        ({"env": "environments.adapters.examples.atropos_managed:Nope"}, "is not a subclass of atroposlib.envs.base.BaseEnv"),
+        ({"env": "environments.adapters.examples.atropos_managed:Nope"}, "environments.adapters.examples.atropos_managed has no 'Nope'"),
         ({"env": "no_such_module:Env"}, "cannot import no_such_module"),
+        ({"env": "environments.adapters.atropos:AtroposItem"}, "is not a subclass of atroposlib.envs.base.BaseEnv"),
         ({"env": MANAGED, "env_config": {"max_token_lenght": 8}}, r"\['max_token_lenght'\] are not fields of BaseEnvConfig"),
     ]:
         with pytest.raises(EnvironmentLoadError, match=message):

@@ -47,7 +47,7 @@ def test_a_custom_loss_is_imported_with_its_own_defaults():
     [
         ("ppo", "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo\\)"),
         ("no_such_module:loss", "loss.name: 'no_such_module:loss': cannot import no_such_module"),
-        ("trainer.losses:nope", "module trainer.losses has no attribute 'nope'"),
+        ("trainer.losses:nope", "trainer.losses has no 'nope'"),
         (f"{CUSTOM}:NOT_A_LOSS", "NOT_A_LOSS is not a function but of type int"),
         (f"{CUSTOM}:badly_declared", "its loss_defaults is of type dict; set it to .*LossDefaults"),
     ],

@@ -23,8 +23,8 @@ RECORDER = "tests.trainer.recording_tracker:Recorder"
     ("names", "message"),
     [
         (["tensorbord"], "'tensorbord' is neither a built-in tracker (wandb) nor module:Class of your own"),
-        (["no_such_module_here:Tracker"], "'no_such_module_here:Tracker': module no_such_module_here does not import"),
-        (["tests.trainer.recording_tracker:Missing"], "tests.trainer.recording_tracker has no class Missing"),
+        (["no_such_module_here:Tracker"], "'no_such_module_here:Tracker': cannot import no_such_module_here"),
+        (["tests.trainer.recording_tracker:Missing"], "tests.trainer.recording_tracker has no 'Missing'"),
     ],
 )
 def test_a_tracker_that_cannot_load_is_named_with_its_fix_before_training(names, message, tiny_model_dir):

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow
+from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow, start_local_prefect_server
 from clotho.input_checks import check_model, check_server_url, check_tokenizer
 from core.validation import describe_validation_error
 from storage.filesystem import StorageUnavailableError
@@ -231,6 +231,7 @@ def rollout(
                 "or check --server and --api-key", param_hint="--tokenizer",
             ) from None
     check_tokenizer(tokenizer)
+    start_local_prefect_server()
     if api_key:
         # The flow reads the key from its process's environment, never from a parameter: flow
         # parameters are stored with the flow run and shown in the UI.
@@ -275,6 +276,7 @@ def run_pipeline(
     """Run the whole loop for one run: policy servers with hot reload, rollout flows and the
     trainer, asynchronous with bounded staleness, phase after phase, until the last step."""
     pipeline_config = check_pipeline(config, set_)
+    start_local_prefect_server()
     if api_key:
         os.environ[API_KEY_VARIABLE] = api_key
     from flows.pipeline import pipeline
@@ -352,6 +354,7 @@ def demo(
 
     from clotho.demo import run_demo
 
+    start_local_prefect_server()  # before the demo's first step: the command may run again against it
     quiet_terminal(verbose)
 
     try:

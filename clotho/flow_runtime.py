@@ -1,14 +1,18 @@
 """Running a Prefect flow from a command: its own event loop thread, signals turned into a
-cancel, a local Prefect server in a session of its own, logs drained before exit."""
+cancel, a local Prefect server of its own in a session of its own, logs drained before exit."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 
@@ -46,59 +50,104 @@ def make_prefect_home(home: Path | None = None) -> Path:
     return home
 
 
-def start_local_prefect_server() -> None:
-    """Without PREFECT_API_URL a flow runs against a temporary local Prefect server. Start it here,
-    on a new machine as on a used one:
+SERVER_VARIABLE = "CLOTHO_LOCAL_PREFECT_SERVER"  # the pid of the server a command started, across its re-exec
 
-    - PREFECT_HOME is created first: with its parent missing, SQLite cannot open the database, the
-      server exits with uvicorn's start-up failure code 3, which Prefect takes for a busy port and
-      restarts it on another one, forever.
+
+def start_local_prefect_server() -> None:
+    """Without PREFECT_API_URL a command's flow runs against a local Prefect server that the
+    command owns: `prefect server start` on a free loopback port, started here, and the command
+    run again (exec) pointed at it, so Prefect reads the URL from its settings as for any server.
+    It stops when the command exits. Why not Prefect's temporary server:
+
+    - The server gets a session of its own: in our process group, a Ctrl-C in the terminal (sent to
+      the whole group) would stop it in the middle of the flow's cleanup, which then hangs reporting
+      to it. Prefect starts its temporary server in our group and offers no way to change that.
+    - Its Prefect UI serves the run while it runs: the command prints the address.
+    - PREFECT_HOME is created first: with its parent missing, SQLite cannot open the database.
     - The wait fits a first start (FIRST_START_TIMEOUT_S, or Prefect's setting when larger), and a
       start that still fails says what it waited for and how to fix it.
-    - The server gets a session of its own: as Prefect's child in our process group, a Ctrl-C in
-      the terminal (sent to the whole group) would stop it in the middle of the flow's cleanup,
-      which then hangs reporting to it (uvicorn installs its own SIGINT handler, so ignoring the
-      signal is not enough). Prefect still stops it when this process exits.
-    """
-    import subprocess
-    import sys
-    import time
 
+    A process that is not the `clotho` command (a test calling a command in-process) is never
+    replaced: Prefect's temporary server serves it.
+    """
+    if os.environ.get(SERVER_VARIABLE):  # this is the command again, run against its own server
+        atexit.register(stop_server, int(os.environ.pop(SERVER_VARIABLE)))
+        return
     from prefect.settings import (
         PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
     )  # fmt: skip
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value() or not is_the_command():
         return
-    from prefect.server.api import server as prefect_server
-
     home = Path(PREFECT_HOME.value()).expanduser()
-    first_start = not (home / "prefect.db").exists()
-    make_prefect_home(home)
-    if first_start:
+    if not (home / "prefect.db").exists():
         print(f"clotho: first start of the local Prefect server: creating its database in {home}", file=sys.stderr)
+    make_prefect_home(home)
     timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
-
-    class OwnSession(subprocess.Popen):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, start_new_session=True, **kwargs)
-
-    popen = prefect_server.subprocess.Popen
-    prefect_server.subprocess.Popen = OwnSession  # only while this one server starts
-    server = prefect_server.SubprocessASGIServer()  # the instance Prefect's client then uses
-    started = time.monotonic()
+    url, server = serve_prefect(home, timeout_s)
+    print(f"clotho: Prefect UI at {url.removesuffix('/api')} while this command runs (its runs stay in {home}; "
+          "`prefect server start` shows them later)", file=sys.stderr)  # fmt: skip
+    sys.stdout.flush()
+    sys.stderr.flush()
+    environment = {**os.environ, "PREFECT_API_URL": url, SERVER_VARIABLE: str(server.pid)}
     try:
-        server.start(timeout=timeout_s)
-    except RuntimeError as error:
-        raise PrefectStartError(
-            f"the local Prefect server did not answer {server.api_url}/health within {timeout_s} s "
-            f"(waited {time.monotonic() - started:.0f} s; its database: {home / 'prefect.db'}): {error}\n"
-            "Fix: give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600), or run a server "
-            "of your own (`prefect server start`) and point clotho at it "
-            "(PREFECT_API_URL=http://127.0.0.1:4200/api)."
-        ) from error
-    finally:
-        prefect_server.subprocess.Popen = popen
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
+    except OSError:
+        stop_server(server.pid)
+        raise
+
+
+def is_the_command() -> bool:
+    """Whether this process is the `clotho` command (its console script or `python -m clotho.cli`)."""
+    main = Path(sys.argv[0])
+    return main.name == "clotho" or main.parts[-2:] == ("clotho", "cli.py")
+
+
+def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
+    """`prefect server start` on a free loopback port in a session of its own, answering its
+    health check; its API URL and process. PrefectStartError if it does not come up in time."""
+    import urllib.request
+
+    log_path = home / "clotho-local-server.log"
+    started = time.monotonic()
+    for _ in range(3):  # a port taken between finding it and binding it: another one
+        port = free_port()
+        with open(log_path, "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**os.environ, "PREFECT_HOME": str(home)},
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}/api"
+        while server.poll() is None and time.monotonic() - started < timeout_s:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if answer.status == 200:
+                        return url, server
+            except OSError:
+                time.sleep(0.25)
+        if server.poll() is None:
+            break
+    stop_server(server.pid)
+    raise PrefectStartError(
+        f"the local Prefect server did not answer {url}/health within {timeout_s:.0f} s "
+        f"(waited {time.monotonic() - started:.0f} s; its log: {log_path}; its database: {home / 'prefect.db'})\n"
+        "Fix: give it longer (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=600), or run a server "
+        "of your own (`prefect server start`) and point clotho at it "
+        "(PREFECT_API_URL=http://127.0.0.1:4200/api)."
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def stop_server(pid: int) -> None:
+    from core.processes import stop_child_group
+
+    stop_child_group(pid, timeout_s=10.0)
 
 
 def drain_prefect_reporting(timeout_s: float = 15.0) -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 30.0, *, whole_group: bool = True) -> int | None:
@@ -31,3 +32,28 @@ def stop_process(process: subprocess.Popen, timeout_s: float = 30.0, *, whole_gr
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         return process.wait()
+
+
+def stop_child_group(pid: int, timeout_s: float = 30.0) -> None:
+    """stop_process for a child known by its pid alone, started in a session of its own (one a
+    command started before it ran itself again with exec, which keeps its children): SIGTERM to
+    its group, SIGKILL if it has not ended within timeout_s, then reaped."""
+
+    def ended() -> bool:
+        try:
+            return os.waitpid(pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:  # not ours to reap, or reaped already: ended when it is gone
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            return False
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if ended():
+                return
+            time.sleep(0.05)

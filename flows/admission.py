@@ -226,7 +226,7 @@ class Admission:
 
     def _why_blocked(self) -> str:
         if self.trainer is None:
-            return "waiting for the trainer's position (progress/trainer.json): is a trainer running?"
+            return "waiting for the trainer's position (progress/trainer.json, written as a trainer starts)"
         if not self._trains_my_steps(self.trainer):
             return (
                 f"waiting for a trainer of steps up to {self.last_step}: progress/trainer.json is of one that "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import os
 import signal
@@ -160,6 +161,34 @@ def drain_prefect_reporting(timeout_s: float = 15.0) -> None:
         service.drain_all(timeout=timeout_s)
 
 
+class FlowThread(threading.Thread):
+    """One coroutine run to its end on an event loop of this thread's own; `outcome` holds its result
+    or error, `cancel()` (from any thread) cancels it at an await."""
+
+    def __init__(self, coroutine):
+        super().__init__(name="clotho-flow")
+        self.coroutine, self.loop = coroutine, asyncio.new_event_loop()
+        self.outcome: concurrent.futures.Future = concurrent.futures.Future()
+        self.task: asyncio.Task | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.task = self.loop.create_task(self.coroutine)  # here: its context is this thread's, not the caller's
+        self.started.set()
+        try:
+            self.outcome.set_result(self.loop.run_until_complete(self.task))
+        except BaseException as error:  # handed to the caller
+            self.outcome.set_exception(error)
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+
+    def cancel(self) -> None:
+        self.started.wait()
+        self.loop.call_soon_threadsafe(self.task.cancel)
+
+
 def run_flow(coroutine):
     """Runs an async flow to its end on an event loop of its own thread; Ctrl-C or SIGTERM (a
     supervisor's stop) cancels it there, at an await, so its cleanup stores every finished group.
@@ -170,43 +199,25 @@ def run_flow(coroutine):
     a shell starts background jobs with it ignored. Raises Stopped after a signal.
     """
     start_local_prefect_server()
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    outcome: dict = {}
-    holder: dict = {}
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        holder["task"] = loop.create_task(coroutine)
-        started.set()
-        try:
-            outcome["value"] = loop.run_until_complete(holder["task"])
-        except BaseException as error:  # handed to the main thread
-            outcome["error"] = error
-        finally:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+    flow = FlowThread(coroutine)
+    signals: list[int] = []
 
     def stop(signum, _frame) -> None:
-        outcome.setdefault("signal", signum)
-        started.wait()
-        loop.call_soon_threadsafe(holder["task"].cancel)
+        signals.append(signum)
+        flow.cancel()
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    thread = threading.Thread(target=run, name="clotho-flow")
-    thread.start()
+    flow.start()
     try:
-        while thread.is_alive():
-            thread.join(0.2)
+        while flow.is_alive():
+            flow.join(0.2)  # in slices: the main thread runs the signal handlers between them
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         drain_prefect_reporting()
-    if "signal" in outcome:
-        raise Stopped(outcome["signal"])
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    if signals:
+        raise Stopped(signals[0])
+    return flow.outcome.result()
 
 
 class TaskRunChatter(logging.Filter):

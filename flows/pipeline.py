@@ -194,8 +194,9 @@ def end_run_here(storage: str, run: str) -> None:
 
 
 def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher:
-    policies = [ServedPolicy.of(server) for server in servers]
-    policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key) for url in config.servers.urls]
+    mode = config.servers.reload_mode
+    policies = [ServedPolicy.of(server, reload_mode=mode) for server in servers]
+    policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
     guard = ParityGuard.for_model(config.model, dtype=config.servers.dtype)
     return ReloadWatcher(config.run, policies, guard, poll_s=config.servers.reload_poll_s)
 

@@ -5,7 +5,7 @@ Imports nothing heavy, so a bad file fails in milliseconds with the field named.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -33,6 +33,11 @@ class ServersConfig(Strict):
     max_model_len: int = Field(default=2048, gt=0)
     startup_timeout_s: float = Field(default=600.0, gt=0)
     reload_poll_s: float = Field(default=0.5, gt=0, description="Seconds between looks for a new checkpoint.")
+    reload_mode: Literal["in-flight", "drain"] = Field(
+        default="in-flight",
+        description="in-flight: generation goes on across a reload (requests in flight finish on the new weights, "
+        "their tokens' logprobs each the sampling weights'); drain: they finish on the old weights first.",
+    )
 
     @model_validator(mode="after")
     def _some_server(self) -> ServersConfig:

@@ -91,6 +91,7 @@ def watch_command(
     poll_s: float = typer.Option(2.0, help="Seconds between looks at the run."),
     cache_dir: Path = typer.Option(DEFAULT_CACHE, help="Where remote checkpoints are copied to."),
     once: bool = typer.Option(False, "--once", help="Bring the servers up to date once and exit."),
+    reload_mode: str = typer.Option("in-flight", help="in-flight: generation goes on across a reload; drain: requests in flight finish on the old weights first."),
 ) -> None:
     """Keep running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) at the run's newest checkpoint."""
     from inference.parity_guard import ParityGuard
@@ -107,9 +108,12 @@ def watch_command(
         raise typer.BadParameter(
             f"{base_model} has no config.json; pass the local model directory", param_hint="--base-model"
         )
+    if reload_mode not in ("in-flight", "drain"):
+        raise typer.BadParameter(f"{reload_mode!r}: use in-flight or drain", param_hint="--reload-mode")
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)
     policies = [
-        ServedPolicy(url.rstrip("/"), base_model, api_key=api_key, model_name=served_model_name) for url in server
+        ServedPolicy(url.rstrip("/"), base_model, api_key=api_key, model_name=served_model_name, reload_mode=reload_mode)
+        for url in server
     ]
     watcher = ReloadWatcher(run_url, policies, guard, cache_dir=cache_dir, poll_s=poll_s)
     try:

@@ -1,12 +1,21 @@
 """The hot-reload protocol against one vLLM server: swap weights in place, prove parity, announce.
 
     preflight (tensor names and shapes)          server untouched if the checkpoint is incomplete
-    POST /pause?mode=wait                        in-flight requests finish on the old weights
+    POST /pause?mode=keep                        requests in flight frozen where they are (in-flight)
     POST /collective_rpc reload_weights {dir}    new weights in place (~0.05 s for the tiny model)
-    POST /reset_prefix_cache                     cached prefixes hold old-weight KV
-    POST /resume                                 always, in a finally
+    POST /reset_prefix_cache?reset_running_requests=true
+                                                 the KV cache is the old weights' work: dropped, and
+                                                 the frozen requests' recomputed by the new weights
+    POST /resume                                 always, in a finally: generation goes on
     parity guard on fixed prompts                served logprobs == transformers on the checkpoint
     POST /update_weight_version {N}              only now is version N announced
+
+In-flight (the default, as PipelineRL and AReaL do it) never waits for the requests in flight: a
+long generation spans the swap, its tokens before it sampled (with their logprobs) by the old
+weights and those after it by the new ones, on a prefix whose KV the new weights recomputed, so
+every token is exactly what the weights that sampled it give (no stale cache). `drain` is the
+older protocol: pause(wait) lets every request in flight finish on the old weights, and the longest
+of them sets how long sampling stops.
 
 Why resume before the parity check: requests (the guard's too) are not scheduled while the engine is
 paused. Requests sent between /resume and the announcement run on the new weights but read the old
@@ -25,6 +34,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable
 from inference.parity_guard import ParityGuard, ParityMismatch, ParityReport
@@ -34,6 +44,7 @@ from inference.weights import IncompatibleCheckpoint, check_compatible, config_d
 log = logging.getLogger(__name__)
 
 SERVER_ERRORS = (PolicyServerError, PolicyServerUnreachable)
+ReloadMode = Literal["in-flight", "drain"]
 
 
 class ReloadError(RuntimeError):
@@ -61,9 +72,10 @@ class ServedPolicy:
     server: PolicyServer | None = None
     healthy: bool = True  # False when its weights or pause state are unknown after a failure
     rejected: set[int] = field(default_factory=set)  # versions that failed here; not retried
+    reload_mode: ReloadMode = "in-flight"  # or "drain": requests in flight finish on the old weights first
 
     @classmethod
-    def of(cls, server: PolicyServer, version: int = 0) -> ServedPolicy:
+    def of(cls, server: PolicyServer, version: int = 0, reload_mode: ReloadMode = "in-flight") -> ServedPolicy:
         """The policy served by a PolicyServer clotho started (its model must be a local directory)."""
         weights = Path(server.model)
         if not (weights / "config.json").exists():
@@ -71,7 +83,7 @@ class ServedPolicy:
                 f"{server.model} is not a local model directory; hot reload needs the served weights on "
                 "disk as the fallback: download the model (huggingface-cli download) and serve that directory"
             )
-        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server)
+        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server, reload_mode=reload_mode)
 
     def client(self) -> PolicyClient:
         # Few retries: a dead server must be reported within seconds, not after a minute of backoff.
@@ -89,17 +101,21 @@ class ReloadReport:
     total_s: float  # preflight to announcement
 
 
-async def swap_weights(client: PolicyClient, weights_dir: str | Path) -> float:
-    """pause(wait) -> reload_weights -> reset_prefix_cache -> resume; the server is never left paused."""
+async def swap_weights(client: PolicyClient, weights_dir: str | Path, mode: ReloadMode = "in-flight") -> float:
+    """pause -> reload_weights -> reset_prefix_cache -> resume (see the module docstring for the two
+    modes); the server is never left paused."""
     if not (Path(weights_dir) / "config.json").exists():
         # vLLM takes a path it cannot find for a Hugging Face repo id and goes to the network.
         raise FileNotFoundError(f"{weights_dir} is not a model directory (no config.json); nothing was reloaded")
     started = time.perf_counter()
-    await client.request("POST", "/pause", params={"mode": "wait"})
+    in_flight = mode == "in-flight"
+    await client.request("POST", "/pause", params={"mode": "keep" if in_flight else "wait"})
     try:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         await client.request("POST", "/collective_rpc", json=rpc)
-        await client.request("POST", "/reset_prefix_cache")
+        # With requests frozen mid-generation their KV blocks are in use: preempting them is what
+        # lets the cache go, and they resume by recomputing their prefix on the new weights.
+        await client.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None)
     finally:
         await client.request("POST", "/resume")
     return time.perf_counter() - started
@@ -141,7 +157,7 @@ async def reload_server(
     async with target.client() as client:
         target.healthy = False  # until the new weights pass parity or the old ones are back
         try:
-            swap_s = await swap_weights(client, reload_dir)
+            swap_s = await swap_weights(client, reload_dir, target.reload_mode)
             parity = await guard.check(client, checkpoint_dir)
         except PolicyServerUnreachable as error:
             message = f"reload of version {version} on {target.base_url} failed: {error}"
@@ -189,7 +205,7 @@ async def restore_server(
     try:
         try:
             await ensure_resumed(client)
-            await swap_weights(client, prepare_reload_dir(target.weights_dir, reload_root))
+            await swap_weights(client, prepare_reload_dir(target.weights_dir, reload_root), target.reload_mode)
             await guard.check(client, target.weights_dir)
             await announce(client, target.version)
             how = f"restored in place to version {target.version}"

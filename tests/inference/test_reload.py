@@ -43,9 +43,9 @@ async def stream_completion(base_url: str, prompt: list[int], max_tokens: int, r
                     first.set()
 
 
-async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) -> float:
+async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) -> bool:
     """Publishes a checkpoint while a long greedy request streams, lets the watcher reload, and checks
-    the request and the version around it. Returns the seconds the pause spent draining requests."""
+    the request and the version around it. Returns whether the reload overlapped the request."""
     root, run_dir = f"file://{tmp_path}/store", tmp_path / f"attempt-{policy.version}"
     old_weights, old_version = policy.weights_dir, policy.version
     step = next_step(policy)
@@ -55,43 +55,55 @@ async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) ->
     async with policy.client() as client:
         stamped = await client.weight_version()  # what an environment stamps before it samples
         # Other long requests beside the checked one keep the engine busy, so on a quiet machine the
-        # checked request is still generating when the reload pauses (they are drained too).
+        # checked request is still generating when the reload pauses (they are swapped over too).
         background = [
             asyncio.create_task(stream_completion(policy.base_url, PROBE[:3] + [i], LONG, {"token_ids": [], "logprobs": []}, asyncio.Event()))
             for i in range(3)
         ]
         streaming = asyncio.create_task(stream_completion(policy.base_url, PROBE, LONG, received, first))
         await first.wait()  # the engine is generating it now
-        published_at = time.perf_counter()
         publish_checkpoint(checkpoint, root, "run", step)
         [outcome] = await watcher.poll_once()
-        latency = time.perf_counter() - published_at
+        reloaded_while_streaming = not streaming.done()
         await streaming
         await asyncio.gather(*background)
         assert await client.weight_version() == step
-    assert outcome.status == "reloaded" and outcome.version == step
-    # The request completed (mode=wait drains, it does not abort) and every token of it came from
-    # the old weights, the version it was stamped with.
+    assert outcome.status == "reloaded" and outcome.version == step and stamped == old_version
+    # The request completed, neither aborted nor cut short.
     assert received["finish_reason"] == "length" and len(received["token_ids"]) == LONG
-    assert stamped == old_version
     old = reference_logprobs(load_reference_model(old_weights), PROBE, received["token_ids"])
-    assert max_abs_difference(received["logprobs"], old) < 1e-4
-    assert latency < 60  # the drain dominates: the request in flight had up to LONG tokens to go
+    new = reference_logprobs(load_reference_model(checkpoint), PROBE, received["token_ids"])
+    if policy.reload_mode == "drain":
+        # Drained: every token of it came from the old weights, the version it was stamped with.
+        assert max_abs_difference(received["logprobs"], old) < 1e-4
+        overlapped = outcome.swap_s > 0.3  # the pause waited for it
+    else:
+        # In flight: the tokens before the swap are the old weights' and every one after it the new
+        # weights', computed on the whole prefix (the old KV was dropped and recomputed).
+        swapped_at = next((i for i, (got, want) in enumerate(zip(received["logprobs"], old)) if abs(got - want) > 1e-4), LONG)
+        assert max_abs_difference(received["logprobs"][:swapped_at], old[:swapped_at]) < 1e-4
+        assert max_abs_difference(received["logprobs"][swapped_at:], new[swapped_at:]) < 1e-4
+        overlapped = reloaded_while_streaming and 0 < swapped_at < LONG
     # Requests after the announcement read the new version and get the new weights.
     assert await served_matches(policy, checkpoint) < 1e-4
     assert await served_matches(policy, old_weights) > 1e-2
     assert policy.version == step and policy.weights_dir.name == f"step-{step:08d}" and not await is_paused(policy)
-    return outcome.swap_s
+    return overlapped
 
 
-async def test_untied_reload_while_a_request_is_in_flight(untied_policy, guard, tmp_path):
+@pytest.mark.parametrize("mode", ["in-flight", "drain"])
+async def test_untied_reload_while_a_request_is_in_flight(untied_policy, guard, tmp_path, mode):
     # On a busy 2-core machine the first streamed chunk can arrive when the request is already done
-    # (the API server batches output); a pause that drained nothing did not test the overlap, so
-    # try again. Every attempt checks the request and the versions in full.
-    for _ in range(5):
-        if await reload_during_a_long_request(untied_policy, guard, tmp_path) > 0.3:
-            return
-    pytest.fail("the reload never overlapped the long request: the pause drained nothing in 5 attempts")
+    # (the API server batches output); a reload that did not overlap it did not test the overlap,
+    # so try again. Every attempt checks the request and the versions in full.
+    untied_policy.reload_mode = mode
+    try:
+        for _ in range(5):
+            if await reload_during_a_long_request(untied_policy, guard, tmp_path):
+                return
+    finally:
+        untied_policy.reload_mode = "in-flight"
+    pytest.fail("the reload never overlapped the long request in 5 attempts")
 
 
 async def test_tied_model_reloads_to_parity(tied_policy, guard, tmp_path):
@@ -169,12 +181,21 @@ async def test_checkpoint_missing_a_tensor_is_rejected_and_old_version_kept(unti
 
 
 async def test_parity_failure_falls_back_to_the_previous_version(untied_policy, guard, tmp_path):
-    """A config change passes the tensor preflight, but an in-place reload cannot apply it."""
+    """A config change passes the tensor preflight, but an in-place reload cannot apply it. The
+    request in flight through the swap and the rollback (in-flight reload, both ways) still
+    finishes, its last tokens the restored weights' again."""
     policy, root = untied_policy, f"file://{tmp_path}/store"
     version, weights = policy.version, policy.weights_dir
     drifted = perturbed_checkpoint(weights, tmp_path / "drifted", seed=5, config_changes={"rms_norm_eps": 0.01})
+    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None}, asyncio.Event()
+    streaming = asyncio.create_task(stream_completion(policy.base_url, PROBE, LONG, received, first))
+    await first.wait()
     publish_checkpoint(drifted, root, "run", next_step(policy))
     [outcome] = await watcher_for(root, [policy], guard, tmp_path).poll_once()
+    await streaming
+    assert received["finish_reason"] == "length" and len(received["token_ids"]) == LONG
+    old = reference_logprobs(load_reference_model(weights), PROBE, received["token_ids"])
+    assert abs(received["logprobs"][-1] - old[-1]) < 1e-4
     assert outcome.status == "rejected"
     assert "parity check failed" in outcome.detail and "rms_norm_eps" in outcome.detail
     assert f"restored in place to version {version}" in outcome.detail

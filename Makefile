@@ -79,6 +79,7 @@ bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_rollout.py
 	$(VENV)/bin/python bench/bench_reload.py
+	$(VENV)/bin/python bench/bench_inflight.py
 	$(VENV)/bin/python bench/bench_pipeline.py
 	$(VENV)/bin/python bench/bench_run_length.py
 	$(VENV)/bin/python bench/bench_reprocess.py

@@ -76,6 +76,12 @@ def rows() -> list[list[str]]:
         table.append(["`bench_reload.py`", "publish + hot reload vs restarting vLLM on the new weights", ">= 100x",
                       f"{r['speedup_publish_plus_swap']:.0f}x ({r['speedup_publish_to_announce_with_parity']:.0f}x with the parity check)",
                       _measured(reload)])  # fmt: skip
+    if inflight := _load("inflight"):
+        r = inflight["result"]
+        ratio, pause = r["pause_ratio_in_flight_to_drain"], r["median_pause_s"]
+        table.append(["`bench_inflight.py`", f"how long a reload stops sampling, in-flight vs drain, with {r['streams']} generations of {r['tokens']} tokens in flight",
+                      "<= 0.2x", f"{ratio['mean']}x [{ratio['low']}-{ratio['high']}] ({pause['in-flight']:.3f} s vs {pause['drain']:.2f} s)",
+                      _measured(inflight)])  # fmt: skip
     if pipeline := _load("pipeline"):
         r = pipeline["result"]
         lags = [side for side in ("async_k1", "async_k2") if f"ratio_time_to_threshold_{side}" in r]

@@ -195,10 +195,11 @@ class Environment(ABC):
 
         The version is read while sampling starts, in parallel: a read before it would hold every
         group back by a round-trip that, on a busy server, waits for an engine step. The stamp is
-        exact for single-turn groups: a reload pauses the server and drains the requests in
-        flight, so only a request arriving during the pause runs on newer weights than stamped.
-        A group whose later turns run after a reload carries the version its first turn saw: the
-        oldest, the one staleness must count from.
+        the oldest version that sampled the group, the one staleness must count from: a reload
+        (in-flight, the default) lets a request span it, its tokens after the swap sampled by the
+        newer weights with their own logprobs, and a new version is announced only after the swap
+        and its parity check (several engine steps), well after the server has answered a version
+        read sent with the first request. Later turns after a reload keep the first turn's.
 
         An unreachable or key-refusing server is not a bad rollout but a broken run: it is raised,
         so the caller (a Prefect task with retries) waits for the server or stops. A group past

@@ -217,6 +217,43 @@ async def test_weights_vllm_refuses_are_rejected_and_the_server_resumed(untied_p
     assert await served_matches(policy, policy.weights_dir) < 1e-4
 
 
+async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(untied_policy, guard, tmp_path):
+    """Requests sent once each (no client retries), back to back by six lanes, through 50 in-flight
+    reloads: every one is answered once, whole (all its tokens, each with a logprob), none refused
+    or aborted; the server ends on the last version, not paused."""
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    assert policy.reload_mode == "in-flight"
+    first = next_step(policy)
+    checkpoints = [perturbed_checkpoint(policy.weights_dir, tmp_path / f"weights-{i}", seed=first + i) for i in range(2)]
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    stop, answered = asyncio.Event(), []
+
+    async def lane(index: int) -> None:
+        async with httpx.AsyncClient(base_url=policy.base_url, timeout=120) as http:
+            while not stop.is_set():
+                body = {"model": "policy", "prompt": PROBE[:4] + [index, len(answered) % 200], "max_tokens": 96,
+                        "temperature": 1.0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}  # fmt: skip
+                answer = await http.post("/v1/completions", json=body)
+                answer.raise_for_status()  # one try: a refused or failed request fails the test
+                [choice] = answer.json()["choices"]
+                answered.append((choice["finish_reason"], len(choice["token_ids"]), len(choice["logprobs"]["token_logprobs"])))
+
+    lanes = [asyncio.create_task(lane(i)) for i in range(6)]
+    reloads = []
+    try:
+        for step in range(first, first + 50):
+            publish_checkpoint(checkpoints[step % 2], root, "run", step)
+            [outcome] = await watcher.poll_once()
+            reloads.append(outcome.status)
+            await asyncio.sleep(0.05)  # a few engine steps between reloads
+    finally:
+        stop.set()
+        await asyncio.gather(*lanes)
+    assert reloads == ["reloaded"] * 50
+    assert len(answered) > 50 and set(answered) == {("length", 96, 96)}, set(answered)
+    assert await announced(policy) == first + 49 and not await is_paused(policy)
+
+
 async def test_each_server_is_reloaded_and_a_dead_one_is_reported_and_retried(untied_policy, guard, tmp_path):
     policy, root = untied_policy, f"file://{tmp_path}/store"
     version = policy.version

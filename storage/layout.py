@@ -35,22 +35,18 @@ class ShardLocation:
 
 def check_env_name(env: str) -> str:
     """Return env if it can be a Hive partition value, else raise ValueError saying how to fix it."""
-    if not isinstance(env, str) or not _NAME.fullmatch(env):
-        raise ValueError(
-            f"env name {env!r} cannot be a partition directory: use 1-128 letters, digits, '_', '.' "
-            "or '-', starting with a letter or digit"
-        )
-    return env
+    return _checked_name(env, f"env name {env!r} cannot be a partition directory")
 
 
 def check_run_name(run: str) -> str:
     """Return run if it is a single path segment, else raise ValueError saying how to fix it."""
-    if not isinstance(run, str) or not _NAME.fullmatch(run):
-        raise ValueError(
-            f"run name {run!r} must be one path segment: use 1-128 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit"
-        )
-    return run
+    return _checked_name(run, f"run name {run!r} must be one path segment")
+
+
+def _checked_name(name: str, problem: str) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"{problem}: use 1-128 letters, digits, '_', '.' or '-', starting with a letter or digit")
+    return name
 
 
 def split_run_url(url: str) -> tuple[str, str]:

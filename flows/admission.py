@@ -39,6 +39,7 @@ from storage.progress import (
     TrainerPosition,
     claim_sampler_slot,
     read_run_end,
+    read_sampler_position,
     read_sampler_positions,
     read_trainer_position,
     write_sampler_position,
@@ -208,7 +209,13 @@ class Admission:
         async def beat() -> None:
             while True:
                 await asyncio.sleep(self.HEARTBEAT_S)
-                await self._write(force=False)
+                if self.slot is None:
+                    continue
+                mine = await asyncio.to_thread(
+                    read_sampler_position, self.storage, self.run, self.slot, storage_options=self.storage_options
+                )
+                if mine is None or mine.holder == self.sampler:  # taken over after a stall: the next refresh moves
+                    await self._write(force=False)
 
         beating = asyncio.ensure_future(beat())
         try:

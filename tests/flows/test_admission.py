@@ -362,3 +362,20 @@ async def test_a_holder_taken_for_dead_goes_on_in_a_new_slot_counting_each_group
     await slow.close()
     await new.close()
     assert groups_committed(root, "run") == 4
+
+
+async def test_the_heartbeat_writes_while_no_group_starts_and_never_over_a_slot_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
+    root = str(tmp_path)
+    write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=16))
+    slow = sampler(root, "slow")
+    slow.HEARTBEAT_S = 0.05
+    await store(slow, 1)  # claims its slot
+    async with slow.heartbeat():
+        first = read_sampler_positions(root, "run")[0].updated_at
+        await asyncio.sleep(0.3)
+        assert read_sampler_positions(root, "run")[0].updated_at > first, "no group started, yet it wrote"
+        taken = SamplerPosition("slow", committed=1, in_flight=0, holder="new", adopted=1)
+        write_sampler_position(root, "run", taken)
+        await asyncio.sleep(0.3)
+        assert read_sampler_positions(root, "run") == [taken]

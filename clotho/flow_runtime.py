@@ -9,7 +9,6 @@ import concurrent.futures
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -107,7 +106,7 @@ def is_the_command() -> bool:
 def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
     """`prefect server start` on a free loopback port in a session of its own, answering its
     health check; its API URL and process. PrefectStartError if it does not come up in time."""
-    import urllib.request
+    from core.processes import free_port, wait_answering
 
     log_path = home / "clotho-local-server.log"
     started = time.monotonic()
@@ -120,13 +119,9 @@ def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
                 env={**os.environ, "PREFECT_HOME": str(home)},
             )  # fmt: skip
         url = f"http://127.0.0.1:{port}/api"
-        while server.poll() is None and time.monotonic() - started < timeout_s:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    if answer.status == 200:
-                        return url, server
-            except OSError:
-                time.sleep(0.25)
+        left_s = timeout_s - (time.monotonic() - started)
+        if wait_answering(f"{url}/health", lambda: server.poll() is None, left_s):
+            return url, server
         if server.poll() is None:
             break
     stop_server(server.pid)
@@ -137,12 +132,6 @@ def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
         "of your own (`prefect server start`) and point clotho at it "
         "(PREFECT_API_URL=http://127.0.0.1:4200/api)."
     )
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def stop_server(pid: int) -> None:

@@ -1,12 +1,37 @@
-"""Stopping a child process, the one way every part does it: SIGTERM, a grace period, SIGKILL."""
+"""Child processes, the one way every part handles them: a free port to serve on, waiting until
+one answers, stopping one (SIGTERM, a grace period, SIGKILL)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import time
+from collections.abc import Callable
+
+import httpx
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def wait_answering(url: str, alive: Callable[[], bool], timeout_s: float, poll_s: float = 0.25) -> bool:
+    """GET `url` every `poll_s` until it answers 200 (True); False as soon as `alive()` says the
+    process that should answer has ended, or once `timeout_s` has passed. The caller says which."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            return False
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        time.sleep(poll_s)
+    return False
 
 
 def stop_process(process: subprocess.Popen, timeout_s: float = 30.0, *, whole_group: bool = True) -> int | None:

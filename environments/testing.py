@@ -21,7 +21,6 @@ import fcntl
 import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -122,9 +121,7 @@ def serve_environment(
 ) -> ServedEnvironment:
     """Starts `clotho env serve ENVIRONMENT [OPTIONS]` on a free loopback port with the `clotho`
     executable of any virtual environment (default: this one's) and waits until it answers."""
-    import httpx
-
-    from inference.server import free_port
+    from core.processes import free_port, wait_answering
 
     clotho = Path(clotho) if clotho else Path(sys.executable).parent / "clotho"
     port = free_port()
@@ -133,16 +130,10 @@ def serve_environment(
     with log_path.open("wb") as log:
         process = subprocess.Popen([str(clotho), "env", "serve", environment, "--port", str(port), *options], stdout=log, stderr=log)
     served = ServedEnvironment(f"http://127.0.0.1:{port}", process, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"clotho env serve {environment} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
-        try:
-            if httpx.get(served.url + "/info", timeout=2.0).status_code == 200:
-                return served
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
+    if wait_answering(served.url + "/info", lambda: process.poll() is None, timeout, poll_s=0.2):
+        return served
+    if process.poll() is not None:
+        raise RuntimeError(f"clotho env serve {environment} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
     served.stop()
     raise TimeoutError(f"clotho env serve {environment} did not answer within {timeout:.0f}s; see {log_path}")
 

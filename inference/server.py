@@ -6,15 +6,12 @@ import functools
 import ipaddress
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 
-from core.processes import stop_process
+from core.processes import free_port, stop_process, wait_answering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
@@ -87,12 +84,6 @@ def vllm_args_from_environment() -> list[str]:
         return shlex.split(os.environ.get(VLLM_ARGS_VARIABLE, ""))
     except ValueError as error:
         raise ValueError(f"{VLLM_ARGS_VARIABLE}={os.environ[VLLM_ARGS_VARIABLE]!r}: {error}; quote it as a shell would") from error
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def is_loopback(host: str) -> bool:
@@ -220,19 +211,16 @@ class PolicyServer:
         return self
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process is not None and self.process.poll() is not None:
-                raise ServerStartError(
-                    f"vLLM exited with code {self.process.returncode} before it was healthy; "
-                    f"log {self.log_path}:\n{self.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        def alive() -> bool:
+            return self.process is None or self.process.poll() is None
+
+        if wait_answering(f"{self.base_url}/health", alive, timeout, poll_s=0.5):
+            return
+        if not alive():
+            raise ServerStartError(
+                f"vLLM exited with code {self.process.returncode} before it was healthy; "
+                f"log {self.log_path}:\n{self.log_tail()}"
+            )
         raise ServerStartError(
             f"vLLM at {self.base_url} not healthy after {timeout:.0f}s; "
             f"log {self.log_path}:\n{self.log_tail()}"

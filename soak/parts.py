@@ -20,9 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 
-from core.processes import stop_process
+from core.processes import stop_process, wait_answering
 from inference.server import PolicyServer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,14 +115,10 @@ class Part:
 
 
 def wait_healthy(url: str, part: Part, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not part.alive:
-            raise RuntimeError(f"{part.name} exited ({part.returncode}) before {url} answered:\n{part.log_tail()}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        time.sleep(0.3)
+    if wait_answering(url, lambda: part.alive, timeout_s, poll_s=0.3):
+        return
+    if not part.alive:
+        raise RuntimeError(f"{part.name} exited ({part.returncode}) before {url} answered:\n{part.log_tail()}")
     raise RuntimeError(f"{part.name}: {url} not healthy after {timeout_s:.0f}s:\n{part.log_tail()}")
 
 

@@ -49,8 +49,8 @@ class TrainerPosition:
     # The step this trainer trains up to (its --steps): a sampler that samples for a later phase
     # waits for that phase's trainer (None in files written before it was kept).
     end_step: int | None = None
-    # Groups committed by samplers whose files trainers before slots removed (runs started before
-    # slots, storage format 1); kept and carried on, never added to now.
+    # Groups committed by samplers whose files a trainer removed, before sampler files were slots
+    # (runs started before 2026-12-04); kept and carried on, never added to now.
     retired_committed: int = 0
     updated_at: float = field(default_factory=time.time)
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 
+from core.processes import free_port
 from trainer.config import TrainerConfig
 
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -30,7 +30,7 @@ def init_distributed() -> tuple[int, int]:
     if not given:
         os.environ.update(
             RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
+            MASTER_PORT=str(free_port()),
         )  # fmt: skip
     cuda = torch.cuda.is_available()
     if not cuda:
@@ -91,8 +91,3 @@ def gather_objects(value: Any, world_size: int) -> list[Any]:
     torch.distributed.all_gather_object(gathered, value)
     return gathered
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

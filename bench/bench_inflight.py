@@ -1,14 +1,25 @@
-"""How long a reload stops sampling, in-flight vs drain, with long generations in flight (tiny model,
-one vLLM-CPU server): issue 32's first measure.
+"""In-flight reload vs drain (issue 32), in two parts.
 
     .venv/bin/python bench/bench_inflight.py [--rounds 5] [--streams 8] [--tokens 2000]
+                                             [--pipeline-rounds 2] [--config runs/bench-inflight.yaml]
+                                             [--threshold 0.65] [--window 5] [--part pause|pipeline|both]
 
-Each round starts `streams` sampled generations of `tokens` tokens, waits until every one is
+The pause (bench/results/inflight.json): how long a reload stops sampling with long generations in
+flight (tiny model, one vLLM-CPU server). Each round starts `streams` sampled generations of `tokens` tokens, waits until every one is
 generating, publishes a checkpoint and lets the watcher reload it, once per mode (the order
 alternating round by round, so drift on this VM falls on both). The measure is the pause: from
 /pause to /resume the server takes no new request (drain) or runs none (in-flight). Drain waits
 there for the longest generation in flight; in-flight only for the swap. Target: in-flight <= 0.2x
 drain. The ratio is per round, with its 95% interval over the rounds.
+
+The pipeline (bench/results/inflight_pipeline.json): `clotho run runs/bench-inflight.yaml`, the
+pipeline bench's task with long generations (max_tokens 256) and a checkpoint every step, once with
+servers.reload_mode=in-flight and once with drain, and in-flight again as the control (how far from
+1.0 this machine puts two identical sides), each from a fresh run and model copy
+(bench_pipeline.run_side), the order turning round by round. Per side: wall time to a mean training
+reward of --threshold over the last --window RL steps, the trainer's idle fraction, sample
+utilization, the time each reload stopped sampling (swap_s, from the run's reload events) and the
+sequences sampled across a reload. Target: in-flight time to threshold <= 0.9x drain.
 """
 
 from __future__ import annotations
@@ -35,6 +46,8 @@ from storage.checkpoints import publish_checkpoint  # noqa: E402
 from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
 from bench_reload import tiny_model  # noqa: E402  (bench/, the script's own folder)
 from results import interval, write_result  # noqa: E402
+
+PIPELINE_SIDES = ("in-flight", "drain", "in-flight_again")
 
 MODES = ("in-flight", "drain")
 
@@ -94,13 +107,7 @@ async def rounds(policy: ServedPolicy, base: Path, work: Path, count: int, strea
     return measured
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--streams", type=int, default=8, help="generations in flight at each reload")
-    parser.add_argument("--tokens", type=int, default=2000, help="tokens each generation asks for (the context is 2048)")
-    parser.add_argument("--json", type=Path, help="also write the numbers here")
-    args = parser.parse_args()
+def pause_part(args) -> None:
     cache = REPO / ".clotho" / "bench-cache"
     base = tiny_model(cache)
     with tempfile.TemporaryDirectory(prefix="clotho-bench-inflight-") as tmp:
@@ -127,6 +134,75 @@ def main() -> None:
     write_result("inflight", {"targets": {"pause_ratio_in_flight_to_drain": "<= 0.2"}, **result})
     if ratio["high"] > 0.2:
         sys.exit(f"in-flight pauses sampling {ratio['mean']:.2f}x as long as drain: target <= 0.2")
+
+
+def pipeline_part(args) -> None:
+    from bench_pipeline import run_side
+    from inference.tiny_model import build_tiny_model
+    from tests.prefect_server import start_prefect_server
+
+    config = Path(args.config)
+    workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-inflight-pipeline-"))
+    model = workdir / "model"
+    build_tiny_model(model, seed=0, size=args.model_size)
+    prefect = start_prefect_server(workdir / "prefect")
+    args.extra_pids = [prefect.process.pid]
+    env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
+    measured_rounds: list[dict[str, dict]] = []
+    try:
+        for index in range(args.pipeline_rounds):
+            order = PIPELINE_SIDES[index % 3 :] + PIPELINE_SIDES[: index % 3]
+            measured_rounds.append({
+                side: run_side(config, model, workdir, f"r{index}-{side}", args.lag, args, env,
+                               overrides=[f"servers.reload_mode={side.removesuffix('_again')}"])
+                for side in order
+            })  # fmt: skip
+    finally:
+        prefect.stop()
+    rounds_kept = [{side: {k: v for k, v in r.items() if k not in ("memory", "log")} for side, r in measured.items()}
+                   for measured in measured_rounds]  # fmt: skip
+
+    def ratios(side: str, against: str = "drain", key: str = "wall_to_threshold_s") -> list[float]:
+        return [r[side][key] / r[against][key] for r in rounds_kept if r[side][key] and r[against][key]]
+
+    def mean(side: str, key: str) -> float | None:
+        values = [r[side][key] for r in rounds_kept if r[side][key] is not None]
+        return round(statistics.fmean(values), 4) if values else None
+
+    result: dict = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+                    "threshold": args.threshold, "window": args.window, "max_lag": args.lag, "rounds": rounds_kept}  # fmt: skip
+    for side in ("in-flight", "in-flight_again"):
+        per_round = ratios(side)
+        result[f"ratio_time_to_threshold_{side}"] = round(statistics.fmean(per_round), 3) if per_round else None
+        result[f"ratio_time_to_threshold_{side}_interval"] = interval(per_round)
+        pace = ratios(side, key="rl_seconds_per_step")
+        result[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
+    for side in PIPELINE_SIDES:
+        for key in ("sample_utilization", "idle_fraction", "swap_s_median", "wall_to_threshold_s", "rl_seconds_per_step"):
+            result[f"{key}_{side}"] = mean(side, key)
+        result[f"sequences_spanning_versions_{side}"] = sum(r[side]["sequences_spanning_versions"] for r in rounds_kept)
+    print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
+    write_result("inflight_pipeline", {"targets": {"ratio_time_to_threshold_in-flight": "<= 0.9"}, **result})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("pause", "pipeline", "both"), default="both")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of the pause part")
+    parser.add_argument("--streams", type=int, default=8, help="generations in flight at each reload")
+    parser.add_argument("--tokens", type=int, default=2000, help="tokens each generation asks for (the context is 2048)")
+    parser.add_argument("--json", type=Path, help="also write the pause part's numbers here")
+    parser.add_argument("--pipeline-rounds", type=int, default=2)
+    parser.add_argument("--config", default=str(REPO / "runs" / "bench-inflight.yaml"))
+    parser.add_argument("--threshold", type=float, default=0.65, help="mean training reward of the last --window RL steps")
+    parser.add_argument("--window", type=int, default=5)
+    parser.add_argument("--lag", type=int, default=1, help="max_lag of every side")
+    parser.add_argument("--model-size", default="small", help="the built model (clotho model tiny --size)")
+    args = parser.parse_args()
+    if args.part in ("pause", "both"):
+        pause_part(args)
+    if args.part in ("pipeline", "both"):
+        pipeline_part(args)
 
 
 if __name__ == "__main__":

@@ -194,6 +194,7 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     last = rows[-1]
     sampled = groups_committed(storage, run)
     reloads = [e["reload_s"] for e in events if e["event"] == "reload"]
+    swaps = [e["swap_s"] for e in events if e["event"] == "reload" and e.get("swap_s") is not None]
     rl_rows = [r for r in rows if "score_mean" in r]  # the loop's pace, apart from how many steps it needed
     rl_pace = (rl_rows[-1]["time"] - rl_rows[0]["time"]) / (len(rl_rows) - 1) if len(rl_rows) > 1 else None
     result = {
@@ -208,6 +209,9 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
         "rl_seconds_per_step": round(rl_pace, 3) if rl_pace else None,
         "reload_s_median": round(statistics.median(reloads), 3) if reloads else None,
+        "swap_s_median": round(statistics.median(swaps), 3) if swaps else None,  # sampling stopped, per reload
+        "swap_s_total": round(sum(swaps), 1),
+        "sequences_spanning_versions": int(sum(r.get("spanning_versions", 0) for r in rows)),
         "wall_s": round(time.time() - started, 1), "log": str(log_path),
     }  # fmt: skip
     result["memory"] = sampler.growth(last.get("groups_consumed", 0.0), memory_from_groups, warmup_groups)

@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #   2: ScoredGroup.objective
 #   3: ScoredSequence.ref_logprobs and teacher_logprobs; objectives "dpo" and "distill"
 #   4: ScoredSequence.previous_score (kept by `clotho reprocess ... rescore`)
-SCHEMA_VERSION = 4
+#   5: ScoredSequence.policy_versions (a sequence sampled across an in-flight reload spans two)
+SCHEMA_VERSION = 5
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -84,6 +85,13 @@ class ScoredSequence(BaseModel):
         default=None, description="The score before a rescore (clotho reprocess ... rescore); None if never rescored."
     )
     finish_reason: str = Field(default="stop", description=f"One of {FINISH_REASONS}.")
+    policy_versions: tuple[int, int] | None = Field(
+        default=None,
+        description="(first, last) policy version whose weights sampled its trained tokens: apart when "
+        "a reload swapped the weights mid-generation or between turns. Environment.collect_group "
+        "fills it from what the server reported when the environment leaves it unset; None where "
+        "unknown (shards older than schema version 5, a server that does not report versions).",
+    )
     messages: list[dict[str, Any]] | None = Field(
         default=None, description="The conversation as messages, for inspection and SFT export."
     )
@@ -106,6 +114,14 @@ class ScoredSequence(BaseModel):
             score=score,
             **fields,
         )
+
+    @classmethod
+    def from_completion(cls, prompt_tokens: list[int], completion: Any, score: float, **fields: Any) -> ScoredSequence:
+        """A single-turn sample: the prompt, then a completion (inference.client.Completion) exactly
+        as the sampler returned it, trained, with its finish reason and the policy versions that
+        sampled it."""
+        fields = {"finish_reason": completion.finish_reason, "policy_versions": completion.policy_versions, **fields}
+        return cls.from_prompt(prompt_tokens, completion.token_ids, completion.logprobs, score, **fields)
 
     @property
     def num_trained_tokens(self) -> int:
@@ -144,6 +160,12 @@ class ScoredSequence(BaseModel):
             found.append(("out-of-vocab", "tokens: negative token id; token ids are >= 0"))
         if self.finish_reason not in FINISH_REASONS:
             found.append(("invalid", f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}"))
+        if self.policy_versions is not None and not 0 <= self.policy_versions[0] <= self.policy_versions[1]:
+            found.append((
+                "invalid",
+                f"policy_versions: {self.policy_versions} is not (first, last) with 0 <= first <= last; "
+                "give Completion.policy_versions of the completions it holds, or leave it unset",
+            ))  # fmt: skip
         return found
 
 
@@ -196,7 +218,11 @@ class ScoredGroup(BaseModel):
     item_id: str = Field(description="Id of the item the group was made from.")
     sequences: list[ScoredSequence]
     group_id: str = Field(default_factory=new_group_id, description="Unique, time-sortable.")
-    policy_version: int = Field(default=0, description="Weight version that sampled the group.")
+    policy_version: int = Field(
+        default=0,
+        description="The oldest policy version that sampled any of its tokens (the first of its "
+        "sequences' policy_versions, when they are known): what bounded staleness counts from.",
+    )
     chat_template: str | None = Field(
         default=None, description="Name of the chat template used, when not the tokenizer's."
     )
@@ -270,6 +296,12 @@ class ScoredGroup(BaseModel):
     @property
     def scores(self) -> list[float]:
         return [s.score for s in self.sequences]
+
+    @property
+    def policy_versions(self) -> tuple[int, int] | None:
+        """(first, last) policy version over its sequences' tokens; None where none is known."""
+        known = [s.policy_versions for s in self.sequences if s.policy_versions is not None]
+        return (min(v[0] for v in known), max(v[1] for v in known)) if known else None
 
     @property
     def num_tokens(self) -> int:

@@ -16,8 +16,9 @@ from environments.config import EnvironmentConfig, Item
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, RolloutFailure, failure_reason
 from environments.items import ItemStream, Rows, as_item
+from environments.trajectory import stamp_versions
 from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
-from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
+from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable, recording_versions
 
 log = logging.getLogger(__name__)
 
@@ -191,15 +192,18 @@ class Environment(ABC):
 
     # ---- what the framework calls ----------------------------------------------------------
     async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
-        """collect_trajectories, stamped with the served policy version, failures returned as data.
+        """collect_trajectories, stamped with the policy versions that sampled it, failures returned as data.
 
-        The version is read while sampling starts, in parallel: a read before it would hold every
-        group back by a round-trip that, on a busy server, waits for an engine step. The stamp is
-        the oldest version that sampled the group, the one staleness must count from: a reload
-        (in-flight, the default) lets a request span it, its tokens after the swap sampled by the
-        newer weights with their own logprobs, and a new version is announced only after the swap
-        and its parity check (several engine steps), well after the server has answered a version
-        read sent with the first request. Later turns after a reload keep the first turn's.
+        The server tags every token with the version of the weights that sampled it (vLLM's weight
+        version spans, inference.client): a sequence that spans a reload (in-flight, the default, lets
+        a request go on across the swap, its tokens after it sampled by the newer weights with their
+        own logprobs) or whose turns were sampled by different versions has both in its
+        `policy_versions`. A sequence the environment built without them (from raw token lists) gets
+        the range of every completion the group sampled, which holds its own. The group's
+        `policy_version` is the oldest of them, the one bounded staleness counts from. From a server
+        that reports no versions, the stamp is the version it announced as sampling started (read in
+        parallel with it; a read before would hold every group back by a round-trip), never newer
+        than the weights that sampled it.
 
         An unreachable or key-refusing server is not a bad rollout but a broken run: it is raised,
         so the caller (a Prefect task with retries) waits for the server or stops. A group past
@@ -211,7 +215,8 @@ class Environment(ABC):
         limit = self.config.group_timeout_s
         try:
             async with asyncio.timeout(limit) as deadline:
-                group = await self.collect_trajectories(item)
+                with recording_versions() as sampled:
+                    group = await self.collect_trajectories(item)
             if not isinstance(group, ScoredGroup):
                 raise InvalidGroupError(
                     f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
@@ -234,7 +239,8 @@ class Environment(ABC):
             log.warning("env %s item %s failed (%s): %s", self.name, item.id, failure.reason, failure.error)
             return failure
         group.env = self.name
-        group.policy_version = await version  # errors keep their type (an unreachable server is retried)
+        announced = await version  # errors keep their type (an unreachable server is retried)
+        group.policy_version = stamp_versions(group, sampled, announced)
         return group
 
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:
@@ -296,14 +302,7 @@ class Environment(ABC):
         """One single-turn sample as a sequence: its exact ids and logprobs, the conversation,
         and `reward` of that conversation."""
         messages = prompt_messages(item) + [{"role": "assistant", "content": self.renderer.decode(completion.token_ids)}]
-        return ScoredSequence.from_prompt(
-            prompt_ids,
-            completion.token_ids,
-            completion.logprobs,
-            score=self.reward(item, messages),
-            finish_reason=completion.finish_reason,
-            messages=messages,
-        )
+        return ScoredSequence.from_completion(prompt_ids, completion, score=self.reward(item, messages), messages=messages)
 
     async def rollout_group(self, item: Item, play: Callable[[Item], Awaitable[ChatSession]]) -> ScoredGroup:
         """group_size conversations played concurrently by `play(item)`, each scored by `reward`

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.client import Completion
-from core.scored_group import ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "stop"
     turns: int = 0
+    policy_versions: tuple[int, int] | None = None  # over its sampled turns; None while unknown
 
     def add_context(self, token_ids: list[int]) -> None:
         self.tokens.extend(token_ids)
@@ -34,6 +35,11 @@ class Trajectory:
         self.logprobs.extend(completion.logprobs)
         self.finish_reason = completion.finish_reason
         self.turns += 1
+        if (versions := completion.policy_versions) is not None:
+            # Turns sampled by different versions (a reload between or during them) make one
+            # sequence with the whole range; the environment never sees the swap.
+            known = self.policy_versions or versions
+            self.policy_versions = (min(known[0], versions[0]), max(known[1], versions[1]))
 
     def to_sequence(
         self,
@@ -50,6 +56,29 @@ class Trajectory:
             score=score,
             advantages=advantages,
             finish_reason=self.finish_reason,
+            policy_versions=self.policy_versions,
             messages=messages,
             extras=extras or {},
         )
+
+
+def stamp_versions(group: ScoredGroup, sampled: list[tuple[int, int] | None], announced: int) -> int:
+    """Completes a collected group's version record and returns its stamp (ScoredGroup.policy_version).
+
+    `sampled` holds the (first, last) policy versions of every completion sampled for the group
+    (inference.client.recording_versions), None for one whose server reported none. A sequence with
+    trained tokens and no policy_versions of its own (built from raw token lists) gets the range of
+    them all, which holds its own. The stamp is the oldest version of the group's sequences; where a
+    completion's versions are unknown (or nothing was sampled), it is at most `announced`, the
+    version the server announced as sampling started.
+    """
+    known = [versions for versions in sampled if versions is not None]
+    if known:
+        whole = (min(first for first, _ in known), max(last for _, last in known))
+        for sequence in group.sequences:
+            if sequence.policy_versions is None and any(sequence.mask):
+                sequence.policy_versions = whole
+    versions = group.policy_versions
+    if versions is None:
+        return announced
+    return versions[0] if len(known) == len(sampled) else min(versions[0], announced)

@@ -44,6 +44,7 @@ from storage.progress import (
     read_trainer_position,
     write_sampler_position,
 )
+from trainer.data import is_stale
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,14 @@ def admits(
     save_every: int,
     max_lag: int,
 ) -> bool:
-    """Whether one more group may start sampling now (see the module docstring)."""
+    """Whether one more group may start sampling now (see the module docstring): the trainer's own
+    staleness rule (trainer.data.is_stale), applied to the version the group samples with and the
+    weights of the step that will train it. The group's stamp is the oldest version that sampled
+    its tokens (a later swap only makes its tokens fresher), so what is admitted here is stale there
+    only when it lands a step later than predicted."""
     step = training_step(pending, steps, groups_per_step)
     trained_with = save_every * ((step - 1) // save_every)
-    return trained_with - served_version <= max_lag
+    return not is_stale(served_version, policy_version=trained_with, max_staleness=max_lag)
 
 
 class Admission:

@@ -6,7 +6,10 @@ Imports httpx only (no torch), so environments can use it anywhere.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -43,22 +46,84 @@ def _transient(error: BaseException) -> bool:
     return isinstance(error, (httpx.TransportError, httpx.TimeoutException, BusyServer))
 
 
+def _finish_reason(choice: dict) -> str:
+    finish = choice.get("finish_reason") or "stop"
+    return finish if finish in ("length", "abort") else "stop"
+
+
 @dataclass(frozen=True)
 class Completion:
-    """One sampled continuation: exactly the ids the sampler produced, with their logprobs."""
+    """One sampled continuation: exactly the ids the sampler produced, with their logprobs, and the
+    policy version of the weights that sampled each token (None from a server that does not say)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or stop sequence) or "length"
-    text: str
+    text: str = ""
+    versions: list[int] | None = None
+
+    @property
+    def policy_versions(self) -> tuple[int, int] | None:
+        """(first, last) policy version that sampled its tokens: two apart when a reload swapped the
+        weights while it was generating (in-flight reload)."""
+        return (min(self.versions), max(self.versions)) if self.versions else None
+
+
+# The weight version tag a clotho reload gives vLLM while it swaps (inference.reload): the engine
+# stamps every token it samples with its tag, so the tag changes where the weights change, but
+# parity is not checked yet. "7 unverified, announced 6": tokens sampled now are version 7's, and
+# the version announced to the run (what admission and the watcher read) is still 6.
+UNVERIFIED = " unverified, announced "
+
+
+def version_tag(loaded: int, announced: int | None = None) -> str:
+    """The engine's tag for weights `loaded`, while `announced` (another version) is still the one
+    the run is told it serves."""
+    return str(loaded) if announced is None or announced == loaded else f"{loaded}{UNVERIFIED}{announced}"
 
 
 def parse_weight_version(raw: str | int | None) -> int:
-    """vLLM reports 'default' until a version is announced; that is policy version 0."""
+    """The announced policy version in a weight version tag. vLLM reports 'default' until a
+    version is announced; that is policy version 0."""
+    if isinstance(raw, str) and UNVERIFIED in raw:
+        raw = raw.partition(UNVERIFIED)[2]
     try:
         return int(raw)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return 0
+
+
+def loaded_version(raw: str | int | None) -> int:
+    """The policy version whose weights sampled tokens tagged `raw` (see version_tag)."""
+    return parse_weight_version(raw.partition(UNVERIFIED)[0] if isinstance(raw, str) else raw)
+
+
+def token_versions(spans: list[dict] | None, count: int) -> list[int] | None:
+    """Per-token policy versions from vLLM's weight_versions spans ({version, start, end} over the
+    output tokens), or None when the server gave none."""
+    if not spans:
+        return None
+    versions = [0] * count
+    for span in spans:
+        versions[span["start"] : span["end"]] = [loaded_version(span["version"])] * (span["end"] - span["start"])
+    return versions
+
+
+# The sampled completions' version ranges while a group is collected (recording_versions).
+_recorded: contextvars.ContextVar[list[tuple[int, int] | None] | None] = contextvars.ContextVar("clotho_versions", default=None)
+
+
+@contextlib.contextmanager
+def recording_versions() -> Iterator[list[tuple[int, int] | None]]:
+    """Collects the (first, last) policy versions of every completion this context (and the tasks it
+    starts) samples through a PolicyClient, None for one whose server gave no versions: what
+    Environment.collect_group stamps a group with, whatever its environment did with the tokens."""
+    recorded: list[tuple[int, int] | None] = []
+    token = _recorded.set(recorded)
+    try:
+        yield recorded
+    finally:
+        _recorded.reset(token)
 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:
@@ -91,6 +156,8 @@ class PolicyClient:
         # Kept for what talks to the same server on the run's behalf (an LLM judge, a remote environment).
         self.api_key = api_key
         self.has_api_key = bool(api_key)
+        # Whether the server has vLLM's /inference/v1/generate (None: not asked yet).
+        self.generate_route: bool | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -99,15 +166,17 @@ class PolicyClient:
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=64),
         )
 
-    async def request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        """One HTTP call, tried again under core.retrying's policy on connection errors and 5xx/429."""
+    async def request(self, method: str, path: str, *, answered: tuple[int, ...] = (), **kwargs) -> httpx.Response:
+        """One HTTP call, tried again under core.retrying's policy on connection errors and 5xx/429.
+        A status in `answered` is returned as it is, for the caller to read."""
         try:
             async for attempt in async_attempts(
                 retry_on=_transient, first_s=self.backoff, max_s=MAX_BACKOFF_S, tries=self.max_retries + 1,
                 what=f"{method} {self.base_url}{path}", logger=log,
             ):  # fmt: skip
                 with attempt:
-                    return self._checked(await self._http.request(method, path, **kwargs), method, path)
+                    response = await self._http.request(method, path, **kwargs)
+                    return response if response.status_code in answered else self._checked(response, method, path)
         except (httpx.TransportError, httpx.TimeoutException) as error:
             raise PolicyServerUnreachable(
                 f"policy server {self.base_url} unreachable after {self.max_retries + 1} tries "
@@ -149,29 +218,63 @@ class PolicyClient:
                           stop=stop, stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
             batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
             return [completion for batch in batches for completion in batch]
-        body = {
-            "model": self.model,
-            "prompt": list(prompt_ids),
+        sampling = {
             "n": n,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "top_p": top_p,
             "logprobs": 0,
-            "return_token_ids": True,
             # Keep the EOS id in token_ids so a stopped turn ends exactly as the model ended it.
             "include_stop_str_in_output": True,
             "skip_special_tokens": False,
         }
         if min_tokens:
-            body["min_tokens"] = min_tokens
+            sampling["min_tokens"] = min_tokens
         if stop:
-            body["stop"] = stop
+            sampling["stop"] = stop
         if stop_token_ids:
-            body["stop_token_ids"] = stop_token_ids
+            sampling["stop_token_ids"] = stop_token_ids
         if seed is not None:
-            body["seed"] = seed
-        response = await self.request("POST", "/v1/completions", json=body)
-        return [self._parse_choice(choice) for choice in response.json()["choices"]]
+            sampling["seed"] = seed
+        completions = await self._generate(list(prompt_ids), sampling) if self.generate_route is not False else None
+        if completions is None:
+            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sampling}
+            response = await self.request("POST", "/v1/completions", json=body)
+            completions = [self._parse_choice(choice) for choice in response.json()["choices"]]
+        recorded = _recorded.get()
+        if recorded is not None:
+            recorded.extend(completion.policy_versions for completion in completions)
+        return completions
+
+    async def _generate(self, prompt_ids: list[int], sampling: dict) -> list[Completion] | None:
+        """vLLM's token-in-token-out route, whose answer says which weight version sampled each
+        token (the OpenAI routes do not); None when the server lacks it (vLLM without
+        --enable-scale-out, or another server), after which this client uses /v1/completions."""
+        body = {"model": self.model, "token_ids": prompt_ids, "sampling_params": sampling}
+        response = await self.request("POST", "/inference/v1/generate", json=body, answered=(403, 404, 405))
+        if response.status_code in (404, 405) or (response.status_code == 403 and "scale-out" in response.text.lower()):
+            if self.generate_route is None:
+                log.info("%s has no /inference/v1/generate (%s); sampling through /v1/completions, without "
+                         "per-token weight versions", self.base_url, response.status_code)  # fmt: skip
+            self.generate_route = False
+            return None
+        self.generate_route = True
+        choices = sorted(self._checked(response, "POST", "/inference/v1/generate").json()["choices"], key=lambda c: c["index"])
+        return [self._parse_generated(choice) for choice in choices]
+
+    @staticmethod
+    def _parse_generated(choice: dict) -> Completion:
+        token_ids = choice.get("token_ids") or []
+        content = (choice.get("logprobs") or {}).get("content") or []
+        if len(content) != len(token_ids):
+            raise PolicyServerError(f"logprobs for {len(token_ids)} tokens expected, got {len(content)}")
+        return Completion(
+            token_ids=list(token_ids),
+            logprobs=[float(entry["logprob"]) for entry in content],
+            finish_reason=_finish_reason(choice),
+            text=choice.get("text") or "",
+            versions=token_versions(choice.get("weight_versions"), len(token_ids)),
+        )
 
     @staticmethod
     def _parse_choice(choice: dict) -> Completion:
@@ -187,11 +290,10 @@ class PolicyClient:
                 f"logprobs for {len(token_ids)} tokens expected, got "
                 f"{None if logprobs is None else len(logprobs)}"
             )
-        finish = choice.get("finish_reason") or "stop"
         return Completion(
             token_ids=list(token_ids),
             logprobs=[float(x) for x in logprobs],
-            finish_reason="length" if finish == "length" else ("abort" if finish == "abort" else "stop"),
+            finish_reason=_finish_reason(choice),
             text=choice.get("text", ""),
         )
 

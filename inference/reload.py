@@ -3,6 +3,8 @@
     preflight (tensor names and shapes)          server untouched if the checkpoint is incomplete
     POST /pause?mode=keep                        requests in flight frozen where they are (in-flight)
     POST /collective_rpc reload_weights {dir}    new weights in place (~0.05 s for the tiny model)
+    POST /update_weight_version {"N unverified, announced M"}
+                                                 every token sampled from now on is tagged N
     POST /reset_prefix_cache?reset_running_requests=true
                                                  the KV cache is the old weights' work: dropped, and
                                                  the frozen requests' recomputed by the new weights
@@ -18,9 +20,11 @@ older protocol: pause(wait) lets every request in flight finish on the old weigh
 of them sets how long sampling stops.
 
 Why resume before the parity check: requests (the guard's too) are not scheduled while the engine is
-paused. Requests sent between /resume and the announcement run on the new weights but read the old
-version, so a rollout's stamp can be one version stale for that short window, never fresher than the
-weights that sampled it; its logprobs are the sampling weights' own either way.
+paused. vLLM stamps each token it samples with its weight version tag, and the tag changes while the
+engine is paused, so a sequence says exactly which version sampled each of its tokens
+(inference.client reads the spans; a sequence that spans the swap records both). The tag names the
+announced version too (inference.client.version_tag): the run reads version M as served until
+parity holds and N is announced.
 
 On a parity failure or a server error mid-swap, the server goes back to the weights it served before
 (reloaded in place and checked again, or, if that fails and clotho owns the process, a restart), and
@@ -36,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable
+from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable, version_tag
 from inference.parity_guard import ParityGuard, ParityMismatch, ParityReport
 from inference.server import PolicyServer
 from inference.weights import IncompatibleCheckpoint, check_compatible, config_differences, prepare_reload_dir
@@ -101,9 +105,12 @@ class ReloadReport:
     total_s: float  # preflight to announcement
 
 
-async def swap_weights(client: PolicyClient, weights_dir: str | Path, mode: ReloadMode = "in-flight") -> float:
-    """pause -> reload_weights -> reset_prefix_cache -> resume (see the module docstring for the two
-    modes); the server is never left paused."""
+async def swap_weights(
+    client: PolicyClient, weights_dir: str | Path, mode: ReloadMode = "in-flight", tag: str | None = None
+) -> float:
+    """pause -> reload_weights -> tag -> reset_prefix_cache -> resume (see the module docstring for
+    the two modes); the server is never left paused. `tag` is the weight version tag the tokens
+    sampled after the swap carry (inference.client.version_tag)."""
     if not (Path(weights_dir) / "config.json").exists():
         # vLLM takes a path it cannot find for a Hugging Face repo id and goes to the network.
         raise FileNotFoundError(f"{weights_dir} is not a model directory (no config.json); nothing was reloaded")
@@ -113,6 +120,8 @@ async def swap_weights(client: PolicyClient, weights_dir: str | Path, mode: Relo
     try:
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         await client.request("POST", "/collective_rpc", json=rpc)
+        if tag is not None:  # the weights in place now are the tag's
+            await client.request("POST", "/update_weight_version", json={"new_version": tag})
         # With requests frozen mid-generation their KV blocks are in use: preempting them is what
         # lets the cache go, and they resume by recomputing their prefix on the new weights.
         await client.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None)
@@ -157,7 +166,7 @@ async def reload_server(
     async with target.client() as client:
         target.healthy = False  # until the new weights pass parity or the old ones are back
         try:
-            swap_s = await swap_weights(client, reload_dir, target.reload_mode)
+            swap_s = await swap_weights(client, reload_dir, target.reload_mode, tag=version_tag(version, target.version))
             parity = await guard.check(client, checkpoint_dir)
         except PolicyServerUnreachable as error:
             message = f"reload of version {version} on {target.base_url} failed: {error}"
@@ -205,7 +214,9 @@ async def restore_server(
     try:
         try:
             await ensure_resumed(client)
-            await swap_weights(client, prepare_reload_dir(target.weights_dir, reload_root), target.reload_mode)
+            await swap_weights(
+                client, prepare_reload_dir(target.weights_dir, reload_root), target.reload_mode, tag=version_tag(target.version)
+            )
             await guard.check(client, target.weights_dir)
             await announce(client, target.version)
             how = f"restored in place to version {target.version}"

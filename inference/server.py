@@ -166,6 +166,9 @@ class PolicyServer:
             "--dtype", self.dtype,
             "--max-model-len", str(self.max_model_len),
             "--seed", "0",
+            # /inference/v1/generate: token ids in, token ids out with the weight version that
+            # sampled each token (inference.client), which the OpenAI routes do not say.
+            "--enable-scale-out",
         ]  # fmt: skip
         if self.api_key:
             # The key itself travels in VLLM_API_KEY (not argv, which every local user can read).

@@ -43,6 +43,9 @@ SHARD_SCHEMA = pa.schema(
         pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
         pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
         pa.field("previous_score", pa.float64(), nullable=True),  # since version 4
+        # ScoredSequence.policy_versions: both null (unknown) or first <= last
+        pa.field("first_policy_version", pa.int64(), nullable=True),  # since version 5
+        pa.field("last_policy_version", pa.int64(), nullable=True),  # since version 5
     ]
 )
 GROUP_COLUMNS = (
@@ -56,7 +59,10 @@ GROUP_COLUMNS = (
     "objective",
 )
 # The columns each older schema version lacks; all are nullable and null means "not set".
-ADDED_IN_VERSION = {2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs"), 4: ("previous_score",)}
+ADDED_IN_VERSION = {
+    2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs"), 4: ("previous_score",),
+    5: ("first_policy_version", "last_policy_version"),
+}
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
 METADATA_TOKENIZER = b"clotho.tokenizer"
@@ -152,6 +158,8 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
         "ref_logprobs": pa.array([s.ref_logprobs for s in sequences], pa.list_(pa.float32())),
         "teacher_logprobs": pa.array([s.teacher_logprobs for s in sequences], pa.list_(pa.float32())),
         "previous_score": pa.array([s.previous_score for s in sequences], pa.float64()),
+        "first_policy_version": pa.array([s.policy_versions and s.policy_versions[0] for s in sequences], pa.int64()),
+        "last_policy_version": pa.array([s.policy_versions and s.policy_versions[1] for s in sequences], pa.int64()),
     }
     metadata = {
         METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
@@ -205,6 +213,11 @@ def check_table(table: pa.Table) -> None:
         pc.or_kleene(pc.is_in(objective, pa.array(OBJECTIVES)), pc.is_null(objective))
     ).as_py():
         problems.append(f"objective: a value outside {OBJECTIVES} (or null)")
+    first, last = column["first_policy_version"], column["last_policy_version"]
+    if not pc.all(pc.equal(pc.is_null(first), pc.is_null(last))).as_py() or not pc.all(
+        pc.or_kleene(pc.less_equal(first, last), pc.is_null(first))
+    ).as_py():
+        problems.append("first_policy_version, last_policy_version: both null or first <= last in every row")
     problems += _objective_problems(column)
     problems += _group_problems(column, num_groups)
     if problems:
@@ -371,6 +384,8 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 ref_logprobs=rows["ref_logprobs"][i],
                 teacher_logprobs=rows["teacher_logprobs"][i],
                 previous_score=rows["previous_score"][i],
+                policy_versions=None if rows["first_policy_version"][i] is None
+                else (rows["first_policy_version"][i], rows["last_policy_version"][i]),
                 finish_reason=rows["finish_reason"][i],
                 messages=None if rows["messages"][i] is None else json.loads(rows["messages"][i]),
                 extras=json.loads(rows["extras"][i]),

@@ -57,9 +57,11 @@ def objective_problem(group: ScoredGroup, objective: str) -> str | None:
 
 
 def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:
-    """The trainer's one staleness rule: a group sampled by a policy more than `max_staleness`
-    versions older than `policy_version`, the weights about to be updated, is not trained on.
-    It applies to on-policy objectives only (ON_POLICY_OBJECTIVES): a demonstration is never stale."""
+    """The one staleness rule, the trainer's and the samplers' admission's (flows.admission.admits):
+    a group whose oldest sampling version (ScoredGroup.policy_version: a sequence sampled across a
+    reload counts from its first version) is more than `max_staleness` versions older than
+    `policy_version`, the weights about to be updated, is not trained on. It applies to on-policy
+    objectives only (ON_POLICY_OBJECTIVES): a demonstration is never stale."""
     return policy_version - group_policy_version > max_staleness
 
 

@@ -159,6 +159,9 @@ def build_step(
     }
     for value in sorted(set(staleness)):  # how many groups trained at each staleness
         stats[f"staleness/{value}"] = float(staleness.count(value))
+    spans = [s.policy_versions for g in rl_groups for s in g.sequences if s.policy_versions is not None]
+    if spans:  # sequences sampled across a reload (in flight, or between turns)
+        stats["spanning_versions"] = float(sum(last > first for first, last in spans))
     if scores:  # the reward of what the policy sampled; a demonstration's score is not one
         stats["score_mean"] = statistics.fmean(scores)
         for env in sorted({g.env for g in rl_groups}):  # and each environment's, in a mixed run

@@ -210,8 +210,8 @@ class CodeExec(Environment):
                 spans = token_spans(self.renderer.decode, completion.token_ids)
                 flagged = [any(s < end and start < e for start, end in verdict.spans) for s, e in spans]
                 advantages = [0.0] * len(prompt_ids) + [base - self.config.traceback_penalty * f for f in flagged]
-            sequences.append(ScoredSequence.from_prompt(
-                prompt_ids, completion.token_ids, completion.logprobs, score=verdict.score, finish_reason=completion.finish_reason,
+            sequences.append(ScoredSequence.from_completion(
+                prompt_ids, completion, score=verdict.score,
                 messages=prompt_messages(item) + [{"role": "assistant", "content": answer}], advantages=advantages,
                 extras={"tests_passed": verdict.passed, "traceback_lines": verdict.lines},
             ))  # fmt: skip

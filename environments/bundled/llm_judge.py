@@ -171,10 +171,7 @@ class LLMJudge(Environment):
                 joke = {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}
                 messages = prompt_messages(item) + [joke]
                 score = await self.judge(http, item, messages)
-                return ScoredSequence.from_prompt(
-                    prompt_ids, completion.token_ids, completion.logprobs, score=score,
-                    finish_reason=completion.finish_reason, messages=messages,
-                )  # fmt: skip
+                return ScoredSequence.from_completion(prompt_ids, completion, score=score, messages=messages)
 
             sequences, errors = await self.gather_sequences([judged(completion) for completion in completions])
         return self.make_group(item, sequences, errors=errors)

@@ -180,8 +180,9 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
         env = Arithmetic({"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
         group = await env.collect_group(await env.get_item())
-        (version_sent, version_back), (completion_sent, completion_back) = client.spans["/weight_info"], client.spans["/v1/completions"]
+        (version_sent, version_back), (completion_sent, completion_back) = client.spans["/weight_info"], client.spans["/inference/v1/generate"]
         assert group.policy_version == await client.weight_version()
+        assert all(s.policy_versions == (group.policy_version,) * 2 for s in group.sequences)
     # Both requests were out at once: the group did not wait a round-trip before sampling.
     assert version_sent < completion_back and completion_sent < version_back
 

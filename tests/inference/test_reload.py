@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from inference.client import PolicyServerError
+from inference.client import PolicyServerError, token_versions
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs, write_parity_reference
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy, announce, restore_server, swap_weights
@@ -29,17 +29,20 @@ def watcher_for(root: str, policies: list[ServedPolicy], guard, tmp_path) -> Rel
 
 
 async def stream_completion(base_url: str, prompt: list[int], max_tokens: int, received: dict, first: asyncio.Event):
-    """Greedy completion streamed token by token into `received`; `first` is set once one has arrived."""
-    body = {"model": "policy", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 0, "return_token_ids": True, "stream": True}  # fmt: skip
+    """Greedy completion streamed token by token into `received` (vLLM's token-in-token-out route, as
+    PolicyClient samples, whose last chunk says which weight version sampled each token); `first` is
+    set once a token has arrived."""
+    body = {"model": "policy", "token_ids": prompt, "stream": True,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}}  # fmt: skip
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
-        async with http.stream("POST", "/v1/completions", json=body) as response:
+        async with http.stream("POST", "/inference/v1/generate", json=body) as response:
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     choice = json.loads(line.removeprefix("data: "))["choices"][0]
                     received["token_ids"] += choice["token_ids"]
-                    received["logprobs"] += choice["logprobs"]["token_logprobs"]
+                    received["logprobs"] += [entry["logprob"] for entry in choice["logprobs"]["content"]]
                     received["finish_reason"] = choice["finish_reason"]
+                    received["versions"] = token_versions(choice["weight_versions"], len(received["token_ids"]))
                     first.set()
 
 
@@ -51,7 +54,7 @@ async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) ->
     step = next_step(policy)
     checkpoint = perturbed_checkpoint(policy.weights_dir, run_dir, seed=step)
     watcher = watcher_for(root, [policy], guard, run_dir)
-    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None}, asyncio.Event()
+    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None, "versions": None}, asyncio.Event()
     async with policy.client() as client:
         stamped = await client.weight_version()  # what an environment stamps before it samples
         # Other long requests beside the checked one keep the engine busy, so on a quiet machine the
@@ -76,11 +79,14 @@ async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) ->
     if policy.reload_mode == "drain":
         # Drained: every token of it came from the old weights, the version it was stamped with.
         assert max_abs_difference(received["logprobs"], old) < 1e-4
+        assert received["versions"] == [old_version] * LONG
         overlapped = outcome.swap_s > 0.3  # the pause waited for it
     else:
         # In flight: the tokens before the swap are the old weights' and every one after it the new
-        # weights', computed on the whole prefix (the old KV was dropped and recomputed).
-        swapped_at = next((i for i, (got, want) in enumerate(zip(received["logprobs"], old)) if abs(got - want) > 1e-4), LONG)
+        # weights', computed on the whole prefix (the old KV was dropped and recomputed); the server
+        # says which version sampled each, exactly where the logprobs change.
+        swapped_at = received["versions"].index(step) if step in received["versions"] else LONG
+        assert received["versions"] == [old_version] * swapped_at + [step] * (LONG - swapped_at)
         assert max_abs_difference(received["logprobs"][:swapped_at], old[:swapped_at]) < 1e-4
         assert max_abs_difference(received["logprobs"][swapped_at:], new[swapped_at:]) < 1e-4
         overlapped = reloaded_while_streaming and 0 < swapped_at < LONG
@@ -187,15 +193,18 @@ async def test_parity_failure_falls_back_to_the_previous_version(untied_policy, 
     policy, root = untied_policy, f"file://{tmp_path}/store"
     version, weights = policy.version, policy.weights_dir
     drifted = perturbed_checkpoint(weights, tmp_path / "drifted", seed=5, config_changes={"rms_norm_eps": 0.01})
-    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None}, asyncio.Event()
+    received, first = {"token_ids": [], "logprobs": [], "finish_reason": None, "versions": None}, asyncio.Event()
     streaming = asyncio.create_task(stream_completion(policy.base_url, PROBE, LONG, received, first))
     await first.wait()
-    publish_checkpoint(drifted, root, "run", next_step(policy))
+    rejected = next_step(policy)
+    publish_checkpoint(drifted, root, "run", rejected)
     [outcome] = await watcher_for(root, [policy], guard, tmp_path).poll_once()
     await streaming
     assert received["finish_reason"] == "length" and len(received["token_ids"]) == LONG
     old = reference_logprobs(load_reference_model(weights), PROBE, received["token_ids"])
     assert abs(received["logprobs"][-1] - old[-1]) < 1e-4
+    # Tokens sampled by the rejected weights, between the swap and the rollback, say so.
+    assert received["versions"][-1] == version and set(received["versions"]) <= {version, rejected}
     assert outcome.status == "rejected"
     assert "parity check failed" in outcome.detail and "rms_norm_eps" in outcome.detail
     assert f"restored in place to version {version}" in outcome.detail
@@ -226,17 +235,18 @@ async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(unt
     first = next_step(policy)
     checkpoints = [perturbed_checkpoint(policy.weights_dir, tmp_path / f"weights-{i}", seed=first + i) for i in range(2)]
     watcher = watcher_for(root, [policy], guard, tmp_path)
-    stop, answered = asyncio.Event(), []
+    stop, answered, versions, before = asyncio.Event(), [], [], policy.version
 
     async def lane(index: int) -> None:
         async with httpx.AsyncClient(base_url=policy.base_url, timeout=120) as http:
             while not stop.is_set():
-                body = {"model": "policy", "prompt": PROBE[:4] + [index, len(answered) % 200], "max_tokens": 96,
-                        "temperature": 1.0, "ignore_eos": True, "logprobs": 0, "return_token_ids": True}  # fmt: skip
-                answer = await http.post("/v1/completions", json=body)
+                body = {"model": "policy", "token_ids": PROBE[:4] + [index, len(answered) % 200], "sampling_params": {
+                        "max_tokens": 96, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}}  # fmt: skip
+                answer = await http.post("/inference/v1/generate", json=body)
                 answer.raise_for_status()  # one try: a refused or failed request fails the test
                 [choice] = answer.json()["choices"]
-                answered.append((choice["finish_reason"], len(choice["token_ids"]), len(choice["logprobs"]["token_logprobs"])))
+                answered.append((choice["finish_reason"], len(choice["token_ids"]), len(choice["logprobs"]["content"])))
+                versions.append(token_versions(choice["weight_versions"], len(choice["token_ids"])))
 
     lanes = [asyncio.create_task(lane(i)) for i in range(6)]
     reloads = []
@@ -252,6 +262,10 @@ async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(unt
     assert reloads == ["reloaded"] * 50
     assert len(answered) > 50 and set(answered) == {("length", 96, 96)}, set(answered)
     assert await announced(policy) == first + 49 and not await is_paused(policy)
+    # Every token says which version sampled it: never older than the request's first, never newer
+    # than the last loaded, and some requests spanned a swap.
+    assert all(v == sorted(v) and before <= v[0] and v[-1] <= first + 49 for v in versions)
+    assert any(v[0] != v[-1] for v in versions)
 
 
 async def test_each_server_is_reloaded_and_a_dead_one_is_reported_and_retried(untied_policy, guard, tmp_path):
@@ -333,3 +347,41 @@ async def test_server_killed_mid_run_is_restarted_on_its_verified_weights(untied
     [outcome] = await watcher.poll_once()
     assert outcome.status == "reloaded" and await announced(policy) == step
     assert await served_matches(policy, checkpoint) < 1e-4
+
+
+async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_version_range(untied_policy, guard, tmp_path):
+    """A multi-turn rollout whose first turn the old weights sampled and whose later turns, after a
+    reload between them, the new ones: one sequence, (old, new) as its policy_versions, the group
+    stamped with the old version, each turn's logprobs its own weights'. The environment (an
+    unchanged bundled one) never sees the swap."""
+    from environments.bundled.guess_number import GuessNumber
+    from inference.client import PolicyClient
+
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    old_version, old_weights, step = policy.version, policy.weights_dir, next_step(policy)
+    checkpoint = perturbed_checkpoint(old_weights, tmp_path / "new", seed=step)
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+
+    class ReloadAfterTheFirstTurn(PolicyClient):
+        calls: list = []
+
+        async def complete(self, prompt_ids, **kwargs):
+            completions = await super().complete(prompt_ids, **kwargs)
+            self.calls.append((list(prompt_ids), completions))
+            if len(self.calls) == 1:
+                publish_checkpoint(checkpoint, root, "run", step)
+                [outcome] = await watcher.poll_once()
+                assert outcome.status == "reloaded"
+            return completions
+
+    async with ReloadAfterTheFirstTurn(policy.base_url, model=policy.model_name) as client:
+        env = GuessNumber({"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(old_weights))
+        await env.setup()
+        group = await env.collect_group(await env.get_item())
+    [sequence] = group.sequences
+    assert len(client.calls) == 3 and sequence.extras["turns"] == 3
+    assert sequence.policy_versions == (old_version, step) and group.policy_version == old_version
+    for turn, (prompt, [completion]) in enumerate(client.calls):
+        weights, version = (old_weights, old_version) if turn == 0 else (checkpoint, step)
+        assert completion.versions == [version] * len(completion.token_ids)
+        assert max_abs_difference(completion.logprobs, reference_logprobs(weights, prompt, completion.token_ids)) < 1e-4

@@ -46,6 +46,8 @@ def make_group(
                 extras={"reward_parts": {"format": 1.0, "answer": 0.5}, "note": "é ✓"}
                 if with_extras
                 else {},
+                # sampled by one version, across a reload, or unknown (a server that does not say)
+                policy_versions=[(policy_version, policy_version), (policy_version, policy_version + 1), None][index % 3],
             )
         )
     return ScoredGroup(

@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from core.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
+from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
 from storage.schema import (
     METADATA_SCHEMA_VERSION,
     METADATA_TOKENIZER,
@@ -201,6 +201,34 @@ def test_a_version_3_shard_still_reads_with_its_groups_unchanged() -> None:
     assert groups[0].sequences[0].ref_logprobs is not None and groups[1].sequences[0].teacher_logprobs is not None
     assert all(s.previous_score is None for g in groups for s in g.sequences)
     assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def test_a_version_4_shard_still_reads_with_its_groups_unchanged() -> None:
+    # Written by clotho at schema version 4 (commit 1d0bf14), before policy_versions.
+    table = decode((DATA / "schema-v4.parquet").read_bytes(), "test://v4")
+    groups = table_to_groups(table)
+    expected = [ScoredGroup(**fields) for fields in json.loads((DATA / "schema-v4.json").read_text())]
+    assert groups == expected and groups[0].sequences[0].previous_score == 0.0
+    assert all(s.policy_versions is None for g in groups for s in g.sequences) and groups[0].policy_versions is None
+    assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def test_policy_versions_round_trip_and_a_backwards_range_is_named() -> None:
+    spans = ScoredSequence.from_prompt([1, 2], [3, 4], [-0.5, -0.25], score=1.0, policy_versions=(4, 6))
+    once = ScoredSequence.from_prompt([1, 2], [5], [-0.5], score=0.0, policy_versions=(5, 5))
+    group = ScoredGroup(env="e", item_id="i", policy_version=4, sequences=[spans, once])
+    table = groups_to_table([group], "tok")
+    [back] = table_to_groups(decode(encode(table), "test://versions"))
+    assert [s.policy_versions for s in back.sequences] == [(4, 6), (5, 5)] and back.policy_versions == (4, 6)
+    first = table.schema.get_field_index("first_policy_version")
+    backwards = table.set_column(first, "first_policy_version", pa.array([7, 5], pa.int64()))
+    with pytest.raises(ShardFormatError, match="first_policy_version, last_policy_version"):
+        check_table(backwards)
+    half = table.set_column(first, "first_policy_version", pa.array([None, 5], pa.int64()))
+    with pytest.raises(ShardFormatError, match="both null or first <= last"):
+        check_table(half)
+    with pytest.raises(InvalidGroupError, match=r"sequences\[0\].policy_versions: \(3, 2\) is not \(first, last\)"):
+        ScoredGroup(env="e", item_id="i", sequences=[ScoredSequence.from_prompt([1], [2], [-0.1], score=0.0, policy_versions=(3, 2))])
 
 
 def _pair(scores=(1.0, 0.0), **fields) -> ScoredGroup:

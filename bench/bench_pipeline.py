@@ -176,14 +176,18 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     sampler = MemorySampler([process.pid, *args.extra_pids], work_dir / "metrics.jsonl")
     reached = None
     with sampler:
-        while process.poll() is None:
-            time.sleep(1.0)
-            rows = [r for r in read_jsonl(work_dir / "metrics.jsonl") if "score_mean" in r]  # RL steps
-            recent = rows[-args.window :]
-            if reached is None and len(recent) == args.window and statistics.fmean(r["score_mean"] for r in recent) >= args.threshold:
-                reached = recent[-1]
-                if stop_at_threshold:
-                    os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as in a terminal
+        try:
+            while process.poll() is None:
+                time.sleep(1.0)
+                rows = [r for r in read_jsonl(work_dir / "metrics.jsonl") if "score_mean" in r]  # RL steps
+                recent = rows[-args.window :]
+                if reached is None and len(recent) == args.window and statistics.fmean(r["score_mean"] for r in recent) >= args.threshold:
+                    reached = recent[-1]
+                    if stop_at_threshold:
+                        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as in a terminal
+        except BaseException:  # the bench stopped (Ctrl-C): the run, in a session of its own, goes too
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
         rc = process.wait()
     if rc not in (0, 130) and not (reached and rc < 0):
         raise RuntimeError(f"{name}: clotho run exited {rc}; see {log_path}:\n{log_path.read_text()[-3000:]}")
@@ -219,6 +223,17 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     return result
 
 
+def bench_setup(args, prefix: str) -> tuple[Path, Path, object, dict]:
+    """A work folder, the model every side copies (built at --model-size) and one Prefect server for
+    all sides (its pid added to args.extra_pids, whose memory is sampled); the sides' environment."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    model = workdir / "model"
+    build_tiny_model(model, seed=0, size=args.model_size)
+    prefect = start_prefect_server(workdir / "prefect")
+    args.extra_pids = [prefect.process.pid]
+    return workdir, model, prefect, prefect.env() | {"PYTHONUNBUFFERED": "1"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "runs" / "bench-pipeline.yaml"))
@@ -235,12 +250,7 @@ def main() -> None:
     lags = [int(k) for k in args.lags.split(",") if k.strip()]
     config = Path(args.config)
     base = yaml.safe_load(config.read_text())
-    workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-pipeline-"))
-    model = workdir / "model"
-    build_tiny_model(model, seed=0, size=args.model_size)
-    prefect = start_prefect_server(workdir / "prefect")
-    args.extra_pids = [prefect.process.pid]
-    env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
+    workdir, model, prefect, env = bench_setup(args, "clotho-bench-pipeline-")
     try:
         sides = ["sync", *[f"async_k{k}" for k in lags], "sync_again"]
         lag_of = {"sync": 0, "sync_again": 0, **{f"async_k{k}": k for k in lags}}

@@ -214,6 +214,7 @@ class SequenceCheck:
     source: str  # where its logprobs come from: "environment", "sampler" or "rescored"
     logprobs: list[float] | None  # Atropos's convention (1.0 where untrained); None: rescore
     finish_reason: str
+    policy_versions: tuple[int, int] | None = None  # of the completions that cover it, when they say
 
 
 def check_sequence(tokens: list[int], masks: list[int], given: list[float] | None,
@@ -227,6 +228,8 @@ def check_sequence(tokens: list[int], masks: list[int], given: list[float] | Non
     if given is not None and (len(given) != len(tokens) or any(given[j] > 0 for j in trained)):
         given = None
     finish_reason = cover[-1][1].finish_reason if cover else "stop"
+    ranges = [completion.policy_versions for _, completion in cover or ()]
+    versions = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges and None not in ranges else None
     if cover is None:
         if given is None:
             return SequenceCheck(False, "rescored", None, finish_reason)
@@ -235,9 +238,9 @@ def check_sequence(tokens: list[int], masks: list[int], given: list[float] | Non
     for position, completion in cover:
         from_sampler[position : position + len(completion.token_ids)] = completion.logprobs
     if given is None:
-        return SequenceCheck(True, "sampler", from_sampler, finish_reason)
+        return SequenceCheck(True, "sampler", from_sampler, finish_reason, versions)
     exact = all(math.isclose(given[j], from_sampler[j], abs_tol=1e-6) for j in trained)
-    return SequenceCheck(exact, "environment", list(given), finish_reason)
+    return SequenceCheck(exact, "environment", list(given), finish_reason, versions)
 
 
 def decoded_messages(tokenizer, tokens: list[int], runs: list[tuple[int, int]]) -> Messages:

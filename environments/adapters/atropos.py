@@ -364,6 +364,8 @@ class Atropos(Environment):
         data.update(inference_logprobs=[check.logprobs for check in checks], messages=messages, overrides=extras,
                     group_overrides=to_json_safe(dict(data.get("group_overrides") or {})))  # fmt: skip
         converted = from_atropos(data, env=self.name, item_id=item.id, finish_reasons=[check.finish_reason for check in checks])
+        for sequence, check in zip(converted.sequences, checks, strict=True):
+            sequence.policy_versions = check.policy_versions  # None (not covered): collect_group gives the group's range
         extras = {**converted.extras, "token_exact": all(check.exact for check in checks), "atropos_env": self.config.env}
         return self.make_group(item, converted.sequences, extras=extras)
 

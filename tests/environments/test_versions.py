@@ -85,3 +85,15 @@ async def test_a_refused_key_on_the_generate_route_is_still_an_auth_error():
     async with client:
         with pytest.raises(PolicyServerAuthError, match="refused the API key given"):
             await client.complete([1, 2], max_tokens=2)
+
+
+def test_an_atropos_sequence_covered_by_sampled_completions_gets_their_versions():
+    from environments.atropos_format import IGNORE_INDEX, check_sequence
+
+    first, second = completion([4, 5], [3, 3]), completion([7], [4])  # two turns, a reload between
+    tokens, masks = [1, 2, 4, 5, 6, 7], [IGNORE_INDEX, IGNORE_INDEX, 4, 5, IGNORE_INDEX, 7]
+    sampled = {(1, 2): [first], (1, 2, 4, 5, 6): [second]}
+    check = check_sequence(tokens, masks, None, sampled)
+    assert check.exact and check.policy_versions == (3, 4)
+    # Text the environment re-tokenized is covered by nothing sampled: no versions of its own.
+    assert check_sequence([1, 2, 9, 9], [IGNORE_INDEX, IGNORE_INDEX, 9, 9], None, sampled).policy_versions is None

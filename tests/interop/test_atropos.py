@@ -94,6 +94,7 @@ def test_managed_server_groups_are_the_ids_and_logprobs_vllm_sampled(
         check_messages(group)
         for sequence in group.sequences:
             assert sequence.extras == {"token_exact": True, "logprobs_from": "environment"}
+            assert sequence.policy_versions == (group.policy_version, group.policy_version)  # from what vLLM said
             [(start, end)] = trained_segments(sequence)
             assert tiny_tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True) == sequence.messages[-1]["content"]
             served = asyncio.run(served_logprobs(sequence.tokens))  # the server's logprobs of exactly these ids

@@ -7,7 +7,7 @@ logprobs: they hardly compress, like real ones), hard links of one written shard
 up to --gigabytes. Each side runs in its own process (so its peak RSS is its own) and filters
 `score >= 0.5` shard by shard into a new output:
 - ours: the reprocess flow (`filter:score_min=0.5`) against a local Prefect server: a task per
-  shard, every shard read, checked (storage.schema.check_table), filtered with its groups
+  shard, every shard read, checked (storage.shard_checks.check_table), filtered with its groups
   renumbered, checked again, written atomically with its index entry, lineage at the end;
 - bare: `pyarrow.dataset` over the same files, each fragment's rows filtered and written with
   `pq.write_table` (zstd), nothing checked.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -46,6 +47,13 @@ class InvalidGroupError(Exception):
 CONTRACT_REASONS = (
     "out-of-vocab", "ragged", "non-finite", "empty", "no-trained-token", "too-large", "too-many-sequences", "invalid",
 )
+
+
+def version_range(ranges: Iterable[tuple[int, int] | None]) -> tuple[int, int] | None:
+    """(first, last) policy version over several (first, last) ranges, the unknown (None) skipped;
+    None when none is known. A sequence's over its turns, a group's over its sequences."""
+    known = [versions for versions in ranges if versions is not None]
+    return (min(first for first, _ in known), max(last for _, last in known)) if known else None
 
 
 def new_group_id() -> str:
@@ -300,8 +308,7 @@ class ScoredGroup(BaseModel):
     @property
     def policy_versions(self) -> tuple[int, int] | None:
         """(first, last) policy version over its sequences' tokens; None where none is known."""
-        known = [s.policy_versions for s in self.sequences if s.policy_versions is not None]
-        return (min(v[0] for v in known), max(v[1] for v in known)) if known else None
+        return version_range(s.policy_versions for s in self.sequences)
 
     @property
     def num_tokens(self) -> int:

@@ -13,7 +13,7 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from core.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence, version_range
 
 if TYPE_CHECKING:
     from environments.chat import Messages
@@ -229,7 +229,7 @@ def check_sequence(tokens: list[int], masks: list[int], given: list[float] | Non
         given = None
     finish_reason = cover[-1][1].finish_reason if cover else "stop"
     ranges = [completion.policy_versions for _, completion in cover or ()]
-    versions = (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges and None not in ranges else None
+    versions = version_range(ranges) if None not in ranges else None  # a part of unknown version: unknown
     if cover is None:
         if given is None:
             return SequenceCheck(False, "rescored", None, finish_reason)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inference.client import Completion
-from core.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import ScoredGroup, ScoredSequence, version_range
 
 
 @dataclass
@@ -35,11 +35,9 @@ class Trajectory:
         self.logprobs.extend(completion.logprobs)
         self.finish_reason = completion.finish_reason
         self.turns += 1
-        if (versions := completion.policy_versions) is not None:
-            # Turns sampled by different versions (a reload between or during them) make one
-            # sequence with the whole range; the environment never sees the swap.
-            known = self.policy_versions or versions
-            self.policy_versions = (min(known[0], versions[0]), max(known[1], versions[1]))
+        # Turns sampled by different versions (a reload between or during them) make one sequence
+        # with the whole range; the environment never sees the swap.
+        self.policy_versions = version_range([self.policy_versions, completion.policy_versions])
 
     def to_sequence(
         self,
@@ -72,13 +70,11 @@ def stamp_versions(group: ScoredGroup, sampled: list[tuple[int, int] | None], an
     completion's versions are unknown (or nothing was sampled), it is at most `announced`, the
     version the server announced as sampling started.
     """
-    known = [versions for versions in sampled if versions is not None]
-    if known:
-        whole = (min(first for first, _ in known), max(last for _, last in known))
+    if (whole := version_range(sampled)) is not None:
         for sequence in group.sequences:
             if sequence.policy_versions is None and any(sequence.mask):
                 sequence.policy_versions = whole
     versions = group.policy_versions
     if versions is None:
         return announced
-    return versions[0] if len(known) == len(sampled) else min(versions[0], announced)
+    return versions[0] if None not in sampled else min(versions[0], announced)

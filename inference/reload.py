@@ -121,7 +121,7 @@ async def swap_weights(
         rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}}
         await client.request("POST", "/collective_rpc", json=rpc)
         if tag is not None:  # the weights in place now are the tag's
-            await client.request("POST", "/update_weight_version", json={"new_version": tag})
+            await set_tag(client, tag)
         # With requests frozen mid-generation their KV blocks are in use: preempting them is what
         # lets the cache go, and they resume by recomputing their prefix on the new weights.
         await client.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None)
@@ -130,8 +130,14 @@ async def swap_weights(
     return time.perf_counter() - started
 
 
+async def set_tag(client: PolicyClient, tag: str) -> None:
+    """The engine's weight version tag: what every token it samples from now on is stamped with,
+    and what weight_version() reads (inference.client.version_tag)."""
+    await client.request("POST", "/update_weight_version", json={"new_version": tag})
+
+
 async def announce(client: PolicyClient, version: int) -> None:
-    await client.request("POST", "/update_weight_version", json={"new_version": str(version)})
+    await set_tag(client, version_tag(version))
 
 
 async def ensure_resumed(client: PolicyClient) -> None:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from core.processes import free_port, stop_process, wait_answering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

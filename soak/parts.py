@@ -20,7 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from core.processes import stop_process, wait_answering
 from inference.server import PolicyServer
 

@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 
 from storage.filesystem import list_files, publish, read_bytes, relative, resolve, storage_errors
 from storage.layout import SHARD_SUFFIX, ShardLocation, is_hidden, join, parse_shard_name
-from storage.schema import SchemaVersionError, ShardFormatError, check_table, upgrade_table
+from storage.schema import SchemaVersionError, ShardFormatError, upgrade_table
+from storage.shard_checks import check_table
 
 log = logging.getLogger(__name__)
 

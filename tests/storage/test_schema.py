@@ -17,10 +17,10 @@ from storage.schema import (
     SHARD_SCHEMA,
     SchemaVersionError,
     ShardFormatError,
-    check_table,
     groups_to_table,
     table_to_groups,
 )
+from storage.shard_checks import check_table
 from storage.shard_file import decode, encode
 from tests.storage.factory import make_group, make_groups
 

@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from core.polling import poll_delay
 from storage.progress import (
     SamplerPosition,
     TrainerPosition,
@@ -85,7 +86,6 @@ class Admission:
     """
 
     HEARTBEAT_S = 5.0
-    FIRST_WAIT_S = 0.02  # a blocked acquire looks again after this, then twice as long each time
     BLOCKED_SAY_S = 60.0  # while admission stays blocked, its reason is logged at INFO this often
 
     def __init__(
@@ -142,7 +142,6 @@ class Admission:
         """Wait until one more group may sample, and count it; False once the trainer has taken
         `last_step`'s groups (the sampler's work is done: nothing more will be trained)."""
         async with self.lock:
-            wait_s = min(self.FIRST_WAIT_S, self.refresh_s)
             while True:
                 await self._refresh(force=self.blocked_since is not None)
                 if self.done:
@@ -161,10 +160,9 @@ class Admission:
                     self.log.info("%s (for %.0f s)", self._why_blocked(), self.blocked_said - self.blocked_since)
                 if self.buffered():
                     await self.flush()
-                # Blocked: look again soon (what unblocks it, a reload or the trainer's next step, is
-                # usually a fraction of a second away), then less often, up to every refresh_s.
-                await asyncio.sleep(wait_s)
-                wait_s = min(2 * wait_s, self.refresh_s)
+                # Blocked: what unblocks it, a reload or the trainer's next step, is usually a
+                # fraction of a second away (core.polling), then up to refresh_s.
+                await asyncio.sleep(poll_delay(time.monotonic() - self.blocked_since, self.refresh_s))
 
     def finished(self, stored: bool) -> None:
         """A group admitted by acquire() is done: stored in the writer, or failed (its place is

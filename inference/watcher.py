@@ -37,6 +37,8 @@ from storage.layout import split_run_url
 
 log = logging.getLogger(__name__)
 
+HEALTH_S = 2.0  # seconds between asking each server which version it announces
+
 
 @dataclass(frozen=True)
 class ReloadOutcome:
@@ -73,6 +75,7 @@ class ReloadWatcher:
         *,
         cache_dir: str | Path = ".clotho/reload-cache",
         poll_s: float = 2.0,
+        health_s: float = HEALTH_S,
         storage_options: dict[str, Any] | None = None,
     ):
         if not servers:
@@ -86,6 +89,11 @@ class ReloadWatcher:
         self.checkpoints_dir = self.cache_dir / "checkpoints"
         self.reload_root = self.cache_dir / "reload"
         self.poll_s = poll_s
+        # A look at the run reads one pointer and can be frequent (the loop waits for the reload
+        # that follows a publish); asking every server what it announces is an HTTP call each and
+        # only catches restarts, so it runs every health_s.
+        self.health_s = health_s
+        self._health_checked = -float("inf")
         self.storage_options = storage_options
         self.history: list[ReloadOutcome] = []
         self._newest: Path | None = None
@@ -155,7 +163,9 @@ class ReloadWatcher:
         info = await asyncio.to_thread(latest_checkpoint, self.root, self.run_name, storage_options=options)
         due = [t for t in self.servers if self._retry.get(t.base_url, (0, 0.0))[1] <= time.monotonic()]
         behind = [t for t in due if info is not None and info.step > t.version and info.step not in t.rejected]
-        await asyncio.gather(*(self._check_announced(t) for t in due if t.healthy and t not in behind))
+        if time.monotonic() - self._health_checked >= self.health_s:
+            self._health_checked = time.monotonic()
+            await asyncio.gather(*(self._check_announced(t) for t in due if t.healthy and t not in behind))
         unhealthy = [t for t in due if not t.healthy and t not in behind]
         for target in self.servers:
             await asyncio.to_thread(self.pin, target, *([info.step] if target in behind else []))
@@ -238,19 +248,23 @@ class ReloadWatcher:
 
         `on_outcomes` hears about each poll that did something (flows turn it into artifacts)."""
         await self.adopt_served_versions()
-        polls = 0
+        polls = failures = 0
         while (max_polls is None or polls < max_polls) and not (stop and stop.is_set()):
             started = time.monotonic()
+            interval = self.poll_s
             try:
                 outcomes = await self.poll_once()
+                failures = 0
                 if outcomes and on_outcomes is not None:
                     await on_outcomes(outcomes)
             except Exception as error:  # noqa: BLE001 - storage hiccups must not end the watch
-                log.error("polling %s/%s failed: %s (retrying in %.0fs)", self.root, self.run_name, error, self.poll_s)
+                failures += 1  # frequent looks must not become a storm of failing requests and log lines
+                interval = max(self.poll_s, backoff_ceiling(failures, 1.0, 30.0))
+                log.error("polling %s/%s failed: %s (retrying in %.0fs)", self.root, self.run_name, error, interval)
             polls += 1
             if max_polls is not None and polls >= max_polls:
                 break
-            delay = max(0.0, self.poll_s - (time.monotonic() - started))
+            delay = max(0.0, interval - (time.monotonic() - started))
             if stop is None:
                 await asyncio.sleep(delay)
             else:

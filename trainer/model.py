@@ -30,7 +30,7 @@ def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, predictors: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Logprob of each input token under the logits that predict it.
 
@@ -41,12 +41,21 @@ def token_logprobs(
     The first token of a sequence has no prediction and is never trained; in packed rows the first
     token of each later sequence gets a meaningless value (its "prediction" comes from the previous
     sequence) and packing masks it out. `temperature` must match the sampler's logprobs.
+    `predictors` [batch, seq] (PackedBatch.predictors, with shared prefixes) names the position
+    whose logits predict each token instead: result[:, t] = log_softmax(logits[:, predictors[:, t]])
+    [input_ids[:, t]] for t >= 1.
     """
     if logits.shape[:2] != input_ids.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}: the first two "
             "dimensions must match; pass the model's logits for exactly these input_ids"
         )
+    if predictors is not None:
+        scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+        by = predictors[:, 1:]
+        rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
+        predicted = scaled[rows, by, input_ids[:, 1:]] - torch.logsumexp(scaled, dim=-1).gather(1, by)
+        return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
     scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     predicted = picked - torch.logsumexp(scaled, dim=-1)
@@ -75,7 +84,8 @@ def packed_logprobs(
         attention_mask=batch.attention_mask(hooks).to(device),
         use_cache=False,
     )
-    return token_logprobs(output.logits, input_ids)
+    predictors = batch.predictors.to(device) if batch.predictors is not None else None
+    return token_logprobs(output.logits, input_ids, predictors=predictors)
 
 
 def micro_batch_loss(

@@ -65,6 +65,11 @@ class TrainingSequence:
     objective: str = "rl"
     ref_logprobs: list[float] | None = None  # stored by the environment (dpo); else the trainer's
     unit: int = -1  # sequences of one unit (a dpo pair) are packed side by side; -1: on its own
+    group: int = -1  # the step's group it came from: a group's sequences may share their prompt
+    # trainer.prefix_sharing: a shared prefix (untrained) is its unit's first sequence; the others
+    # continue it, attending to it, their positions starting at its length (position_offset).
+    prefix: bool = False
+    position_offset: int = 0
 
 
 @dataclass
@@ -94,6 +99,11 @@ class PackedBatch:
     # None when no sequence of the micro-batch has them.
     stored_ref_logprobs: torch.Tensor | None = None
     has_stored_ref: torch.Tensor | None = None
+    # With shared prefixes (trainer.prefix_sharing): the id of the prefix each sequence continues
+    # (None: it stands alone), and [rows, L] the slot whose logits predict each slot's token (the
+    # one before it, but the prefix's last slot for the first token of a sequence continuing one).
+    sequence_prefixes: list[int | None] = field(default_factory=list)
+    predictors: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -144,7 +154,7 @@ class PackedBatch:
         The model then runs without a mask or position ids (sdpa's causal kernel: no dense mask,
         no keys past the query); the padding at a row's end is never attended by its sequence."""
         rows = self.input_ids.shape[0]
-        if len(self.sequence_lengths) != rows or not torch.equal(self.sequence_ids[:, 0], torch.arange(rows)):
+        if self.predictors is not None or len(self.sequence_lengths) != rows or not torch.equal(self.sequence_ids[:, 0], torch.arange(rows)):
             return True
         return any(
             hooked_block(size, extras, hooks)[1]
@@ -154,15 +164,27 @@ class PackedBatch:
     def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
         """Block-diagonal causal mask [rows, 1, L, L] bool, True where a query may attend to a key.
 
-        Each sequence's block passes through every hook with that sequence's extras. A padding
+        Each sequence's block passes through every hook with that sequence's extras. A sequence that
+        continues a shared prefix gets the rows of its own tokens from the block of the whole
+        sequence (prefix and its tokens), split over the prefix's columns and its own. A padding
         slot attends only to itself, so no softmax row is empty (an empty row gives NaN in sdpa).
         Use `additive_mask` for models that want 0 / -inf instead of booleans.
         """
         rows, length = self.input_ids.shape
         mask = torch.eye(length, dtype=torch.bool).repeat(rows, 1, 1)
+        starts = [tuple((self.sequence_ids == index).nonzero()[0].tolist()) for index in range(len(self.sequence_lengths))]
+        prefixes = self.sequence_prefixes or [None] * len(self.sequence_lengths)
         for index, (size, extras) in enumerate(zip(self.sequence_lengths, self.sequence_extras, strict=True)):
-            row, start = (self.sequence_ids == index).nonzero()[0].tolist()  # the sequence's first slot
-            mask[row, start : start + size, start : start + size] = hooked_block(size, extras, hooks)[0]
+            row, start = starts[index]  # the sequence's first slot
+            prefix = prefixes[index]
+            if prefix is None:
+                mask[row, start : start + size, start : start + size] = hooked_block(size, extras, hooks)[0]
+                continue
+            shared = self.sequence_lengths[prefix]
+            block = hooked_block(shared + size, extras, hooks)[0][shared:]
+            prefix_start = starts[prefix][1]
+            mask[row, start : start + size, prefix_start : prefix_start + shared] = block[:, :shared]
+            mask[row, start : start + size, start : start + size] = block[:, shared:]
         return mask[:, None]
 
 
@@ -289,15 +311,24 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
     order = sorted(i for row in rows for i in row)
     ids = {index: position for position, index in enumerate(order)}
     sequences = [all_sequences[i] for i in order]
-    fill = {"input_ids": 0, "positions": 0, "ids": -1, "mask": False, "old": 0.0, "advantages": 0.0, "ref": 0.0, "has_ref": False}
+    fill = {"input_ids": 0, "positions": 0, "ids": -1, "mask": False, "old": 0.0, "advantages": 0.0, "ref": 0.0,
+            "has_ref": False, "predictors": 0}  # fmt: skip
     columns: dict[str, list[list]] = {name: [] for name in fill}
+    prefix_of: dict[int, int | None] = {}
     for row in rows:
         padding = row_length - sum(len(all_sequences[i].tokens) for i in row)
         values: dict[str, list] = {name: [] for name in fill}
+        prefix: tuple[int, int] | None = None  # (id, last slot) of the row's newest shared prefix
         for index in row:
             s = all_sequences[index]
+            slot = len(values["input_ids"])
+            continues = s.position_offset > 0 and prefix is not None
+            values["predictors"] += [prefix[1] if continues else max(slot - 1, 0)] + list(range(slot, slot + len(s.tokens) - 1))
+            prefix_of[ids[index]] = prefix[0] if continues else None
+            if s.prefix:
+                prefix = (ids[index], slot + len(s.tokens) - 1)
             values["input_ids"] += s.tokens
-            values["positions"] += range(len(s.tokens))
+            values["positions"] += range(s.position_offset, s.position_offset + len(s.tokens))
             values["ids"] += [ids[index]] * len(s.tokens)
             values["mask"] += s.mask
             values["old"] += s.old_logprobs
@@ -307,6 +338,7 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         for name, value in values.items():
             columns[name].append(value + [fill[name]] * padding)
     any_stored = any(s.ref_logprobs is not None for s in sequences)
+    shares = any(p is not None for p in prefix_of.values())
     return PackedBatch(
         input_ids=torch.tensor(columns["input_ids"], dtype=torch.long),
         position_ids=torch.tensor(columns["positions"], dtype=torch.long),
@@ -319,6 +351,8 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         sequence_objectives=[s.objective for s in sequences],
         stored_ref_logprobs=torch.tensor(columns["ref"], dtype=torch.float32) if any_stored else None,
         has_stored_ref=torch.tensor(columns["has_ref"], dtype=torch.bool) if any_stored else None,
+        sequence_prefixes=[prefix_of[i] for i in range(len(sequences))] if shares else [],
+        predictors=torch.tensor(columns["predictors"], dtype=torch.long) if shares else None,
     )
 
 

@@ -15,6 +15,7 @@ from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
 from trainer.data import group_objective
 from trainer.packing import PackedBatch, TrainingSequence, pack_micro_batches, padding_waste
+from trainer.prefix_sharing import share_prefixes
 
 
 def training_sequences(
@@ -29,7 +30,7 @@ def training_sequences(
         sft      0.0 (it has none)"""
     result = []
     unit = 0
-    for group in groups:
+    for group_index, group in enumerate(groups):
         objective = group_objective(group, default_objective)
         sequences = list(enumerate(group.sequences))
         if objective == "rl":
@@ -54,6 +55,7 @@ def training_sequences(
                     objective=objective,
                     ref_logprobs=None if sequence.ref_logprobs is None else list(sequence.ref_logprobs),
                     unit=unit,
+                    group=-1 if objective == "dpo" else group_index,
                 )
             )
             if objective != "dpo":
@@ -118,6 +120,7 @@ def build_step(
     row_multiple: int = 8,
     token_work: int = 0,
     padded_rows: bool = True,
+    share_prompts: bool = True,
 ) -> StepBatch:
     """Compute advantages and pack every group given; stats are plain floats for logging.
 
@@ -126,10 +129,9 @@ def build_step(
     Each objective's loss divides by its own counts (`objectives`), passed to `policy_loss` as
     step_num_sequences and step_num_tokens for every micro-batch, and weighs its share of groups.
     """
-    batches = pack_micro_batches(
-        training_sequences(groups, advantage_config, default_objective), token_budget, row_multiple, token_work,
-        padded_rows,
-    )
+    sequences = training_sequences(groups, advantage_config, default_objective)
+    laid_out = share_prefixes(sequences, token_budget, token_work) if share_prompts else sequences
+    batches = pack_micro_batches(laid_out, token_budget, row_multiple, token_work, padded_rows)
     objective_of = [group_objective(g, default_objective) for g in groups]
     objectives = {}
     for objective in dict.fromkeys(objective_of):
@@ -155,7 +157,9 @@ def build_step(
         "staleness_max": float(max(staleness, default=0)),
         "micro_batches": float(len(batches)),
         "padding_waste": padding_waste(batches),
-        "tokens": float(sum(sum(b.sequence_lengths) for b in batches)),
+        "tokens": float(sum(len(s.tokens) for s in sequences)),
+        # the tokens a shared prompt spared the forward and backward (trainer.prefix_sharing)
+        "shared_prefix_tokens": float(sum(len(s.tokens) for s in sequences) - sum(sum(b.sequence_lengths) for b in batches)),
     }
     for value in sorted(set(staleness)):  # how many groups trained at each staleness
         stats[f"staleness/{value}"] = float(staleness.count(value))

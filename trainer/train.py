@@ -176,6 +176,7 @@ class TrainingRun:
             groups, policy_version=self.policy_version, token_budget=config.micro_batch_tokens,
             advantage_config=config.advantages, default_objective=config.objective,
             token_work=6 * self.model.config.hidden_size,  # rows' length by their cost (packing.choose_row_length)
+            share_prompts=config.share_prompts,
         )  # fmt: skip
         if self.reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
             # dpo pairs without stored reference logprobs: the initial model is the reference.

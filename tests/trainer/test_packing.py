@@ -166,7 +166,7 @@ def test_rows_trade_padding_for_attention_by_the_model_s_width():
         groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
     longest = max(len(s.tokens) for g in groups for s in g.sequences)
     narrow, wide = (
-        build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=work, padded_rows=False)
+        build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=work, padded_rows=False)
         for work in (6 * 64, 6 * 4096)
     )
     assert {b.input_ids.shape[1] for b in narrow.micro_batches} == {-(-longest // 8) * 8}
@@ -183,7 +183,7 @@ def test_short_answers_are_one_micro_batch_of_short_rows_not_one_long_row():
     # The demo's shape: 8 prompts x 16 answers of ~31 tokens. One dense row of 4096 slots paid
     # attention over 4096^2 pairs; packed rows of 32 pay 128 x 32^2.
     groups = [make_group([31] * 16, prompt=27) for _ in range(8)]
-    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, padded_rows=False).micro_batches
+    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, padded_rows=False).micro_batches
     assert tuple(batch.input_ids.shape) == (128, 32) and batch.attention_mask().shape == (128, 1, 32, 32)
     assert batch.num_sequences == 128 and batch.sequence_ids[:, :31].tolist() == [[row] * 31 for row in range(128)]
 
@@ -193,19 +193,19 @@ def test_answers_of_one_length_train_as_a_padded_batch_with_no_mask():
     # one sequence a row at the longest length with causal attention and no mask at all.
     lengths = [33] * 15 + [30]
     groups = [make_group(lengths, prompt=29) for _ in range(8)]
-    step = build_step(groups, policy_version=0, token_budget=8192, advantage_config=ADVANTAGES, token_work=6 * 256)
+    step = build_step(groups, policy_version=0, token_budget=8192, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)
     (batch,) = step.micro_batches
     assert tuple(batch.input_ids.shape) == (128, 33) and not batch.needs_mask()
     assert batch.sequence_ids[:, 0].tolist() == list(range(128)) and step.stats["padding_waste"] == pytest.approx(3 * 8 / (128 * 33))
     # A budget of 4096 slots holds 124 such rows: two micro-batches of 64, not 124 and 4.
-    halves = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256)
+    halves = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)
     assert [b.input_ids.shape[0] for b in halves.micro_batches] == [64, 64]
     # A sequence whose hook narrows its attention needs the mask again; so do rows that share.
     window = {"attention": {"type": "sliding_window", "window": 2}}
     windowed = build_step([make_group(lengths, prompt=29, sequence_extras={3: window})], policy_version=0,
-                          token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256)  # fmt: skip
+                          token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)  # fmt: skip
     assert windowed.micro_batches[0].needs_mask() and not windowed.micro_batches[0].needs_mask(hooks=())
-    shared = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256, padded_rows=False)
+    shared = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256, padded_rows=False)
     assert shared.micro_batches[0].needs_mask(hooks=())
 
 
@@ -372,5 +372,5 @@ def test_answers_of_31_and_33_tokens_share_rows_of_64_rather_than_pad_to_40():
     # The demo's answers measured on the bench model (hidden 256): 64 x 64 trained in 0.57 s,
     # 128 x 40 in two micro-batches in 0.86 s, 128 x 33 in 0.66 s.
     groups = [make_group([31 if i % 2 else 33] * 16, prompt=27) for i in range(8)]
-    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, token_work=6 * 256).micro_batches
+    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256).micro_batches
     assert tuple(batch.input_ids.shape) == (64, 64) and batch.num_padding == 0

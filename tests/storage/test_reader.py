@@ -169,7 +169,8 @@ def test_a_shard_written_after_its_partition_was_listed_is_read(root: str) -> No
 def test_stream_follows_new_shards_until_idle(root: str) -> None:
     groups = write_shards(root, 2)
     reader = ShardReader(root, "run")
-    stream = reader.stream(poll_s=0.01, idle_timeout_s=0.2)
+    # Idle for 2 s ends it: writing the later shard took over 0.2 s on a loaded CI machine.
+    stream = reader.stream(poll_s=0.01, idle_timeout_s=2.0)
     seen = [next(stream) for _ in range(len(groups))]
     later = write_shards(root, 1, seed=9)
     seen += list(stream)

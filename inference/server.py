@@ -155,7 +155,7 @@ class PolicyServer:
         self.env = dict(env or {})
         self.python = python or inference_python()
         self.on_cpu = runs_on_cpu(self.python)
-        self.priority = priority or ("idle" if self.on_cpu else "normal")
+        self.priority = priority or default_priority(self.python)
         if self.priority not in PRIORITIES:
             raise ValueError(
                 f"priority={priority!r}: use 'normal', 'low' (niceness {LOW_NICENESS}) or 'idle' (SCHED_IDLE: "

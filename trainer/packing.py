@@ -261,6 +261,12 @@ def pack_micro_batches(
     return [_pack(sequences, rows[start:end], row_length) for start, end in zip(bounds, bounds[1:])]
 
 
+def row_cost(length: int, token_work: int, causal_kernel: bool = False) -> float:
+    """The modelled cost of a row of `length` slots (choose_row_length): each slot token_work plus
+    the keys it attends, the whole row under a dense mask, half of it under sdpa's causal kernel."""
+    return length * (token_work + (length / 2 if causal_kernel else length))
+
+
 def choose_row_length(
     lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int, padded: bool = False
 ) -> tuple[int, list[list[int]]]:
@@ -293,13 +299,13 @@ def choose_row_length(
     best: tuple[float, int, list[list[int]]] | None = None
     for row_length in sorted(candidates):
         rows = plan_micro_batches(lengths, row_length)
-        cost = len(rows) * row_length * (token_work + row_length)
+        cost = len(rows) * row_cost(row_length, token_work)
         if best is None or cost < best[0]:
             best = (cost, row_length, rows)
     assert best is not None
     if padded:
         longest = max(lengths)
-        if len(lengths) * longest * (token_work + longest / 2) < best[0]:
+        if len(lengths) * row_cost(longest, token_work, causal_kernel=True) < best[0]:
             return longest, [[index] for index in range(len(lengths))]
     return best[1], best[2]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from trainer.packing import DEFAULT_HOOKS, TrainingSequence, hooked_block
+from trainer.packing import DEFAULT_HOOKS, TrainingSequence, hooked_block, row_cost
 
 
 def shared_prefix_length(sequences: Sequence[TrainingSequence]) -> int:
@@ -41,23 +41,18 @@ def shared_prefix_length(sequences: Sequence[TrainingSequence]) -> int:
     return length
 
 
-def unit_cost(length: int, token_work: int) -> float:
-    """The packer's modelled cost of a row segment of `length` slots under a dense mask."""
-    return length * (token_work + length)
-
-
 def chunk_count(lengths: Sequence[int], prefix: int, token_budget: int, token_work: int) -> int:
     """How many units a group of sequences of `lengths` sharing `prefix` tokens is best laid out
     in: 0 when not sharing costs least (each sequence alone, sdpa's causal kernel: half the
     keys), else the number of chunks, each the prefix and a run of the sequences' rests."""
-    alone = sum(n * (token_work + n / 2) for n in lengths)
+    alone = sum(row_cost(n, token_work, causal_kernel=True) for n in lengths)
     best, best_cost = 0, alone
     count = 1
     while count <= len(lengths):
         bounds = [len(lengths) * k // count for k in range(count + 1)]
         units = [prefix + sum(n - prefix for n in lengths[a:b]) for a, b in zip(bounds, bounds[1:])]
         if max(units) <= token_budget:
-            cost = sum(unit_cost(u, token_work) for u in units)
+            cost = sum(row_cost(u, token_work) for u in units)
             if cost < best_cost:
                 best, best_cost = count, cost
         count *= 2

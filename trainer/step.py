@@ -149,6 +149,7 @@ def build_step(
         else torch.zeros(0)
     )
     staleness = [policy_version - g.policy_version for g in rl_groups]
+    tokens = sum(len(s.tokens) for s in sequences)  # the sequences' own, a shared prompt in each
     scores = [score for g in rl_groups for score in g.scores]
     stats = {
         "groups": float(len(groups)),
@@ -157,9 +158,9 @@ def build_step(
         "staleness_max": float(max(staleness, default=0)),
         "micro_batches": float(len(batches)),
         "padding_waste": padding_waste(batches),
-        "tokens": float(sum(len(s.tokens) for s in sequences)),
+        "tokens": float(tokens),
         # the tokens a shared prompt spared the forward and backward (trainer.prefix_sharing)
-        "shared_prefix_tokens": float(sum(len(s.tokens) for s in sequences) - sum(sum(b.sequence_lengths) for b in batches)),
+        "shared_prefix_tokens": float(tokens - sum(sum(b.sequence_lengths) for b in batches)),
     }
     for value in sorted(set(staleness)):  # how many groups trained at each staleness
         stats[f"staleness/{value}"] = float(staleness.count(value))

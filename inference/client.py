@@ -210,12 +210,15 @@ class PolicyClient:
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
+        priority: int = 0,
     ) -> list[Completion]:
-        """Samples n continuations of a token-id prompt; never re-tokenizes any text."""
+        """Samples n continuations of a token-id prompt; never re-tokenizes any text. A priority
+        below 0 is scheduled before the requests waiting (a server with priority scheduling only:
+        inference.server.URGENT)."""
         if temperature == 0.0 and n > 1:
             # vLLM refuses n > 1 with greedy sampling; n identical requests give the same group.
             single = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.0, top_p=top_p,
-                          stop=stop, stop_token_ids=stop_token_ids, seed=seed)  # fmt: skip
+                          stop=stop, stop_token_ids=stop_token_ids, seed=seed, priority=priority)  # fmt: skip
             batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
             return [completion for batch in batches for completion in batch]
         sampling = {
@@ -236,9 +239,10 @@ class PolicyClient:
             sampling["stop_token_ids"] = stop_token_ids
         if seed is not None:
             sampling["seed"] = seed
-        completions = await self._generate(list(prompt_ids), sampling) if self.generate_route is not False else None
+        scheduling = {"priority": priority} if priority else {}
+        completions = await self._generate(list(prompt_ids), sampling, scheduling) if self.generate_route is not False else None
         if completions is None:
-            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sampling}
+            body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sampling, **scheduling}
             response = await self.request("POST", "/v1/completions", json=body)
             completions = [self._parse_choice(choice) for choice in response.json()["choices"]]
         recorded = _recorded.get()
@@ -246,11 +250,11 @@ class PolicyClient:
             recorded.extend(completion.policy_versions for completion in completions)
         return completions
 
-    async def _generate(self, prompt_ids: list[int], sampling: dict) -> list[Completion] | None:
+    async def _generate(self, prompt_ids: list[int], sampling: dict, scheduling: dict) -> list[Completion] | None:
         """vLLM's token-in-token-out route, whose answer says which weight version sampled each
         token (the OpenAI routes do not); None when the server lacks it (vLLM without
         --enable-scale-out, or another server), after which this client uses /v1/completions."""
-        body = {"model": self.model, "token_ids": prompt_ids, "sampling_params": sampling}
+        body = {"model": self.model, "token_ids": prompt_ids, "sampling_params": sampling, **scheduling}
         response = await self.request("POST", "/inference/v1/generate", json=body, answered=(403, 404, 405))
         if response.status_code in (404, 405) or (response.status_code == 403 and "scale-out" in response.text.lower()):
             if self.generate_route is None:
@@ -297,11 +301,14 @@ class PolicyClient:
             text=choice.get("text", ""),
         )
 
-    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], *, priority: int = 0) -> list[float]:
         """The served model's logprob of each of `token_ids` given the ones before it (vLLM's
         prompt_logprobs; the first token, which nothing predicts, gets 0.0): a teacher's score of
-        tokens another model sampled, with no sampling and no re-tokenization."""
+        tokens another model sampled, with no sampling and no re-tokenization. `priority` as in
+        complete()."""
         body = {"model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        if priority:
+            body["priority"] = priority
         response = await self.request("POST", "/v1/completions", json=body)
         scored = response.json()["choices"][0].get("prompt_logprobs")
         if scored is None or len(scored) != len(token_ids):

@@ -119,22 +119,24 @@ class ParityGuard:
             self._models.move_to_end(key)
             return self._models[key]
 
-    async def measure(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:
+    async def measure(self, client: PolicyClient, checkpoint_dir: str | Path, *, priority: int = 0) -> ParityReport:
         """The server's logprobs against the checkpoint's own: the reference stored with it by the
         trainer (teacher-forced sequences: one short request each, no model here), else greedy
-        completions of every prompt scored by a transformers forward pass of the checkpoint."""
+        completions of every prompt scored by a transformers forward pass of the checkpoint.
+        `priority` (inference.server.URGENT where the server schedules by priority) puts the
+        requests before the generation waiting: the check is on the critical path of a version."""
         started = time.perf_counter()
         stored = read_parity_reference(checkpoint_dir)
         if stored is not None:
             sequences, references = stored
-            served = await asyncio.gather(*(client.prompt_logprobs(sequence) for sequence in sequences))
+            served = await asyncio.gather(*(client.prompt_logprobs(sequence, priority=priority) for sequence in sequences))
             # The first token of each: nothing predicts it.
             worst = worst_difference(zip([logprobs[1:] for logprobs in served], references, strict=True))
             tokens = sum(len(reference) for reference in references)
             return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started, "stored")
         model = await asyncio.to_thread(self.reference_model, checkpoint_dir)
         batches = await asyncio.gather(
-            *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0) for prompt in self.prompts)
+            *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0, priority=priority) for prompt in self.prompts)
         )
         completions = [completion for [completion] in batches]
         references = [
@@ -145,9 +147,9 @@ class ParityGuard:
         tokens = sum(len(completion.token_ids) for completion in completions)
         return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started)
 
-    async def check(self, client: PolicyClient, checkpoint_dir: str | Path) -> ParityReport:
+    async def check(self, client: PolicyClient, checkpoint_dir: str | Path, *, priority: int = 0) -> ParityReport:
         """measure(), raising ParityMismatch when the difference is above the tolerance."""
-        report = await self.measure(client, checkpoint_dir)
+        report = await self.measure(client, checkpoint_dir, priority=priority)
         if not report.passed:
             raise ParityMismatch(
                 f"parity check failed at {client.base_url}: served logprobs differ from "

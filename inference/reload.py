@@ -42,7 +42,7 @@ from typing import Literal
 
 from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable, version_tag
 from inference.parity_guard import ParityGuard, ParityMismatch, ParityReport
-from inference.server import PolicyServer
+from inference.server import URGENT, PolicyServer
 from inference.weights import IncompatibleCheckpoint, check_compatible, config_differences, prepare_reload_dir
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,10 @@ class ServedPolicy:
     healthy: bool = True  # False when its weights or pause state are unknown after a failure
     rejected: set[int] = field(default_factory=set)  # versions that failed here; not retried
     reload_mode: ReloadMode = "in-flight"  # or "drain": requests in flight finish on the old weights first
+    # The parity check's request priority: URGENT on a server clotho started with priority
+    # scheduling (it goes before the generation waiting); 0 on a server started elsewhere, which
+    # may refuse any other (vLLM without --scheduling-policy priority).
+    check_priority: int = 0
 
     @classmethod
     def of(cls, server: PolicyServer, version: int = 0, reload_mode: ReloadMode = "in-flight") -> ServedPolicy:
@@ -87,7 +91,9 @@ class ServedPolicy:
                 f"{server.model} is not a local model directory; hot reload needs the served weights on "
                 "disk as the fallback: download the model (huggingface-cli download) and serve that directory"
             )
-        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server, reload_mode=reload_mode)
+        priority = URGENT if server.priority_scheduling else 0
+        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server,
+                   reload_mode=reload_mode, check_priority=priority)  # fmt: skip
 
     def client(self) -> PolicyClient:
         # Few retries: a dead server must be reported within seconds, not after a minute of backoff.
@@ -173,7 +179,7 @@ async def reload_server(
         target.healthy = False  # until the new weights pass parity or the old ones are back
         try:
             swap_s = await swap_weights(client, reload_dir, target.reload_mode, tag=version_tag(version, target.version))
-            parity = await guard.check(client, checkpoint_dir)
+            parity = await guard.check(client, checkpoint_dir, priority=target.check_priority)
         except PolicyServerUnreachable as error:
             message = f"reload of version {version} on {target.base_url} failed: {error}"
             restored = await _fall_back(target, guard, reload_root, client, message)
@@ -223,7 +229,7 @@ async def restore_server(
             await swap_weights(
                 client, prepare_reload_dir(target.weights_dir, reload_root), target.reload_mode, tag=version_tag(target.version)
             )
-            await guard.check(client, target.weights_dir)
+            await guard.check(client, target.weights_dir, priority=target.check_priority)
             await announce(client, target.version)
             how = f"restored in place to version {target.version}"
         except (ParityMismatch, *SERVER_ERRORS) as error:
@@ -246,7 +252,7 @@ async def _restart(target: ServedPolicy, guard: ParityGuard, client: PolicyClien
     started = time.perf_counter()
     try:
         await asyncio.to_thread(target.server.restart, target.weights_dir)
-        await guard.check(client, target.weights_dir)
+        await guard.check(client, target.weights_dir, priority=target.check_priority)
         await announce(client, target.version)  # a fresh server reports "default" until told
     except Exception as error:
         raise ReloadError(f"{target.base_url} failed to restart on {target.weights_dir}: {error}") from error

@@ -69,6 +69,12 @@ def default_priority(python: str) -> str:
 # its own).
 CPU_EXECUTOR_ARGS = ["--distributed-executor-backend", "uni"]
 CPU_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+# The reload's parity check is a handful of one-token requests on the critical path of every
+# version; under load they would queue behind the batch in flight (after an in-flight swap, behind
+# every frozen request's recomputed prefix). Priority scheduling lets them go first (URGENT); all
+# other requests keep priority 0, where the order is first come, first served as before.
+PRIORITY_SCHEDULING_ARGS = ["--scheduling-policy", "priority"]
+URGENT = -1  # vLLM: a lower priority value is scheduled earlier
 
 
 def lower_priority(priority: str) -> None:
@@ -191,7 +197,20 @@ class PolicyServer:
             args += ["--middleware", "clotho_auth.require_api_key"]
         if self.on_cpu and not any(arg.startswith("--distributed-executor-backend") for arg in self.extra_args):
             args += CPU_EXECUTOR_ARGS
+        if not any(arg.startswith("--scheduling-policy") for arg in self.extra_args):
+            args += PRIORITY_SCHEDULING_ARGS
         return args + self.extra_args
+
+    @property
+    def priority_scheduling(self) -> bool:
+        """Whether requests may jump the queue (URGENT): vLLM refuses a priority other than 0 from a
+        server with another scheduling policy, which CLOTHO_VLLM_ARGS may set."""
+        args = self.command()
+        last = max((i for i, arg in enumerate(args) if arg.startswith("--scheduling-policy")), default=None)
+        if last is None:
+            return False
+        value = args[last].partition("=")[2] or (args[last + 1] if last + 1 < len(args) else "")
+        return value == "priority"
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)

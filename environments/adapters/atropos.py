@@ -36,7 +36,8 @@ What differs from running under Atropos: groups are not dropped for equal scores
 (handle_send_to_api's filters; clotho stores every group, the trainer weighs them); a group the
 environment returns None for is a recorded failure; its evaluate() is not called (clotho's
 `evaluate` runs greedy groups on a fresh instance's first items). Of clotho's sampling fields,
-max_tokens is the default for a request that names none, and temperature 0.0 makes every request
+max_tokens is the default for a request that names none and, when the config sets it, the most a
+request may ask for (a turn's length, as everywhere in clotho), and temperature 0.0 makes every request
 greedy (the evaluation twin); otherwise the environment's own sampling arguments apply. A reply
 keeps the stop string that ended it (the ids are the sampled ones), and the environment's
 tokenizer returns lists of ids from apply_chat_template as under transformers 4 (ids_as_lists).
@@ -143,24 +144,32 @@ class ClothoServer(APIServer):
     _tokens_and_logprobs_comp = APIServer._tokens_and_logprobs_comp.retry_with(**_ONCE)
     _tokens_and_logprobs_comp_eval = APIServer._tokens_and_logprobs_comp_eval.retry_with(**_ONCE)
 
-    def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool) -> None:
+    def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool, cap: bool = False) -> None:
+        """`cap`: default_max_tokens is also the most any request may ask for (the config set it)."""
         self.client, self.tokenizer = client, tokenizer
-        self.default_max_tokens, self.greedy = default_max_tokens, greedy
+        self.default_max_tokens, self.greedy, self.cap = default_max_tokens, greedy, cap
         self.context: int | None = None  # the served model's max_model_len (Atropos.fit_context sets it)
         self.clamped = False
+        self.turn_end = turn_end_tokens(tokenizer)
 
-    def fitted(self, prompt_ids: list[int], max_tokens: int) -> int:
+    def fitted(self, prompt_ids: list[int], max_tokens: int, after: int = 0) -> int:
         """`max_tokens` within what the served model's context leaves after the prompt. Atropos
         environments size their requests for the model they were written for (max_token_length
         8192 and up); served a model with a shorter context, vLLM refuses every such request,
-        so it is cut to fit, said once."""
+        so it is cut to fit, said once. The room left is for the stored sequence as the adapter
+        scores it (inference.client.prompt_logprobs: at most the context less one token) with the
+        `after` tokens the environment's chat template closes a reply with (<|im_end|> and a newline
+        in ChatML): a reply that runs to the limit still fits."""
         if not self.context:
             return max_tokens
-        room = self.context - len(prompt_ids)
+        room = self.context - 1 - after - len(prompt_ids)
         if max_tokens <= room:
             return max_tokens
         if room < 1:
-            raise PolicyServerError(f"the prompt is {len(prompt_ids)} tokens, the served model's whole context (max_model_len {self.context})")
+            raise PolicyServerError(
+                f"the prompt is {len(prompt_ids)} tokens, leaving no room for a reply in the served model's context "
+                f"(max_model_len {self.context})"
+            )
         if not self.clamped:
             self.clamped = True
             log.warning("the Atropos environment asks for up to %d tokens; the served model's context (max_model_len %d) "
@@ -170,7 +179,7 @@ class ClothoServer(APIServer):
     async def check_server_status_task(self, chat_completion: bool = True) -> None:
         self.server_healthy = True  # PolicyClient waits for the server and says when it is gone
 
-    async def _sample(self, prompt_ids: list[int], kwargs: dict[str, Any]) -> list[Completion]:
+    async def _sample(self, prompt_ids: list[int], kwargs: dict[str, Any], after: int = 0) -> list[Completion]:
         kwargs = dict(kwargs)
         kwargs.pop("model", None)
         for alias in MAX_TOKENS_ALIASES:
@@ -184,7 +193,10 @@ class ClothoServer(APIServer):
             sampling["stop"] = [sampling["stop"]]
         if self.greedy:
             sampling["temperature"] = 0.0
-        sampling["max_tokens"] = self.fitted(prompt_ids, int(sampling["max_tokens"]))
+        requested = int(sampling["max_tokens"])
+        if self.cap:
+            requested = min(requested, self.default_max_tokens)
+        sampling["max_tokens"] = self.fitted(prompt_ids, requested, after)
         completions = await self.client.complete(prompt_ids, **sampling)
         if (sampled := _sampled.get()) is not None:
             sampled.extend((tuple(prompt_ids), completion) for completion in completions)
@@ -222,11 +234,24 @@ class ClothoServer(APIServer):
     async def _chat_completion_wrapper(self, **kwargs) -> ChatCompletion:
         messages, tools = kwargs.pop("messages"), kwargs.pop("tools", None)
         rendered = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        completions = await self._sample(self.tokenizer.encode(rendered, add_special_tokens=False), kwargs)
+        completions = await self._sample(self.tokenizer.encode(rendered, add_special_tokens=False), kwargs, self.turn_end)
         choices = [Choice(index=i, finish_reason=finish, message=ChatCompletionMessage(role="assistant", content=text))
                    for i, (text, finish) in enumerate(map(self._text, completions))]  # fmt: skip
         return ChatCompletion(id=str(uuid.uuid4()), created=int(time.time()), model=self.config.model_name,
                               object="chat.completion", choices=choices)  # fmt: skip
+
+
+def turn_end_tokens(tokenizer) -> int:
+    """How many tokens the tokenizer's chat template puts after an assistant reply's text (2 in
+    ChatML: <|im_end|> and a newline); 0 when it cannot tell (no template, one that rewrites replies)."""
+    try:
+        asked = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True)
+        answered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "REPLY"}], tokenize=False)
+    except Exception:  # noqa: BLE001 (a tokenizer without a chat template, or one that refuses this conversation)
+        return 0
+    if not answered.startswith(asked) or "REPLY" not in answered[len(asked) :]:
+        return 0
+    return len(tokenizer.encode(answered[len(asked) :].split("REPLY", 1)[1], add_special_tokens=False))
 
 
 def readable(item: Any) -> str:
@@ -257,7 +282,7 @@ class Atropos(Environment):
         ids_as_lists(self.atropos.tokenizer)
         for backend in self.atropos.server.servers:
             backend.bind(client, self.atropos.tokenizer, default_max_tokens=self.config.max_tokens,
-                         greedy=self.config.temperature == 0.0)  # fmt: skip
+                         greedy=self.config.temperature == 0.0, cap="max_tokens" in self.config.model_fields_set)  # fmt: skip
         self._held: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.context: int | None = None  # the served model's max_model_len (setup asks)
         self._handed_out = 0
@@ -341,9 +366,9 @@ class Atropos(Environment):
         checks = [check_sequence(list(data["tokens"][i]), list(data["masks"][i]), given[i], by_prompt) for i in range(n)]
         rescore = [i for i, check in enumerate(checks) if check.logprobs is None]
         for i in rescore:  # scored by the served model: it must fit its context, as training must
-            if self.context and len(data["tokens"][i]) > self.context:
+            if self.context and len(data["tokens"][i]) >= self.context:  # prompt_logprobs samples one token after it
                 raise InvalidGroupError(
-                    f"sequence {i}: {len(data['tokens'][i])} tokens, more than the served model's context ({self.context}); "
+                    f"sequence {i}: {len(data['tokens'][i])} tokens, not less than the served model's context ({self.context}); "
                     "the environment re-tokenized its text into more tokens than were sampled: keep its conversations "
                     "shorter (env_config max_token_length) or serve a model with a longer context", reason="too-large",
                 )  # fmt: skip

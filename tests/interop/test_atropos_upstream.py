@@ -12,12 +12,20 @@ from tests.interop.conftest import rollout_groups, serve_adapter
 
 ADAPTER = "environments.adapters.atropos:Atropos"
 UPSTREAM = Path(__file__).resolve().parents[1] / "data" / "upstream" / "atropos" / "environments"
-# Each environment's file and what `clotho env serve` adds for it: gym_taxi makes Taxi-v3, which
-# gymnasium 1.3 removed (the adapter's lock has 1.4), so it is served with its own gymnasium.
+# Each environment's file, what `clotho env serve` adds for it, clotho's settings beyond group_size,
+# and how many of 4 groups at least are stored.
+# - gym_taxi makes Taxi-v3, which gymnasium 1.3 removed (the adapter's lock has 1.4), so it is served
+#   with its own gymnasium. It asks for replies that fill its max_token_length (the stand-in's 2048)
+#   and stores them re-tokenized from text: the stand-in's random ids decode to text that re-encodes
+#   into ~1.5x as many tokens, and a full-length reply no longer fits the context to be scored
+#   (too-large). max_tokens 64 caps a turn as a user caps a model's replies; an episode that goes on
+#   to a second turn is still too large for a 2048-token context (its first prompt is ~1730 tokens).
+# - blackjack and regex: the stand-in's answers mostly all score the same, and Atropos drops such
+#   groups itself (dropped-by-environment), so none need be stored.
 ENVIRONMENTS = {
-    "gym_taxi": ("game_environments/gymnasium/gym_taxi.py:GymTaxiEnv", ("--with", "gymnasium<1.3")),
-    "blackjack": ("game_environments/gymnasium/blackjack/blackjack_env_no_thinking.py:BlackjackEnvNoThinking", ()),
-    "regex": ("community/regex_generation/regex_env.py:RegexEnv", ()),  # imports its sibling regex_problems
+    "gym_taxi": ("game_environments/gymnasium/gym_taxi.py:GymTaxiEnv", ("--with", "gymnasium<1.3"), {"max_tokens": 64}, 1),
+    "blackjack": ("game_environments/gymnasium/blackjack/blackjack_env_no_thinking.py:BlackjackEnvNoThinking", (), {}, 0),
+    "regex": ("community/regex_generation/regex_env.py:RegexEnv", (), {}, 0),  # imports its sibling regex_problems
 }
 
 
@@ -41,8 +49,8 @@ def served():
 def test_an_upstream_atropos_environment_runs_unchanged_from_its_file(
     name, served, prefect_server, policy_server, policy_tokenizer, tmp_path
 ) -> None:
-    path, options = ENVIRONMENTS[name]
-    config = {"env": str(UPSTREAM / path), "group_size": 2}  # the environment's own settings otherwise
+    path, options, settings, stored = ENVIRONMENTS[name]
+    config = {"env": str(UPSTREAM / path), "group_size": 2, **settings}  # the environment's own settings otherwise
     summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served(options).url, config,
                                      f"file://{tmp_path}/store/{name}", groups=4, concurrency=2)  # fmt: skip
     [row] = summary["environments"]
@@ -54,4 +62,4 @@ def test_an_upstream_atropos_environment_runs_unchanged_from_its_file(
     totals = summary["totals"]
     assert totals["groups"] + totals["failures"] == 4, summary
     assert set(totals["failures_by_reason"]) <= {"dropped-by-environment", "too-large"}, summary
-    assert len(groups) == totals["groups"] and all(not group.extras.get("rollout_errors") for group in groups)
+    assert len(groups) == totals["groups"] >= stored and all(not group.extras.get("rollout_errors") for group in groups)

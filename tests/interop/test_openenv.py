@@ -234,11 +234,17 @@ def test_an_action_of_several_fields_runs_with_no_settings_and_a_one_session_ser
 UPSTREAM = ROOT / "tests" / "data" / "upstream" / "openenv" / "envs"  # unchanged copies: tests/data/upstream
 
 
-def upstream_layer(name: str) -> Path:
-    """The python of .venv-env-openenv with an upstream environment's package installed over it, as
-    its README installs it (`pip install` of its folder): what `clotho env serve --requirements DIR` builds."""
+# grid_world_env asks for Python >= 3.12 (its pyproject), so the layer holding the three is a whole
+# venv on one (clotho/env_venv.py), built once for both the adapter and the environments' own servers.
+UPSTREAM_PACKAGES = ("connect4_env", "echo_env", "grid_world_env")
+
+
+def upstream_layer() -> Path:
+    """The python of .venv-env-openenv's packages with the upstream environments' installed too, as
+    their READMEs install them (`pip install` of the folder): what `clotho env serve --requirements DIR` builds."""
     python = adapter_venv("openenv") / "bin" / "python"
-    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], [{str(UPSTREAM / name)!r}]), echo=lambda _: None))"
+    folders = [str(UPSTREAM / name) for name in UPSTREAM_PACKAGES]
+    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], {folders!r}), echo=lambda _: None))"
     return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -249,7 +255,7 @@ def upstream_servers():
 
     def server(name: str) -> str:
         if name not in started:
-            generator = openenv_server(f"{name}.server.app", python=upstream_layer(name), module_path=True)
+            generator = openenv_server(f"{name}.server.app", python=upstream_layer(), module_path=True)
             started[name] = (generator, next(generator))
         return started[name][1]
 
@@ -260,8 +266,8 @@ def upstream_servers():
 
 @pytest.fixture(scope="module")
 def served_upstream():
-    """The adapter with connect4_env and echo_env installed in its layer."""
-    served = serve_adapter("openenv", ADAPTER, ("--requirements", str(UPSTREAM / "connect4_env"), "--requirements", str(UPSTREAM / "echo_env")))
+    """The adapter with connect4_env, echo_env and grid_world_env installed in its layer."""
+    served = serve_adapter("openenv", ADAPTER, tuple(arg for name in UPSTREAM_PACKAGES for arg in ("--requirements", str(UPSTREAM / name))))
     yield served
     served.stop()
 
@@ -289,3 +295,18 @@ def test_upstream_echo_env_an_mcp_environment_runs_its_tool_calls(mode, served_u
     for sequence in group.sequences:
         assert '"tool_name"' in sequence.messages[0]["content"]  # the system message: the tool call's schema
         assert "- echo_message(" in sequence.messages[1]["content"] and "- echo_with_length(" in sequence.messages[1]["content"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mode", ["in process", "its own server"])
+def test_upstream_grid_world_runs_unchanged_on_the_python_it_asks_for(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
+    """OpenEnv's grid_world_env as its repository has it: its action is an enum field
+    (GridWorldAction.action: UP/DOWN/LEFT/RIGHT) and its pyproject asks for Python >= 3.12, which the
+    adapter's venv (3.11) is not, so --requirements builds it a venv on a Python that is. Before:
+    0 of 2 (`ValidationError: 2 validation errors for GridWorldAction`), and no way to install it."""
+    environment = "grid_world_env.server.grid_world_environment:GridWorldEnvironment" if mode == "in process" else upstream_servers("grid_world_env")
+    group = collect(served_upstream.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
+    assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
+    assert all('"action"' in sequence.messages[0]["content"] and "RIGHT" in sequence.messages[0]["content"] for sequence in group.sequences)
+    python = subprocess.run([str(upstream_layer()), "-c", "import sys; print(sys.version_info[:2] >= (3, 12))"], capture_output=True, text=True)
+    assert python.stdout.strip() == "True", python

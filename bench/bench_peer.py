@@ -21,7 +21,9 @@ plus one median step, with TRL's checkpoint saves taken out (clotho publishes ev
 its loop; a TRL user would save rarely). Start-up (vLLM's, the Prefect flows', TRL's model load)
 is reported apart. Per side: seconds per step (median), minutes to the task's threshold, the
 evaluated reward at the last step and the training reward per step; per task, the ratios
-clotho / TRL per seed, their geometric mean with a 95% interval, and their range. Written to
+clotho / TRL per seed, their geometric mean with a 95% interval, and their range; clotho's side
+also keeps how each step learned (learning_per_step: clip fraction, sampler KL, gradient norm,
+staleness), so a run that fails to learn can be read afterwards. Written to
 bench/results/peer.json; bench/report.py renders the table into docs/benchmarks.md.
 Targets: seconds per step and minutes to threshold, ratio <= 1.0 on both tasks.
 """
@@ -75,6 +77,7 @@ TASKS = {
     },
 }  # fmt: skip
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
+LEARNING_METRICS = ("clip_fraction", "sampler_kl", "grad_norm", "staleness_mean")  # clotho's per step, in its JSON
 
 
 def run_logged(command: list[str], log_path: Path, env: dict | None = None) -> None:
@@ -120,8 +123,11 @@ def run_clotho(workdir: Path, model: Path, task: dict, seed: int, steps: int, en
     costs = {name: round(statistics.median(r[name] for r in rows if name in r), 3)
              for name in ("step_time_s", "data_wait_s", "publish_s", "save_state_s") if any(name in r for r in rows)}  # fmt: skip
     costs |= {name: round(statistics.median(e[name] for e in reloads), 3) for name in ("reload_s", "parity_s") if reloads}
+    # How each step learned (clip fraction, sampler KL, gradient norm, staleness): kept so that a
+    # run that fails to learn can be read afterwards, not only its reward.
+    learning = {name: [None if r.get(name) is None else round(r[name], 4) for r in rows] for name in LEARNING_METRICS}
     return {"started": started, "steps": [{"step": r["step"], "time": r["time"], "reward": r.get("score_mean")} for r in rows],
-            "saves": {}, "checkpoints": checkpoints, "costs": costs}  # fmt: skip
+            "saves": {}, "checkpoints": checkpoints, "costs": costs, "learning": learning}  # fmt: skip
 
 
 def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> dict:
@@ -201,6 +207,7 @@ def measure(side: dict, task: dict, items) -> dict:
         "startup_s": round(times["startup_s"], 1),
         "curve": curve,
         **({"step_costs_s": side["costs"]} if "costs" in side else {}),
+        **({"learning_per_step": side["learning"]} if "learning" in side else {}),
         "train_reward": [round(r["reward"], 4) for r in sorted(side["steps"], key=lambda r: r["step"]) if r.get("reward") is not None],
     }  # fmt: skip
 
@@ -253,7 +260,7 @@ def main() -> None:
                               else run_trl(where, start, task, seed, steps))  # fmt: skip
                     sides[framework] = measure(record, task, items)
                     shutil.rmtree(where, ignore_errors=True)
-                    summary = {k: v for k, v in sides[framework].items() if k not in ("curve", "train_reward")}
+                    summary = {k: v for k, v in sides[framework].items() if k not in ("curve", "train_reward", "learning_per_step")}
                     print(json.dumps({"task": name, "seed": seed, "side": framework, **summary}), flush=True)
                 runs.append({"seed": seed, "first": order[0], **sides})
 

@@ -68,7 +68,7 @@ from environments.atropos_format import (
     to_json_safe, trained_runs,
 )  # fmt: skip
 from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
-from environments.chat import Messages
+from environments.chat import ChatRenderer, Messages
 from core.imports import load_attribute
 from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import Completion, PolicyClient, PolicyServerError
@@ -242,16 +242,14 @@ class ClothoServer(APIServer):
 
 
 def turn_end_tokens(tokenizer) -> int:
-    """How many tokens the tokenizer's chat template puts after an assistant reply's text (2 in
-    ChatML: <|im_end|> and a newline); 0 when it cannot tell (no template, one that rewrites replies)."""
+    """How many tokens the tokenizer's chat template puts after an assistant reply's text
+    (ChatRenderer.turn_end: 2 in ChatML, <|im_end|> and a newline); 0 when it cannot tell (no
+    template, or one that drops the reply it is given)."""
     try:
-        asked = tokenizer.apply_chat_template([{"role": "user", "content": "q"}], tokenize=False, add_generation_prompt=True)
-        answered = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "REPLY"}], tokenize=False)
-    except Exception:  # noqa: BLE001 (a tokenizer without a chat template, or one that refuses this conversation)
+        closing = ChatRenderer(tokenizer).turn_end
+    except Exception:  # noqa: BLE001 (no chat template, one that refuses the probe, or no reply in what it renders)
         return 0
-    if not answered.startswith(asked) or "REPLY" not in answered[len(asked) :]:
-        return 0
-    return len(tokenizer.encode(answered[len(asked) :].split("REPLY", 1)[1], add_special_tokens=False))
+    return len(tokenizer.encode(closing, add_special_tokens=False))
 
 
 def readable(item: Any) -> str:

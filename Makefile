@@ -7,7 +7,7 @@ PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup adapters demo test test-fast bench soak docs clean-venvs
+.PHONY: setup adapters demo test test-fast cluster-test bench soak docs clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -73,6 +73,11 @@ test: setup adapters
 # Unit tests only: no vLLM, Prefect or S3 server.
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/python -m pytest -m "not integration" $(PYTEST_ARGS)
+
+# The loop's parts on four hosts of a cluster built on this machine (cluster/cluster.sh; root):
+# part of `make test`, alone here.
+cluster-test: setup
+	$(VENV)/bin/python -m pytest tests/cluster $(PYTEST_ARGS)
 
 bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_storage.py

@@ -58,7 +58,7 @@ up() {
         ip -n "$CLUSTER-$host" addr add "$(address "$host")/24" dev eth0
         ip -n "$CLUSTER-$host" link set eth0 up
         ip -n "$CLUSTER-$host" link set lo up
-        mkdir -p "$ROOT/$host/tmp/home" "$ROOT/$host/shm"
+        mkdir -p "$ROOT/$host/tmp/home" "$ROOT/$host/shm" "$ROOT/$host/repo"
         chmod 1777 "$ROOT/$host/tmp"
     done
     echo "cluster $CLUSTER up: $(for host in "${HOSTS[@]}"; do printf '%s-%s=%s ' "$CLUSTER" "$host" "$(address "$host")"; done)"
@@ -66,17 +66,21 @@ up() {
 
 # The command line that runs "$@" on a host: its network namespace, then a mount and UTS namespace
 # of its own where /tmp, /dev/shm, /etc/hosts and the hostname are the host's, the checkout is
-# read-only and the cluster's root is hidden.
+# read-only and the cluster's root is hidden. The checkout is held aside while /tmp is replaced and
+# put back at its path after, so a checkout that lives in /tmp (a CI clone) is still there.
 on_host() {  # on_host HOST CMD...
     local host=$1; shift
     address "$host" > /dev/null
     exists "$CLUSTER-$host" || die "$CLUSTER-$host is not up (cluster/cluster.sh up)"
     local setup='set -e
 hostname "$CLUSTER_HOSTNAME"
+mount --bind "$REPO" "$HOST_DIR/repo"
 mount --bind "$HOST_DIR/tmp" /tmp
 mount --bind "$HOST_DIR/shm" /dev/shm
 mount --bind "$CLUSTER_ROOT/hosts" /etc/hosts
-mount --bind "$REPO" "$REPO" && mount -o remount,bind,ro "$REPO"
+mkdir -p "$REPO"
+mount --move "$HOST_DIR/repo" "$REPO"
+mount -o remount,bind,ro "$REPO"
 mount -t tmpfs -o size=1m,mode=0755 none "$CLUSTER_ROOT"
 cd /tmp
 exec "$@"'

@@ -96,9 +96,12 @@ async def start_services(
     stack.callback(stop_servers, servers)
     urls = [server.base_url for server in servers] + list(config.servers.urls)
     watcher = reload_watcher(config, servers, api_key)
-    stop_watching = asyncio.Event()
-    watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
-    stack.push_async_callback(finish, watching, stop_watching)
+    if watcher is not None:
+        stop_watching = asyncio.Event()
+        watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
+        stack.push_async_callback(finish, watching, stop_watching)
+    else:
+        log.info("no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls))
     if config.evaluation is not None:
         evaluating = asyncio.ensure_future(
             evaluate_versions(config, urls[0], api_key, config.model, view.curve, view.measured, view.started, log, stop_rule_met)
@@ -193,10 +196,15 @@ def end_run_here(storage: str, run: str) -> None:
         write_run_end(storage, run, position.steps)
 
 
-def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher:
+def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher | None:
+    """The watcher of the pipeline's own servers and of servers.urls unless they reload themselves;
+    None when it would watch none."""
     mode = config.servers.reload_mode
     policies = [ServedPolicy.of(server, reload_mode=mode) for server in servers]
-    policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
+    if config.servers.reload_urls:
+        policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
+    if not policies:
+        return None
     guard = ParityGuard.for_model(config.model, dtype=config.servers.dtype)
     return ReloadWatcher(config.run, policies, guard, poll_s=config.servers.reload_poll_s)
 
@@ -205,7 +213,7 @@ def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir:
     """`clotho train` as a process of its own (DeepSpeed owns its process), resuming the run's state."""
     command = [
         sys.executable, "-m", "trainer.cli", "--run", config.run, "--model", config.model, "--steps", str(end_step),
-        "--data-timeout-s", str(config.data_timeout_s),
+        "--data-timeout-s", str(config.data_timeout_s), "--work-dir", str(work_dir),
     ]  # fmt: skip
     for override in config.trainer_overrides(phase):
         command += ["--set", override]

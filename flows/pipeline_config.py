@@ -27,7 +27,14 @@ class ServersConfig(Strict):
     count: int = Field(default=1, ge=0, description="vLLM servers the pipeline starts on the model, each hot-reloaded.")
     urls: list[str] = Field(
         default_factory=list,
-        description="Running servers to use as well (started with `clotho serve`); the pipeline reloads them too.",
+        description="Running servers to use as well (started with `clotho serve`); the pipeline reloads them too "
+        "unless reload_urls is false.",
+    )
+    reload_urls: bool = Field(
+        default=True,
+        description="Reload the servers in urls from the pipeline's watcher. false: each reloads itself (`clotho serve "
+        "--run RUN` on its own host), the one way for a server on another host, since a reload hands vLLM a "
+        "checkpoint directory on the watcher's disk.",
     )
     dtype: str = Field(default="float32", description="Weights dtype: float32 on CPU, bfloat16 on GPUs.")
     max_model_len: int = Field(default=2048, gt=0)

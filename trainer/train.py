@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 
 def default_work_dir(storage: str, run: str) -> Path:
     """Where resume state and metrics go: `{root}/{run}/trainer` when the root is a local path,
-    else `.clotho/trainer/{run}` (DeepSpeed saves to local disks; share it between nodes)."""
+    else `.clotho/trainer/{run}` in the working directory, as an absolute path (DeepSpeed saves to
+    local disks; share it between nodes)."""
     fs, path = resolve(run_url(storage, run))
-    return Path(path) / "trainer" if is_local(fs) else Path(".clotho") / "trainer" / run
+    return Path(path) / "trainer" if is_local(fs) else Path.cwd() / ".clotho" / "trainer" / run
 
 
 def train(

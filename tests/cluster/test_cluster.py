@@ -19,21 +19,44 @@ from tests.cluster.hosts import Cluster, unavailable
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 KEY = "cluster-key"
+AUTH = f"-H 'Authorization: Bearer {KEY}'"
 RUN = "s3://runs/demo"
 FETCH_MODEL = "python -c \"import fsspec; fsspec.filesystem('s3').get('s3://models/tiny', '/tmp/model', recursive=True)\""
 
 
 @pytest.fixture(scope="module")
 def cluster():
+    """The cluster with its shared services up: on a, the Prefect server and the S3 API; the model,
+    built on c, in S3 and fetched from there by b and d."""
     if reason := unavailable():
         pytest.skip(f"no cluster on this machine: {reason}")
-    hosts = Cluster(f"ct{os.getpid() % 100000}")
-    hosts.down()  # a cluster left by a killed run of this name
-    hosts.up()
+    c = Cluster(f"ct{os.getpid() % 100000}")
+    c.down()  # a cluster left by a killed run of this name
+    c.up()
     try:
-        yield hosts
+        a, s3 = c.host("a"), c.s3_env()
+        c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
+                                "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
+        c.spawn("a", "s3", "exec moto_server -H 0.0.0.0 -p 5000")
+        c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
+        c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
+                   "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
+                   "fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', 's3://models/tiny', recursive=True)\"")  # fmt: skip
+        for host in ("b", "d"):
+            c.run(host, f"{s3} {FETCH_MODEL}")
+        c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
+        yield c
     finally:
-        hosts.down()
+        c.down()
+
+
+def serve(c: Cluster, name: str, port: int, run: str) -> str:
+    """`clotho serve` on b behind the key, its watcher reloading `run` from S3; its URL."""
+    b = c.host("b")
+    c.spawn("b", name, f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
+                       f"--model /tmp/model --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
+    c.wait("c", f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null", f"the policy server {name} on b", 300, (("b", name),))
+    return f"http://{b}:{port}"
 
 
 def answers(url: str, body: bytes) -> bool:
@@ -46,33 +69,21 @@ def answers(url: str, body: bytes) -> bool:
         return False
 
 
-def test_a_run_across_four_hosts(cluster):
+def test_the_loops_parts_across_four_hosts(cluster):
     c, s3 = cluster, cluster.s3_env()
-    a, b = c.host("a"), c.host("b")
-    c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
-                            "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
-    c.spawn("a", "s3", "exec moto_server -H 0.0.0.0 -p 5000")
-    c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
-    # The model is built on c and reaches every other host through object storage only.
-    c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
-               "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
-               "fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', 's3://models/tiny', recursive=True)\"")  # fmt: skip
-    for host in ("b", "d"):
-        c.run(host, f"{s3} {FETCH_MODEL}")
-    c.spawn("b", "vllm", f"{s3} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
-                         f"--model /tmp/model --host 0.0.0.0 --port 8000 --api-key {KEY} --run {RUN} --log-file /tmp/vllm-server.log")  # fmt: skip
-    auth = f"-H 'Authorization: Bearer {KEY}'"
-    c.wait("c", f"curl -sf -m 2 {auth} http://{b}:8000/v1/models > /dev/null", "the policy server on b", 300, (("b", "vllm"),))
-    c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
+    a = c.host("a")
+    server = serve(c, "vllm", 8000, RUN)
 
     # Each host is its own: its hostname and address, its /tmp; the checkout read-only; the
     # cluster's files hidden; the machine's own network cannot reach the hosts.
-    seen = c.run("c", "hostname; ls /tmp/vllm-server.log 2>&1; touch /work/main/x 2>&1 || true; ls $CLOTHO_CLUSTER_ROOT 2>&1 || true").stdout
-    assert c.host("c") in seen and "No such file" in seen and "Read-only file system" in seen, seen
+    seen = c.run("c", "hostname; ls /tmp/vllm-server.log /tmp/vllm.log 2>&1; touch $REPO/x 2>&1 || true; "
+                      "echo hidden: $(ls -A $CLUSTER_ROOT | wc -l)").stdout  # fmt: skip
+    assert seen.startswith(c.host("c")) and seen.count("No such file") == 2, seen  # b's files are b's
+    assert "Read-only file system" in seen and "hidden: 0" in seen, seen
     assert not answers(f"http://{c.run('c', f'getent hosts {a}').stdout.split()[0]}:4200/api/health", b"true")
 
     # Rollouts on c: the Prefect API on a, the server on b, shards to S3 on a.
-    rollout = c.run("c", f"{s3} PREFECT_API_URL=http://{a}:4200/api clotho rollout --run {RUN} --server http://{b}:8000 "
+    rollout = c.run("c", f"{s3} PREFECT_API_URL=http://{a}:4200/api clotho rollout --run {RUN} --server {server} "
                          f"--api-key {KEY} --env compare --set group_size=8 --set max_tokens=4 --groups 8 --tokenizer /tmp/model", timeout=300)  # fmt: skip
     assert "'groups': 8, 'failures': 0" in rollout.stdout + rollout.stderr, rollout.stdout[-2000:]
 
@@ -88,7 +99,7 @@ def test_a_run_across_four_hosts(cluster):
     assert "Traceback" not in trained + c.log("d", "train"), c.log("d", "train")[-3000:]
 
     # b's watcher fetched the checkpoint from S3 and reloaded it: the server serves version 2.
-    info = c.wait("d", f"curl -sf -m 2 {auth} http://{b}:8000/weight_info | grep -q '\"2\"' && curl -s {auth} http://{b}:8000/weight_info",
+    info = c.wait("d", f"curl -sf -m 2 {AUTH} {server}/weight_info | grep -q '\"2\"' && curl -s {AUTH} {server}/weight_info",
                   "the server on b at version 2", 180, (("b", "vllm"),))  # fmt: skip
     assert json.loads(info)["weight_version"] == "2"
     # The two steps took the rollout's 8 groups, 4 each, none skipped as stale.
@@ -96,3 +107,56 @@ def test_a_run_across_four_hosts(cluster):
                           f"import json; print(json.dumps(asdict(read_trainer_position('s3://runs', 'demo'))))\"").stdout  # fmt: skip
     assert json.loads(position.strip().splitlines()[-1])["groups_consumed"] == 8, position
     assert trained.count("stale_groups_skipped=0") == 2, trained[-3000:]
+
+
+LOOP_CONFIG = """
+run: s3://runs/loop
+model: /tmp/model
+max_lag: 1
+servers: {{count: 0, urls: [{server}], reload_urls: false}}
+rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
+trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
+phases:
+  - name: rl
+    steps: 6
+    environments:
+      - env: compare
+        config: {{max_value: 9, group_size: 8, max_tokens: 4, temperature: 1.0, seed: 7}}
+    trainer: {{groups_per_step: 4}}
+"""
+
+
+def test_clotho_run_drives_the_cluster(cluster):
+    """`clotho run` on c with a single-machine config's format: its rollout flows are runs of the
+    rollout deployment taken by the workers on c and d, the server on b reloads itself from S3, the
+    trainer runs beside the pipeline on c (one rank)."""
+    c, s3 = cluster, cluster.s3_env()
+    api = f"PREFECT_API_URL=http://{c.host('a')}:4200/api"
+    server = serve(c, "vllm-loop", 8001, "s3://runs/loop")
+    c.run("c", f"cd $REPO && {api} prefect work-pool create rollout-pool --type process --overwrite > /tmp/deploy.log 2>&1 && {api} prefect --no-prompt deploy --name rollout-pipeline >> /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)",
+          timeout=180)  # from the checkout, as the README deploys  # fmt: skip
+    for host in ("c", "d"):
+        c.spawn(host, "worker", f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}")
+    config = LOOP_CONFIG.format(server=server)
+    c.run("c", f"cat > /tmp/loop.yaml << 'EOF'\n{config}\nEOF")
+    ran = c.run("c", f"{s3} {api} CLOTHO_API_KEY={KEY} clotho run /tmp/loop.yaml > /tmp/run.log 2>&1; echo exit $?; tail -c 4000 /tmp/run.log",
+                timeout=600, check=False)  # fmt: skip
+    assert "exit 0" in ran.stdout, ran.stdout + c.log("c", "worker")[-2000:] + c.log("d", "worker")[-2000:]
+
+    # Every step published, each took its 4 groups (and any it skipped as stale), none taken twice,
+    # no torn shard: read from the run's files on d, as `make soak` reads them.
+    checked = c.run("d", f"{s3} PYTHONPATH=$REPO python -c \"import json; from soak.checks import read_storage, read_training; "
+                         "s = read_storage('s3://runs/loop'); t = read_training('s3://runs/loop', s); "
+                         "print(json.dumps({'committed': len(s.groups), 'torn': s.torn, 'regressions': t.regressions, "
+                         "'took': {k: len(v) for k, v in t.steps.items()}, 'twice': sum(n > 1 for n in t.times_trained().values())}))\"").stdout  # fmt: skip
+    tallied = json.loads(checked.strip().splitlines()[-1])
+    assert sorted(map(int, tallied["took"])) == [1, 2, 3, 4, 5, 6] and min(tallied["took"].values()) >= 4, tallied
+    assert tallied["twice"] == 0 and not tallied["torn"] and not tallied["regressions"], tallied
+    ran_log = c.run("c", "cat /tmp/run.log").stdout
+    assert "no reload watcher here" in ran_log, ran_log[-3000:]
+    # The server on b reloaded itself to the newest version; both workers took rollout flows.
+    info = c.wait("d", f"curl -sf -m 2 {AUTH} {server}/weight_info | grep -q '\"6\"' && curl -s {AUTH} {server}/weight_info",
+                  "the server on b at version 6", 180, (("b", "vllm-loop"),))  # fmt: skip
+    assert json.loads(info)["weight_version"] == "6"
+    for host in ("c", "d"):
+        assert "rollout" in c.log(host, "worker") and "Completed" in c.log(host, "worker"), c.log(host, "worker")[-3000:]

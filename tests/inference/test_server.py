@@ -101,6 +101,14 @@ def test_servers_schedule_by_priority_unless_told_otherwise(tiny_model_dir):
     assert ServedPolicy.of(PolicyServer(tiny_model_dir, extra_args=[])).check_priority == URGENT
 
 
+async def waiting_requests(http: httpx.AsyncClient, base_url: str) -> float:
+    """vLLM's gauge of the requests waiting to be scheduled (its /metrics)."""
+    for line in (await http.get(f"{base_url}/metrics")).text.splitlines():
+        if line.startswith("vllm:num_requests_waiting{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{base_url}/metrics has no vllm:num_requests_waiting")
+
+
 async def test_an_urgent_request_goes_before_the_queue(policy_server):
     """The reload's parity check (URGENT) is answered while a backlog of prefill waits: a request
     of priority 0 sent with it waits for the backlog first."""
@@ -115,7 +123,13 @@ async def test_an_urgent_request_goes_before_the_queue(policy_server):
     async with PolicyClient(policy_server.base_url, timeout=300) as client:
         await client.prompt_logprobs(probe)  # a server's first prompt_logprobs request takes ~1.5 s
         backlog = [asyncio.create_task(client.complete(prompt, max_tokens=1)) for prompt in prompts]
-        await asyncio.sleep(0.3)  # the backlog is queued
+        # The backlog is queued: half of it waits in the engine (a fixed sleep was too short on
+        # busy cores, where sending 96 long prompts takes longer: the two then raced the backlog in).
+        async with httpx.AsyncClient(timeout=10) as metrics:
+            deadline = time.monotonic() + 60
+            while await waiting_requests(metrics, policy_server.base_url) < len(prompts) // 2:
+                assert time.monotonic() < deadline, "the backlog never queued in the engine"
+                await asyncio.sleep(0.02)
         urgent, normal = await asyncio.gather(
             timed(client.prompt_logprobs(probe, priority=URGENT)), timed(client.prompt_logprobs(probe))
         )

@@ -18,6 +18,7 @@ import json
 import logging
 import random
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -226,11 +227,37 @@ def save_resume_state(
     torch.distributed.barrier()
 
 
+def resume_state_agreed(state_dir: Path) -> bool:
+    """Whether every rank resumes from rank 0's newest resume state (True) or none has one (False).
+
+    Rank 0 alone writes DeepSpeed's `latest` and, at ZeRO 0, the model and optimizer files every
+    rank loads. Ranks on hosts that do not share the work dir would otherwise part ways: rank 0
+    resuming at step N, a rank on another host starting afresh from the base weights, the replicas
+    apart and the loops soon waiting on each other. That is an error naming the ranks and hosts."""
+    latest = state_dir / "latest"
+    tag = latest.read_text().strip() if latest.exists() else None
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return tag is not None
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, (socket.gethostname(), tag, tag is not None and any((state_dir / tag).glob("*model_states.pt"))))
+    _, authority, _ = held[0]
+    if authority is None:
+        return False
+    missing = [f"rank {rank} on {host}" for rank, (host, theirs, has) in enumerate(held) if not has or theirs != authority]
+    if missing:
+        raise RuntimeError(
+            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority}, which {', '.join(missing)} cannot read there: "
+            "ranks on several hosts resume only from a work dir they share (--work-dir on a shared file system); "
+            "or move the work dirs away to start the run afresh"
+        )
+    return True
+
+
 def load_resume_state(engine, state_dir: Path, lr: float) -> dict[str, Any] | None:
     """Restore the newest resume state into `engine` and this rank's RNG, with learning rate `lr`
     (the config's, not the saved one); returns the trainer state saved with it, or None when
     `state_dir` has none (a fresh run)."""
-    if not (state_dir / "latest").exists():
+    if not resume_state_agreed(state_dir):
         return None
     path, client_state = engine.load_checkpoint(str(state_dir))
     if path is None or client_state.get("format") != STATE_FORMAT:

@@ -298,6 +298,20 @@ def test_two_ranks_train_and_publish(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.integration
+def test_two_ranks_sharing_a_work_dir_resume_together(tmp_path, tiny_model_dir):
+    """Both ranks read rank 0's resume state (one work dir on a disk they share) and go on from it;
+    ranks on hosts that share none stop with an error instead (tests/cluster)."""
+    root = str(tmp_path)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 4, seed=21), groups_per_shard=4)
+    launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
+    run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 1)], launcher=launcher)
+    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 2)], launcher=launcher)
+    assert "on 2 rank(s)" in output and "resuming from step 1" in output, output[-3000:]
+    assert latest_checkpoint(root, "run").step == 2
+
+
+@pytest.mark.slow
+@pytest.mark.integration
 async def test_published_checkpoint_serves_in_vllm(tmp_path):
     """A trained checkpoint of the tied-embedding model (the case that needs an explicit lm_head)
     serves in vLLM with transformers' logprobs, and they are the trained weights', not the base's."""

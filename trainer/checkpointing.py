@@ -37,6 +37,7 @@ from storage.checkpoints import (
 )
 from storage.filesystem import resolve, retrying
 from storage.layout import join
+from trainer.distributed import gather_objects
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +237,11 @@ def resume_state_agreed(state_dir: Path) -> bool:
     apart and the loops soon waiting on each other. That is an error naming the ranks and hosts."""
     latest = state_dir / "latest"
     tag = latest.read_text().strip() if latest.exists() else None
-    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world_size == 1:
         return tag is not None
-    held = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(held, (socket.gethostname(), tag, tag is not None and any((state_dir / tag).glob("*model_states.pt"))))
+    readable = tag is not None and any((state_dir / tag).glob("*model_states.pt"))
+    held = gather_objects((socket.gethostname(), tag, readable), world_size)
     _, authority, _ = held[0]
     if authority is None:
         return False

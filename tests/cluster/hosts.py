@@ -78,9 +78,6 @@ class Cluster:
             time.sleep(0.5)
         raise TimeoutError(f"{name} on {host} still running after {timeout} s:\n{self.log(host, name)[-3000:]}")
 
-    def kill(self, host: str) -> None:
-        self.script("kill", host)
-
     def wait(self, host: str, test: str, what: str, timeout: float, logs: tuple[tuple[str, str], ...] = ()) -> str:
         """Polls the shell test `test` on `host` until it exits 0; its output."""
         deadline = time.monotonic() + timeout

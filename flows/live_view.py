@@ -20,6 +20,8 @@ from prefect.events import emit_event
 from flows.artifacts import Card, artifact_key
 from flows.pipeline_config import Phase, PipelineConfig
 from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, staleness_table
+from storage.layout import split_run_url
+from storage.progress import read_trainer_position
 
 LIVE_INTERVAL_S = 5.0
 LATEST_STEPS = 10
@@ -133,10 +135,13 @@ class RunView:
     artifact, the live card, and the step and staleness tables, each one artifact updated in place."""
 
     def __init__(self, config: PipelineConfig, run: str, work_dir: Path):
+        """`work_dir`: where the pipeline writes its own log (pipeline.jsonl, TensorBoard)."""
         self.config, self.run = config, run
         self.key = artifact_key("pipeline", run)
         self.started = time.monotonic()
-        self.steps = StepLog(work_dir)
+        storage, run_name = split_run_url(config.run)
+        position = read_trainer_position(storage, run_name)
+        self.steps = StepLog(storage, run_name, after_step=position.steps if position else 0)
         self.curve = Curve()
         self.measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
         self.live = Card("markdown", f"{self.key}-live", f"Run {run} as it goes: reward chart, latest steps, served version", interval_s=LIVE_INTERVAL_S)

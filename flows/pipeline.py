@@ -5,8 +5,9 @@
            +-------------------- sampling (bounded staleness: flows.admission) ------+
 
 Reads top to bottom: start the servers and the reload watcher (and the evaluator, when the config
-has one); then each phase: its trainer (a process that resumes the run's state), its rollout flows
-(subflows here, or runs of a deployment on a work pool), watched until the trainer reaches the
+has one); then each phase: its trainer (a process that resumes the run's state, or one flow run per
+node on other hosts: flows.train_node), its rollout flows (subflows here, or runs of a deployment on
+a work pool), watched until the trainer reaches the
 phase's last step; then the rollouts stop (keeping every finished group) and the next phase starts
 on the same run and servers. A cancel or Ctrl-C at any point stops everything the same way: no
 process is left, no committed group is lost, the servers are stopped by the pipeline that started
@@ -33,6 +34,7 @@ from flows.live_view import RunView
 from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
 from core.processes import stop_process
 from flows.rollout import rollout
+from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
@@ -45,9 +47,6 @@ from tasks.rollout import EnvSpec
 from trainer.train import default_work_dir
 
 REPO = Path(__file__).resolve().parents[1]
-# A stopped trainer finishes its step in progress (publish included) first; then SIGKILL, which its
-# resume state survives.
-TRAINER_STOP_S = 120.0
 
 
 @flow(name="pipeline")
@@ -123,14 +122,13 @@ async def run_phase(
     log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
     clear_run_end(storage, run)  # a run its stop rule ended, resumed: its samplers sample again
     view.measured.phase(phase.name, end_step)
-    work_dir = default_work_dir(storage, run)
-    trainer = start_trainer(config, phase, end_step, work_dir)
+    trainer = await start_trainer(config, phase, end_step, default_work_dir(storage, run))
     rollouts = [
         asyncio.ensure_future(phase_rollout(config, phase, end_step, urls, config.model, index))
         for index in range(config.rollout.flows)
     ]
     try:
-        while trainer.poll() is None and not stop_rule_met.done():
+        while (outcome := await trainer.outcome()) is None and not stop_rule_met.done():
             await asyncio.sleep(1.0)
             await view.show_new_steps(phase, log)
             failed = [task for task in rollouts if task.done() and task.exception() is not None]
@@ -138,16 +136,16 @@ async def run_phase(
                 raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
         if stop_rule_met.done():
             log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
-            stop_process(trainer, TRAINER_STOP_S)  # it ends after its step in progress (trainer.stopping)
+            await trainer.stop()  # it ends after its step in progress (trainer.stopping)
             end_run_here(storage, run)
-        elif trainer.returncode != 0:
-            raise RuntimeError(f"phase {phase.name}: the trainer exited with {trainer.returncode}; see {work_dir / 'trainer.log'}")
+        elif outcome:
+            raise RuntimeError(f"phase {phase.name}: {outcome}")
         # The rollout flows end on their own once the trainer took the phase's last groups
         # (or, stopped by the rule, those of the step it ended at).
         await asyncio.wait(rollouts, timeout=60)
         await view.show_new_steps(phase, log)
     finally:
-        stop_process(trainer, TRAINER_STOP_S)
+        await trainer.stop()
         await cancel_and_wait(rollouts)
     await view.show_tables()
 
@@ -209,22 +207,38 @@ def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key:
     return ReloadWatcher(config.run, policies, guard, poll_s=config.servers.reload_poll_s)
 
 
-def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir: Path) -> subprocess.Popen:
-    """`clotho train` as a process of its own (DeepSpeed owns its process), resuming the run's state."""
-    command = [
-        sys.executable, "-m", "trainer.cli", "--run", config.run, "--model", config.model, "--steps", str(end_step),
-        "--data-timeout-s", str(config.data_timeout_s), "--work-dir", str(work_dir),
-    ]  # fmt: skip
-    for override in config.trainer_overrides(phase):
-        command += ["--set", override]
+async def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, work_dir: Path) -> LocalTrainer | NodeRuns:
+    """The phase's trainer, resuming the run's state: one process here, or one flow run per node
+    (config.trainer_nodes)."""
+    if config.trainer_nodes is not None:
+        return await NodeRuns.start(config, phase, end_step)
+    arguments = trainer_arguments(config.run, config.model, end_step, config.trainer_overrides(phase), config.data_timeout_s, work_dir)
     work_dir.mkdir(parents=True, exist_ok=True)
-    log_file = (work_dir / "trainer.log").open("a")
+    log_path = work_dir / "trainer.log"
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Its own process group: a Ctrl-C meant for the pipeline reaches it only through stop_process.
-    try:
-        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=environment, cwd=REPO, start_new_session=True)
-    finally:
-        log_file.close()  # the child holds its own copy
+    with log_path.open("a") as log_file:  # the child holds its own copy
+        process = subprocess.Popen([sys.executable, "-m", "trainer.cli", *arguments], stdout=log_file, stderr=subprocess.STDOUT,
+                                   env=environment, cwd=REPO, start_new_session=True)  # fmt: skip
+    return LocalTrainer(process, log_path)
+
+
+class LocalTrainer:
+    """`clotho train` as a process of its own beside the pipeline (DeepSpeed owns its process)."""
+
+    def __init__(self, process: subprocess.Popen, log_path: Path):
+        self.process, self.log_path = process, log_path
+
+    async def outcome(self) -> str | None:
+        """None while it trains; "" once it ended well; else what failed."""
+        code = self.process.poll()
+        if code is None or code == 0:
+            return None if code is None else ""
+        return f"the trainer exited with {code}; see {self.log_path}"
+
+    async def stop(self) -> None:
+        """It ends after its step in progress (trainer.stopping), then SIGKILL."""
+        stop_process(self.process, TRAINER_STOP_S)
 
 
 async def phase_rollout(config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int) -> Any:

@@ -119,6 +119,32 @@ class RolloutConfig(Strict):
     )
 
 
+class TrainerNodesConfig(Strict):
+    """The trainer on several hosts: one run of `deployment` (flows/train_node.py) per node, each on a
+    work queue that only that node's worker polls, joined by torchrun's rendezvous at node 0. Each
+    node keeps its work dir on its own disk; the steps' metrics reach the pipeline through storage."""
+
+    work_queues: list[str] = Field(
+        min_length=1,
+        description="One per node, node 0 first: the work queue of the deployment's pool whose worker runs on that "
+        "node (`prefect work-queue create Q --pool POOL`, then `prefect worker start --pool POOL --work-queue Q` there).",
+    )
+    rendezvous: str = Field(
+        description="HOST:PORT on node 0 that every node reaches: torchrun's master address (rank 0 runs there).",
+        pattern=r"^[^:/\s]+:\d+$",
+    )
+    procs_per_node: int = Field(default=1, ge=1, description="Trainer ranks per node (its GPUs; 1 on CPU).")
+    work_dir: str | None = Field(
+        default=None,
+        description="The trainer's work dir on each node's own disk (metrics.jsonl, TensorBoard, resume state); "
+        "None: .clotho/trainer/RUN under the node worker's working directory.",
+    )
+    deployment: str = Field(default="train-node/train-node", description="The deployment of flows/train_node.py:train_node (prefect.yaml).")
+    start_timeout_s: float = Field(
+        default=600.0, gt=0, description="How long a node's flow run may wait for its worker before the phase fails."
+    )
+
+
 class EvaluationConfig(Strict):
     env: str = Field(description="The environment whose `evaluate` (greedy, held-out items) gives the curve.")
     config: dict[str, Any] = Field(default_factory=dict)
@@ -140,6 +166,10 @@ class PipelineConfig(Strict):
     servers: ServersConfig = Field(default_factory=ServersConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     evaluation: EvaluationConfig | None = None
+    trainer_nodes: TrainerNodesConfig | None = Field(
+        default=None,
+        description="Run the trainer across hosts, one node per work queue; None runs it as one process beside the pipeline.",
+    )
     data_timeout_s: float = Field(default=600.0, gt=0, description="The trainer gives up after this long without data.")
 
     @model_validator(mode="after")

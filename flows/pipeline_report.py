@@ -1,5 +1,5 @@
-"""What the pipeline shows while it runs and after: the trainer's steps as they land in its
-metrics.jsonl, a progress line per step, the evaluation curve, and the run's summary."""
+"""What the pipeline shows while it runs and after: the trainer's steps as it publishes their
+metrics to the run's storage, a progress line per step, the evaluation curve, and the run's summary."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from trainer.metrics import METRICS_FILE, TENSORBOARD_DIR
+from storage.progress import read_step_metrics
+from trainer.metrics import TENSORBOARD_DIR
 
 # The per-step table's columns (what a person watches in a run), then the rest as logged.
 TABLE_COLUMNS = (
@@ -22,13 +23,18 @@ PIPELINE_LOG = "pipeline.jsonl"
 
 
 class StepLog:
-    """The trainer's metrics.jsonl read as it grows (the trainer runs in another process)."""
+    """The trainer's steps as it finishes them, each step's metrics row read from the run's storage
+    (storage.progress.read_step_metrics): the trainer runs in another process, maybe on other hosts."""
 
     WINDOW = 10
 
-    def __init__(self, work_dir: Path):
-        self.path = work_dir / METRICS_FILE
-        self.offset = self.path.stat().st_size if self.path.exists() else 0  # a resumed run's old steps
+    def __init__(self, storage: str, run: str, *, after_step: int = 0, since: float | None = None):
+        """Rows of steps after `after_step` (a resumed run's old steps are not this run's) written
+        at or after `since` (a row an earlier trainer wrote for a step this one trains again is
+        waited for until this one writes it; None: now)."""
+        self.storage, self.run = storage, run
+        self.next_step = after_step + 1
+        self.since = time.time() if since is None else since
         self.rows: list[dict[str, float]] = []
 
     @property
@@ -36,22 +42,17 @@ class StepLog:
         return int(self.rows[-1]["step"]) if self.rows else 0
 
     def new(self) -> list[dict[str, float]]:
-        """Steps written since the last call (whole lines only)."""
-        if not self.path.exists():
-            return []
-        with self.path.open("rb") as file:
-            file.seek(self.offset)
-            data = file.read()
-        complete = data[: data.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        rows = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
-        for row in rows:
+        """Steps written since the last call, in step order (a read per step, and one that finds none)."""
+        rows = []
+        while (row := read_step_metrics(self.storage, self.run, self.next_step)) is not None and row["time"] >= self.since:
             # Groups per second of wall time over the last WINDOW steps.
             window = self.rows[-self.WINDOW :]
             if window and row["time"] > window[0]["time"]:
                 consumed = row.get("groups_consumed", 0) - window[0].get("groups_consumed", 0)
                 row["groups_per_s"] = consumed / (row["time"] - window[0]["time"])
             self.rows.append(row)
+            rows.append(row)
+            self.next_step += 1
         return rows
 
     def table(self, reloads: dict[int, float] | None = None) -> list[dict[str, Any]]:

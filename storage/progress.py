@@ -6,6 +6,7 @@ run early, the step it ended at.
     {root}/{run}/progress/trainer.json          the trainer's: as it starts, after every read and publish
     {root}/{run}/progress/samplers/{slot}.json  the rollout flow holding the slot, as its counts change
     {root}/{run}/progress/end.json              the pipeline's (`clotho run`), when its stop rule held
+    {root}/{run}/metrics/step-{N:08d}.json      the trainer's metrics of step N (rank 0, after the step)
 
 Each file has one writer. A sampler's file is a slot: a rollout flow that starts takes over a slot
 whose holder closed or died (stopped writing for `DEAD_AFTER_S`), carrying its committed count on,
@@ -13,7 +14,8 @@ and makes a new one only when none is free. So the samplers' directory holds as 
 run ever had flows at once, not one per flow run, and nothing ever removes another part's file.
 Small JSON documents, replaced whole (a PUT on object stores, a rename on local disks), so a reader
 sees the old or the new one, never half. Reading them costs the same at step 10 and at step 10**6:
-none grows with the run's history.
+none grows with the run's history. The step metrics are one small document per step, read by
+name (the next step's) by whoever follows the run from another host (`clotho run` does), never listed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ PROGRESS = "progress"
 TRAINER_FILE = "trainer.json"
 SAMPLERS = "samplers"
 END_FILE = "end.json"
+METRICS = "metrics"
 
 
 @dataclass(frozen=True)
@@ -202,6 +205,21 @@ def clear_run_end(root: str, run: str, *, storage_options: dict[str, Any] | None
     fs, path = resolve(url, storage_options)
     with storage_errors(url), contextlib.suppress(FileNotFoundError):
         fs.rm(path)
+
+
+def step_metrics_url(root: str, run: str, step: int) -> str:
+    return join(run_url(root, run), METRICS, f"step-{step:08d}.json")
+
+
+def write_step_metrics(root: str, run: str, row: dict[str, Any], *, storage_options: dict[str, Any] | None = None) -> None:
+    """Step `row["step"]`'s metrics row (the line the trainer appends to its metrics.jsonl), where a
+    reader on any host finds it: a trainer on other hosts than the pipeline's shares no disk with it."""
+    replace_json(step_metrics_url(root, run, int(row["step"])), row, storage_options)
+
+
+def read_step_metrics(root: str, run: str, step: int, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Step `step`'s metrics row; None before the trainer finished the step."""
+    return _read(step_metrics_url(root, run, step), storage_options)
 
 
 def _load(cls, data: dict[str, Any], where: str):

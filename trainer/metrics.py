@@ -98,14 +98,17 @@ class MetricsLog:
         self._file = self.path.open("a")
         self._tensorboard = SummaryWriter(str(directory / TENSORBOARD_DIR))
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Log step `step`'s metrics; returns the row written to metrics.jsonl."""
         # The wall time goes to the JSON line only: readers measure rates with it.
-        self._file.write(json.dumps({"step": step, **metrics, "time": time.time()}) + "\n")
+        row = {"step": step, **metrics, "time": time.time()}
+        self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         for name, value in metrics.items():
             self._tensorboard.add_scalar(f"train/{name}", value, step)
         self._tensorboard.flush()
         self._trackers.log(metrics, step)
+        return row
 
     def close(self) -> None:
         self._file.close()

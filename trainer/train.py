@@ -24,7 +24,7 @@ from storage.checkpoints import apply_retention
 from storage.filesystem import is_local, resolve
 from storage.layout import run_url
 from storage.ledger import Ledger
-from storage.progress import TrainerPosition, write_trainer_position
+from storage.progress import TrainerPosition, write_step_metrics, write_trainer_position
 from storage.reader import ShardReader
 from trainer.checkpointing import clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
@@ -225,7 +225,9 @@ class TrainingRun:
 
     def record(self, metrics: dict[str, float]) -> None:
         if self.metrics_log is not None:
-            self.metrics_log.write(self.step, metrics)
+            row = self.metrics_log.write(self.step, metrics)
+            # For whoever follows the run from another host (clotho run's progress, its Prefect UI cards).
+            write_step_metrics(self.storage, self.run, row, storage_options=self.storage_options)
             log.info("step %d: %s", self.step, format_metrics(metrics))
 
     def close(self) -> None:

@@ -132,6 +132,7 @@ max_lag: 1
 servers: {{count: 0, urls: [{server}], reload_urls: false}}
 rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
 trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
+trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{c}:29400", work_dir: /tmp/train-loop}}
 phases:
   - name: rl
     steps: 6
@@ -143,21 +144,27 @@ phases:
 
 
 def test_clotho_run_drives_the_cluster(cluster):
-    """`clotho run` on c with a single-machine config's format: its rollout flows are runs of the
-    rollout deployment taken by the workers on c and d, the server on b reloads itself from S3, the
-    trainer runs beside the pipeline on c (one rank)."""
+    """`clotho run` on a with a single-machine config's format and `trainer_nodes`: its rollout flows
+    are runs of the rollout deployment taken by the workers on c and d, the trainer is two nodes,
+    c (rank 0) and d, each a run of the train-node deployment on its own work queue, and the server
+    on b reloads itself from S3. The pipeline follows the trainer through S3 and the Prefect API."""
     c, s3 = cluster, cluster.s3_env()
     api = f"PREFECT_API_URL=http://{c.host('a')}:4200/api"
     server = serve(c, "vllm-loop", 8001, "s3://runs/loop")
-    c.run("c", f"cd $REPO && {api} prefect work-pool create rollout-pool --type process --overwrite > /tmp/deploy.log 2>&1 && {api} prefect --no-prompt deploy --name rollout-pipeline >> /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)",
-          timeout=180)  # from the checkout, as the README deploys  # fmt: skip
+    deploy = (f"{api} prefect work-pool create rollout-pool --type process --overwrite && {api} prefect work-pool create train-pool --type process --overwrite "
+              f"&& {api} prefect work-queue create node-c --pool train-pool && {api} prefect work-queue create node-d --pool train-pool "
+              f"&& {api} prefect --no-prompt deploy --name rollout-pipeline --name train-node")  # fmt: skip
+    c.run("c", f"cd $REPO && ({deploy}) > /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)", timeout=180)  # from the checkout, as the README deploys
     for host in ("c", "d"):
         c.spawn(host, "worker", f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}")
-    config = LOOP_CONFIG.format(server=server)
-    c.run("c", f"cat > /tmp/loop.yaml << 'EOF'\n{config}\nEOF")
-    ran = c.run("c", f"{s3} {api} CLOTHO_API_KEY={KEY} clotho run /tmp/loop.yaml > /tmp/run.log 2>&1; echo exit $?; tail -c 4000 /tmp/run.log",
+        c.spawn(host, "train-worker", f"{s3} {api} exec prefect worker start --pool train-pool --work-queue node-{host} --name trainer-{host}")
+    c.run("a", f"{s3} {FETCH_MODEL}")  # the config names the model by a path every host has
+    config = LOOP_CONFIG.format(server=server, c=c.host("c"))
+    c.run("a", f"cat > /tmp/loop.yaml << 'EOF'\n{config}\nEOF")
+    ran = c.run("a", f"{s3} {api} CLOTHO_API_KEY={KEY} clotho run /tmp/loop.yaml > /tmp/run.log 2>&1; echo exit $?; tail -c 4000 /tmp/run.log",
                 timeout=600, check=False)  # fmt: skip
-    assert "exit 0" in ran.stdout, ran.stdout + c.log("c", "worker")[-2000:] + c.log("d", "worker")[-2000:]
+    workers = "".join(c.log(host, name)[-2000:] for host in ("c", "d") for name in ("worker", "train-worker"))
+    assert "exit 0" in ran.stdout, ran.stdout + workers
 
     # Every step published, each took its 4 groups (and any it skipped as stale), none taken twice,
     # no torn shard: read from the run's files on d, as `make soak` reads them.
@@ -168,8 +175,15 @@ def test_clotho_run_drives_the_cluster(cluster):
     tallied = json.loads(checked.strip().splitlines()[-1])
     assert sorted(map(int, tallied["took"])) == [1, 2, 3, 4, 5, 6] and min(tallied["took"].values()) >= 4, tallied
     assert tallied["twice"] == 0 and not tallied["torn"] and not tallied["regressions"], tallied
-    ran_log = c.run("c", "cat /tmp/run.log").stdout
+    ran_log = c.run("a", "cat /tmp/run.log").stdout
     assert "no reload watcher here" in ran_log, ran_log[-3000:]
+    assert "[rl] step 6/6" in ran_log, ran_log[-3000:]  # the pipeline followed the remote trainer's steps through S3
+    # The trainer ran as two nodes, rank 0 on c: each node's flow run on its own host.
+    for host in ("c", "d"):
+        assert "Completed" in c.log(host, "train-worker"), c.log(host, "train-worker")[-3000:]
+    trained = c.run("c", "cat /tmp/train-loop/trainer-node0.log").stdout
+    assert "on 2 rank(s)" in trained and "step 6:" in trained, trained[-3000:]
+    assert "step 6:" not in c.run("d", "cat /tmp/train-loop/trainer-node1.log").stdout  # rank 0 alone logs the steps
     # The server on b reloaded itself to the newest version; both workers took rollout flows.
     info = c.wait("d", f"curl -sf -m 2 {AUTH} {server}/weight_info | grep -q '\"6\"' && curl -s {AUTH} {server}/weight_info",
                   "the server on b at version 6", 180, (("b", "vllm-loop"),))  # fmt: skip

@@ -7,7 +7,7 @@ import json
 
 from flows.pipeline_report import PipelineLog, StepLog, progress_line, significant, staleness_table
 from inference.watcher import ReloadOutcome
-from trainer.metrics import METRICS_FILE
+from storage.progress import write_step_metrics
 
 
 def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table(tmp_path):
@@ -29,10 +29,9 @@ def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table
     assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tensorboard").iterdir())
 
     rows = [{"step": 1, "score_mean": 0.25, "staleness/0": 2, "time": 1.0}, {"step": 2, "staleness/0": 1, "staleness/1": 3, "time": 2.0}]
-    (tmp_path / METRICS_FILE).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    steps = StepLog(tmp_path / "elsewhere")
-    steps.path = tmp_path / METRICS_FILE
-    steps.offset = 0
+    for row in rows:
+        write_step_metrics(f"file://{tmp_path}", "run", row)
+    steps = StepLog(f"file://{tmp_path}", "run", since=0.0)
     steps.new()
     table = steps.table(measured.reload_s)
     assert [row["step"] for row in table] == [2, 1] and [row["reload_s"] for row in table] == [0.4, 0.7]  # newest first
@@ -49,12 +48,29 @@ def test_numbers_in_the_tables_keep_four_significant_digits():
 
 
 def test_the_step_line_says_step_of_total_and_time_left(tmp_path):
-    steps = StepLog(tmp_path)
-    steps.path, steps.offset = tmp_path / METRICS_FILE, 0
+    steps = StepLog(f"file://{tmp_path}", "run", since=0.0)
     assert steps.seconds_per_step() is None
-    steps.path.write_text("".join(json.dumps({"step": s, "time": 100.0 + 3 * s, "score_mean": 0.5}) + "\n" for s in range(1, 5)))
+    for s in range(1, 5):
+        write_step_metrics(f"file://{tmp_path}", "run", {"step": s, "time": 100.0 + 3 * s, "score_mean": 0.5})
     steps.new()
     assert steps.seconds_per_step() == 3.0
     line = progress_line("rl", steps.rows[-1], 90.0, 24, steps.seconds_per_step())
     assert line.startswith("[rl] step 4/24 reward 0.500 policy v0") and line.endswith("(1.5 min, ~1.0 min left at most)")
     assert progress_line("rl", {"step": 24}, 90.0, 24, 3.0).endswith("(1.5 min)")
+
+
+def test_the_step_log_reads_this_trainers_steps_from_storage_in_order(tmp_path):
+    """What `clotho run` follows on any host: the rows after the step the run resumed at, each
+    once, in step order; a row an earlier trainer wrote for a step trained again is waited for
+    until this trainer writes it."""
+    storage = f"file://{tmp_path}"
+    for step in (1, 2, 3):
+        write_step_metrics(storage, "run", {"step": step, "time": 10.0 + step})  # an earlier trainer's
+    steps = StepLog(storage, "run", after_step=2, since=100.0)
+    assert steps.new() == []  # step 3 is the earlier trainer's: not yet this one's
+    write_step_metrics(storage, "run", {"step": 3, "time": 101.0})
+    write_step_metrics(storage, "run", {"step": 5, "time": 105.0})  # step 4 not written yet
+    assert [row["step"] for row in steps.new()] == [3]
+    write_step_metrics(storage, "run", {"step": 4, "time": 103.0, "groups_consumed": 8})
+    assert [row["step"] for row in steps.new()] == [4, 5] and steps.new() == []
+    assert steps.last_step == 5

@@ -128,7 +128,14 @@ async def run_phase(
         for index in range(config.rollout.flows)
     ]
     try:
-        while (outcome := await trainer.outcome()) is None and not stop_rule_met.done():
+        while not stop_rule_met.done():
+            outcome = await trainer.outcome()
+            if outcome == "" or (outcome and not trainer.restarts_left):
+                break
+            if outcome:
+                log.warning("phase %s: %s; starting the trainer's nodes again (%d more time(s) at most), each from the newest "
+                            "resume state", phase.name, outcome, trainer.restarts_left - 1)  # fmt: skip
+                await trainer.restart()
             await asyncio.sleep(1.0)
             await view.show_new_steps(phase, log)
             failed = [task for task in rollouts if task.done() and task.exception() is not None]
@@ -225,6 +232,8 @@ async def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, wor
 
 class LocalTrainer:
     """`clotho train` as a process of its own beside the pipeline (DeepSpeed owns its process)."""
+
+    restarts_left = 0  # a trainer beside the pipeline that failed fails the phase
 
     def __init__(self, process: subprocess.Popen, log_path: Path):
         self.process, self.log_path = process, log_path

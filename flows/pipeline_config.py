@@ -143,6 +143,11 @@ class TrainerNodesConfig(Strict):
     start_timeout_s: float = Field(
         default=600.0, gt=0, description="How long a node's flow run may wait for its worker before the phase fails."
     )
+    restarts: int = Field(
+        default=3, ge=0,
+        description="Times a phase starts its nodes again after one failed or was lost with its host, each resuming "
+        "from the newest resume state in storage (state_in_storage); 0: the phase fails with the node.",
+    )
 
 
 class EvaluationConfig(Strict):

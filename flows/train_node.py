@@ -35,6 +35,9 @@ REPO = Path(__file__).resolve().parents[1]
 # A stopped trainer finishes its step in progress (publish included) first; then SIGKILL, which its
 # resume state survives.
 TRAINER_STOP_S = 120.0
+# After a node failed, the others' trainers fail within seconds (their peer is gone); a node whose
+# worker has not ended its flow run by then lost its host with it.
+LOST_AFTER_S = 60.0
 LOG_TAIL_CHARS = 3000
 
 
@@ -118,11 +121,17 @@ def forward_lines(path: Path, offset: int, logger) -> int:
 @dataclass
 class NodeRuns:
     """A phase's trainer as `train-node` flow runs, one per work queue (config.trainer_nodes), from
-    the pipeline: started, followed and stopped through the Prefect API, wherever the nodes are."""
+    the pipeline: started, followed, started again after a node failed or was lost (each node
+    resumes from the newest resume state in storage) and stopped, through the Prefect API,
+    wherever the nodes are."""
 
     deployment: str
     work_queues: list[str]
+    parameters: dict[str, Any]
+    phase: str
     start_timeout_s: float
+    restarts_left: int
+    attempt: int = 0
     names: list[str] = field(default_factory=list)
     ids: list[UUID] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
@@ -132,7 +141,6 @@ class NodeRuns:
         """One flow run per node of `config.trainer_nodes` for `phase` up to `end_step`; fails at once,
         naming the fix, when the deployment or a node's work queue is not there."""
         from prefect.client.orchestration import get_client
-        from prefect.deployments import arun_deployment
         from prefect.exceptions import ObjectNotFound
 
         nodes = config.trainer_nodes
@@ -154,24 +162,31 @@ class NodeRuns:
                         f"node {index}'s worker on it: prefect work-queue create {queue} --pool {pool}; "
                         f"prefect worker start --pool {pool} --work-queue {queue}"
                     ) from None
-        runs = cls(nodes.deployment, list(nodes.work_queues), nodes.start_timeout_s)
         parameters = dict(
             run_url=config.run, model=config.model, steps=end_step, nodes=len(nodes.work_queues), rendezvous=nodes.rendezvous,
             procs_per_node=nodes.procs_per_node, overrides=config.trainer_overrides(phase), data_timeout_s=config.data_timeout_s,
             work_dir=nodes.work_dir,
         )  # fmt: skip
-        try:
-            for index, queue in enumerate(nodes.work_queues):
-                name = f"{phase.name}-train-node{index}"
-                flow_run = await arun_deployment(
-                    nodes.deployment, parameters={**parameters, "node_rank": index}, flow_run_name=name, work_queue_name=queue, timeout=0
-                )  # fmt: skip
-                runs.names.append(name)
-                runs.ids.append(flow_run.id)
-        except BaseException:
-            await runs.stop()
-            raise
+        runs = cls(nodes.deployment, list(nodes.work_queues), parameters, phase.name, nodes.start_timeout_s, nodes.restarts)
+        await runs.launch()
         return runs
+
+    async def launch(self) -> None:
+        """A flow run for each node, on its queue (named PHASE-train-nodeI, then -rN on restarts)."""
+        from prefect.deployments import arun_deployment
+
+        self.names, self.ids, self.started = [], [], time.monotonic()
+        try:
+            for index, queue in enumerate(self.work_queues):
+                name = f"{self.phase}-train-node{index}" + (f"-r{self.attempt}" if self.attempt else "")
+                flow_run = await arun_deployment(
+                    self.deployment, parameters={**self.parameters, "node_rank": index}, flow_run_name=name, work_queue_name=queue, timeout=0
+                )  # fmt: skip
+                self.names.append(name)
+                self.ids.append(flow_run.id)
+        except BaseException:
+            await self.stop()
+            raise
 
     async def outcome(self) -> str | None:
         """None while every node trains; "" once all completed; else what failed."""
@@ -189,11 +204,22 @@ class NodeRuns:
                 )
         return "" if all(state is not None and state.is_completed() for state in states) else None
 
-    async def stop(self) -> None:
+    async def restart(self) -> None:
+        """After a node failed or was lost (with restarts left): the others stopped (a node whose
+        worker has not ended it in LOST_AFTER_S is taken for lost with its host and marked crashed),
+        then every node started again, each resuming from the newest resume state in storage."""
+        assert self.restarts_left > 0, "no restart left"
+        self.restarts_left -= 1
+        await self.stop(lost_after_s=LOST_AFTER_S)
+        self.attempt += 1
+        await self.launch()
+
+    async def stop(self, lost_after_s: float = TRAINER_STOP_S + 30) -> None:
         """Cancel the nodes' flow runs still going (each stops its trainer after the step in
-        progress) and wait for them to end."""
+        progress) and wait for them to end; one whose worker has not ended it after `lost_after_s`
+        (its host is gone) is marked crashed."""
         from prefect.client.orchestration import get_client
-        from prefect.states import Cancelled, Cancelling
+        from prefect.states import Cancelled, Cancelling, Crashed
 
         async with get_client() as client:
             going = []
@@ -204,7 +230,10 @@ class NodeRuns:
                 # Not taken by a worker yet: it never starts. Taken: its worker stops it.
                 await client.set_flow_run_state(flow_run_id, Cancelled() if state.is_scheduled() else Cancelling(), force=True)
                 going.append(flow_run_id)
-            deadline = time.monotonic() + TRAINER_STOP_S + 30
+            deadline = time.monotonic() + lost_after_s
             while going and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
                 going = [i for i in going if not (await client.read_flow_run(i)).state.is_final()]
+            for flow_run_id in going:
+                message = f"its worker did not end it within {lost_after_s:.0f} s of its cancel: taken for lost with its host"
+                await client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)

@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from storage.checkpoints import checkpoint_url, fetch_checkpoint, published_steps, read_checkpoint, step_directories, step_name
 from storage.filesystem import list_files, relative, resolve
 from storage.index import id_at, index_shards, list_entries
 from storage.layout import ROLLOUTS, is_hidden, join, parse_shard_name, split_run_url
 from storage.ledger import Ledger
+from storage.progress import read_step_metrics
 from storage.schema import table_to_groups
 from storage.shard_file import ShardInfo, read_shard
 
@@ -179,6 +181,34 @@ def tally(run_url: str, up_to_step: int, groups_per_step: int) -> Tally:
         wrong_steps=training.regressions + wrong,
         orphan_entries=storage.orphan_entries,
     )
+
+
+def run_tally(run_url: str) -> dict[str, Any]:
+    """A `clotho run`'s run checked from its files after it ended: every published step, the groups
+    each took (its ledger less the last's) against the groups it read (its metrics row in storage:
+    trained, skipped as stale, rejected), none taken twice, no torn shard or half checkpoint, no
+    ledger that forgot a group. `lost`: groups a step's ledger holds beyond what the step read
+    (consumed, never trained); `unread`: committed groups no step took, still there for a next one."""
+    root, run = split_run_url(run_url)
+    storage = read_storage(run_url)
+    training = read_training(run_url, storage)
+    torn = list(storage.torn) + unstable_checkpoints(run_url, max(training.steps, default=0))
+    rows = {step: read_step_metrics(root, run, step) for step in training.steps}
+    read = {step: None if row is None else int(row["groups"] + row["stale_groups_skipped"] + row.get("rejected_groups", 0))
+            for step, row in rows.items()}  # fmt: skip
+    counts = training.times_trained()
+    return {
+        "steps": sorted(training.steps),
+        "committed": len(storage.groups),
+        "took": {step: len(taken) for step, taken in training.steps.items()},
+        "read": read,
+        "stale": sum(int(row["stale_groups_skipped"]) for row in rows.values() if row is not None),
+        "lost": sum(max(0, len(taken) - (read[step] or 0)) for step, taken in training.steps.items()),
+        "unread": len(storage.ids - set(counts)),
+        "twice": sum(times > 1 for times in counts.values()),
+        "torn": torn,
+        "regressions": training.regressions,
+    }
 
 
 # ---- the weights: an uninterrupted trainer over the same shards ------------------------------

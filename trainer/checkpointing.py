@@ -5,7 +5,9 @@ Two things with two lifetimes:
   safetensors, config, generation config and tokenizer, read by vLLM and transformers;
 - the resume state `{work_dir}/state/step-{N:08d}/` (local disk): DeepSpeed's model, optimizer and
   scheduler state plus the trainer's own (step, shard ledger, RNG of every rank). The last
-  KEEP_STATES are kept.
+  KEEP_STATES are kept. With `state_in_storage` (by default when the run's storage is remote) it is
+  also copied to `{root}/{run}/trainer-state/` (trainer.state_store), the copy every rank on any
+  host resumes from.
 The state goes with every `state_every`-th checkpoint (every one by default), after it: a trainer
 killed later resumes from the newest state, trains the steps since again and finds their
 checkpoints already published (replay_difference checks it got the same weights).
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import random
 import shutil
 import socket
@@ -37,7 +40,8 @@ from storage.checkpoints import (
 )
 from storage.filesystem import resolve, retrying
 from storage.layout import join
-from trainer.distributed import gather_objects
+from trainer.distributed import broadcast_object, gather_objects
+from trainer.state_store import StateStore
 
 log = logging.getLogger(__name__)
 
@@ -215,17 +219,40 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_resume_state(
-    engine, state_dir: Path, step: int, trainer_state: dict[str, Any], rng_states: list[Any]
+    engine, state_dir: Path, step: int, trainer_state: dict[str, Any], rng_states: list[Any], store: StateStore | None = None
 ) -> None:
     """DeepSpeed checkpoint of step N with `trainer_state` and every rank's RNG (call on every
-    rank); then drop all but the newest KEEP_STATES on rank 0."""
+    rank), copied to `store` when given (each rank its own files, then rank 0 marks it complete);
+    then drop all but the newest KEEP_STATES on rank 0."""
     client_state = {"format": STATE_FORMAT, "trainer": trainer_state, "rng": rng_states}
     engine.save_checkpoint(str(state_dir), tag=step_name(step), client_state=client_state)
-    if torch.distributed.get_rank() == 0:
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if store is not None:
+        uploaded = gather_objects(store.upload(state_dir / step_name(step), rank), world_size)
+        if rank == 0:
+            store.commit(step_name(step), {name: size for files in uploaded for name, size in files.items()}, keep=KEEP_STATES)
+    if rank == 0:
         tags = sorted(p for p in state_dir.glob("step-*") if p.is_dir())
         for old in tags[:-KEEP_STATES]:
             shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
+
+
+def fetch_resume_state(state_dir: Path, store: StateStore) -> str | None:
+    """The newest resume state in `store` into `state_dir` on every host that lacks it (one rank per
+    host fetches; call on every rank), and DeepSpeed's `latest` pointed at it: the state every rank
+    resumes from, even where a newer one was saved locally and never completed in storage. Returns
+    its tag; None (and nothing changed) when the store has none."""
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    stored = broadcast_object(store.latest() if torch.distributed.get_rank() == 0 else None, world_size)
+    if stored is None:
+        return None
+    tag, files = stored
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        store.fetch(tag, files, state_dir)
+    torch.distributed.barrier()
+    return tag
 
 
 def resume_state_agreed(state_dir: Path) -> bool:
@@ -255,10 +282,12 @@ def resume_state_agreed(state_dir: Path) -> bool:
     return True
 
 
-def load_resume_state(engine, state_dir: Path, lr: float) -> dict[str, Any] | None:
+def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | None = None) -> dict[str, Any] | None:
     """Restore the newest resume state into `engine` and this rank's RNG, with learning rate `lr`
     (the config's, not the saved one); returns the trainer state saved with it, or None when
-    `state_dir` has none (a fresh run)."""
+    `state_dir` (and `store`, when given: the state there first fetched into it) has none (a fresh run)."""
+    if store is not None:
+        fetch_resume_state(state_dir, store)
     if not resume_state_agreed(state_dir):
         return None
     path, client_state = engine.load_checkpoint(str(state_dir))

@@ -265,6 +265,12 @@ class TrainerConfig(BaseModel):
         "resumes from the last one and trains the steps since again, from the same groups, to the "
         "checkpoints already published (checked against their stored logprobs).",
     )  # fmt: skip
+    state_in_storage: bool | None = Field(
+        default=None,
+        description="Copy each resume state to the run's storage ({run}/trainer-state) and resume from there, so "
+        "ranks on hosts that share no disk, or a trainer that lost its host, resume; None: when the run's storage "
+        "is not a local disk (a local run keeps its work dir in its storage already).",
+    )  # fmt: skip
     keep_last: int | None = Field(
         default=None, ge=1,
         description="Keep only the last this many published checkpoints (plus every keep_every-th, the "

@@ -31,6 +31,7 @@ from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
+from trainer.state_store import StateStore
 from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.step import StepBatch, build_step
 from trainer.stopping import step_in_progress, stop_if_asked
@@ -108,7 +109,8 @@ class TrainingRun:
         self.engine, *_ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(), config=deepspeed_config(config))
         if config.loss.kl_coef > 0:
             self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
-        saved = load_resume_state(self.engine, self.state_dir, config.lr)
+        self.state_store = StateStore.for_run(storage, run, config.state_in_storage, storage_options)
+        saved = load_resume_state(self.engine, self.state_dir, config.lr, self.state_store)
         self.step = self.state_step = saved["step"] if saved else 0  # state_step: of the newest resume state
         self.policy_version = saved["policy_version"] if saved else 0  # the newest published step
         self.totals |= (saved or {}).get("totals", {})
@@ -213,7 +215,7 @@ class TrainingRun:
         if step % config.resume_state_every == 0 or step == config.steps:
             trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals}
             state_started = time.monotonic()
-            save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size))
+            save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size), self.state_store)
             costs["save_state_s"] = time.monotonic() - state_started
             self.state_step = step
         if url is not None:

@@ -3,7 +3,10 @@ each host its own address, loopback, hostname, /tmp and a read-only checkout).""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -91,3 +94,106 @@ class Cluster:
 
     def s3_env(self) -> str:
         return " ".join((*S3_CREDENTIALS, f"AWS_ENDPOINT_URL=http://{self.host('a')}:5000"))
+
+    def api_env(self) -> str:
+        return f"PREFECT_API_URL=http://{self.host('a')}:4200/api"
+
+    def kill(self, host: str) -> None:
+        """Every process on `host` killed at once (SIGKILL): the host lost. Its /tmp, its disk, stays."""
+        done = self.script("kill", host)
+        if done.returncode != 0:
+            raise RuntimeError(f"kill {host}: {done.stderr}")
+
+    def stop(self, host: str, name: str, timeout: float = 60) -> None:
+        """What spawn(host, name, ...) started, stopped (SIGTERM) and waited for."""
+        pid = int((self.root / host / "tmp" / f"{name}.pid").read_text())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        self.wait_exit(host, name, timeout)
+
+
+# The policy server's API key: the servers listen on the bridge, not on loopback.
+KEY = "cluster-key"
+AUTH = f"-H 'Authorization: Bearer {KEY}'"
+FETCH_MODEL = "python -c \"import fsspec; fsspec.filesystem('s3').get('s3://models/tiny', '/tmp/model', recursive=True)\""
+
+
+def start_shared_services(c: Cluster) -> None:
+    """On a, the Prefect server and the S3 API; the model, built on c, in S3 and fetched from
+    there by a, b and d (each host its own copy at /tmp/model)."""
+    a, s3 = c.host("a"), c.s3_env()
+    c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
+                            "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
+    c.spawn("a", "s3", "exec moto_server -H 0.0.0.0 -p 5000")
+    c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
+    c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
+               "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
+               "fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', 's3://models/tiny', recursive=True)\"")  # fmt: skip
+    for host in ("a", "b", "d"):
+        c.run(host, f"{s3} {FETCH_MODEL}")
+    c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
+
+
+def serve(c: Cluster, name: str, port: int, run: str) -> str:
+    """`clotho serve` on b behind the key, its watcher reloading `run` from S3; its URL."""
+    b = c.host("b")
+    c.spawn("b", name, f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
+                       f"--model /tmp/model --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
+    c.wait("c", f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null", f"the policy server {name} on b", 300, (("b", name),))
+    return f"http://{b}:{port}"
+
+
+def deploy_loop(c: Cluster) -> None:
+    """From the checkout, as the README deploys: the rollout and train pools, a work queue per
+    trainer node (node-c, node-d), the rollout-pipeline and train-node deployments."""
+    api = c.api_env()
+    commands = [
+        "prefect work-pool create rollout-pool --type process --overwrite", "prefect work-pool create train-pool --type process --overwrite",
+        "prefect work-queue create node-c --pool train-pool", "prefect work-queue create node-d --pool train-pool",
+        "prefect --no-prompt deploy --name rollout-pipeline --name train-node",
+    ]  # fmt: skip
+    deploy = " && ".join(f"{api} {command}" for command in commands)
+    c.run("c", f"cd $REPO && ({deploy}) > /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)", timeout=180)
+
+
+def start_workers(c: Cluster, host: str, suffix: str = "") -> None:
+    """On `host`: a worker of the rollout pool (one flow run at a time) and the worker of its
+    trainer node's queue; logs worker{suffix}.log and train-worker{suffix}.log."""
+    s3, api = c.s3_env(), c.api_env()
+    c.spawn(host, f"worker{suffix}", f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}")
+    c.spawn(host, f"train-worker{suffix}", f"{s3} {api} exec prefect worker start --pool train-pool --work-queue node-{host} --name trainer-{host}")
+
+
+# `clotho run`'s config across the cluster: the server on b, rollout flows on c and d, the trainer
+# as two nodes, c (rank 0) and d.
+LOOP_CONFIG = """
+run: {run}
+model: /tmp/model
+max_lag: 1
+servers: {{count: 0, urls: [{server}], reload_urls: false}}
+rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
+trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
+trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{c}:29400", work_dir: /tmp/train-{name}}}
+phases:
+  - name: rl
+    steps: {steps}
+    environments:
+      - env: compare
+        config: {{max_value: 9, group_size: 8, max_tokens: 4, temperature: 1.0, seed: 7}}
+    trainer: {{groups_per_step: 4}}
+"""
+
+
+def loop_config(c: Cluster, run: str, server: str, steps: int) -> str:
+    return LOOP_CONFIG.format(run=run, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps)
+
+
+
+def tally(c: Cluster, run_url: str) -> dict:
+    """soak.checks.run_tally of the run, read on d from S3 (JSON keys: steps as strings made ints)."""
+    out = c.run("d", f"{c.s3_env()} PYTHONPATH=$REPO python -c \"import json; from soak.checks import run_tally; "
+                     f"print(json.dumps(run_tally('{run_url}')))\"").stdout  # fmt: skip
+    tallied = json.loads(out.strip().splitlines()[-1])
+    for key in ("took", "read"):
+        tallied[key] = {int(step): value for step, value in tallied[key].items()}
+    return tallied

@@ -15,49 +15,26 @@ import urllib.request
 
 import pytest
 
-from tests.cluster.hosts import Cluster, unavailable
+from tests.cluster.hosts import AUTH, KEY, Cluster, deploy_loop, loop_config, serve, start_shared_services, start_workers, tally, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-KEY = "cluster-key"
-AUTH = f"-H 'Authorization: Bearer {KEY}'"
 RUN = "s3://runs/demo"
-FETCH_MODEL = "python -c \"import fsspec; fsspec.filesystem('s3').get('s3://models/tiny', '/tmp/model', recursive=True)\""
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """The cluster with its shared services up: on a, the Prefect server and the S3 API; the model,
-    built on c, in S3 and fetched from there by b and d."""
+    """The cluster with its shared services up (Prefect and S3 on a, the model on every host)."""
     if reason := unavailable():
         pytest.skip(f"no cluster on this machine: {reason}")
     c = Cluster(f"ct{os.getpid() % 100000}")
     c.down()  # a cluster left by a killed run of this name
     c.up()
     try:
-        a, s3 = c.host("a"), c.s3_env()
-        c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
-                                "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
-        c.spawn("a", "s3", "exec moto_server -H 0.0.0.0 -p 5000")
-        c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
-        c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
-                   "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
-                   "fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', 's3://models/tiny', recursive=True)\"")  # fmt: skip
-        for host in ("b", "d"):
-            c.run(host, f"{s3} {FETCH_MODEL}")
-        c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
+        start_shared_services(c)
         yield c
     finally:
         c.down()
-
-
-def serve(c: Cluster, name: str, port: int, run: str) -> str:
-    """`clotho serve` on b behind the key, its watcher reloading `run` from S3; its URL."""
-    b = c.host("b")
-    c.spawn("b", name, f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
-                       f"--model /tmp/model --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
-    c.wait("c", f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null", f"the policy server {name} on b", 300, (("b", name),))
-    return f"http://{b}:{port}"
 
 
 def answers(url: str, body: bytes) -> bool:
@@ -70,13 +47,13 @@ def answers(url: str, body: bytes) -> bool:
         return False
 
 
-def two_node_trainer(c: Cluster, name: str, port: int, steps: int) -> None:
+def two_node_trainer(c: Cluster, name: str, port: int, steps: int, settings: str = "") -> None:
     """`clotho train` up to `steps` as two nodes of one rank each, c (rank 0, the rendezvous) and
     d, each with its work dir in its own /tmp; returns once both ended."""
     for rank, host in enumerate(("c", "d")):
         c.spawn(host, name, f"{c.s3_env()} exec torchrun --nnodes 2 --node-rank {rank} --nproc-per-node 1 --master-addr {c.host('c')} "
                             f"--master-port {port} -m trainer.cli -- --run {RUN} --model /tmp/model --steps {steps} --work-dir /tmp/work "
-                            "--set groups_per_step=4 --set lr=1e-4 --data-timeout-s 120")  # fmt: skip
+                            f"--set groups_per_step=4 --set lr=1e-4 --set max_staleness=4 --data-timeout-s 120 {settings}")  # fmt: skip
     for host in ("c", "d"):
         c.wait_exit(host, name, 300)
 
@@ -96,8 +73,8 @@ def test_the_loops_parts_across_four_hosts(cluster):
 
     # Rollouts on c: the Prefect API on a, the server on b, shards to S3 on a.
     rollout = c.run("c", f"{s3} PREFECT_API_URL=http://{a}:4200/api clotho rollout --run {RUN} --server {server} "
-                         f"--api-key {KEY} --env compare --set group_size=8 --set max_tokens=4 --groups 8 --tokenizer /tmp/model", timeout=300)  # fmt: skip
-    assert "'groups': 8, 'failures': 0" in rollout.stdout + rollout.stderr, rollout.stdout[-2000:]
+                         f"--api-key {KEY} --env compare --set group_size=8 --set max_tokens=4 --groups 12 --tokenizer /tmp/model", timeout=300)  # fmt: skip
+    assert "'groups': 12, 'failures': 0" in rollout.stdout + rollout.stderr, rollout.stdout[-2000:]
 
     # The trainer on c and d: two nodes, one rank each, rendezvous at c over the bridge.
     two_node_trainer(c, "train", 29500, steps=2)
@@ -107,40 +84,28 @@ def test_the_loops_parts_across_four_hosts(cluster):
         ours = [line for line in c.log(host, "train").splitlines() if "elastic/agent/server/api.py" not in line]
         assert not any("Traceback" in line for line in ours), "\n".join(ours[-60:])
 
-    # Resumed on the same two hosts, which share no disk: rank 0 holds the resume state, rank 1 does
-    # not, and both stop with an error that says so (not rank 1 training afresh from the base weights).
-    two_node_trainer(c, "resume", 29501, steps=3)
+    # Resumed on the same two hosts, which share no disk. With the resume state only on the nodes'
+    # disks, rank 0 holds it and rank 1 does not: both stop with an error that says so (not rank 1
+    # training afresh from the base weights). With the copy in S3 (the default for a run in S3),
+    # d fetches it and both resume from step 2.
+    two_node_trainer(c, "resume-local", 29501, steps=3, settings="--set state_in_storage=false")
     for host in ("c", "d"):
-        said = " ".join(re.sub(r"\[rank\d\]: ", "", c.log(host, "resume")).split())  # rich wraps the message, torchrun prefixes lines
+        said = " ".join(re.sub(r"\[rank\d\]: ", "", c.log(host, "resume-local")).split())  # rich wraps the message, torchrun prefixes lines
         assert f"rank 0 on {c.host('c')} resumes from step-00000002, which rank 1 on {c.host('d')} cannot read there" in said, said[-3000:]
+    two_node_trainer(c, "resume", 29502, steps=3)
+    resumed = {host: c.log(host, "resume") for host in ("c", "d")}
+    assert "resuming from step 2 to 3 on 2 rank(s)" in resumed["c"] and f"published {RUN}/checkpoints/step-00000003" in resumed["c"], resumed["c"][-3000:]
+    assert "resume state step-00000002 fetched" in resumed["d"] and "fetched" not in resumed["c"], resumed["d"][-3000:]
 
-    # b's watcher fetched the checkpoint from S3 and reloaded it: the server serves version 2.
-    info = c.wait("d", f"curl -sf -m 2 {AUTH} {server}/weight_info | grep -q '\"2\"' && curl -s {AUTH} {server}/weight_info",
-                  "the server on b at version 2", 180, (("b", "vllm"),))  # fmt: skip
-    assert json.loads(info)["weight_version"] == "2"
-    # The two steps took the rollout's 8 groups, 4 each, none skipped as stale.
+    # b's watcher fetched each checkpoint from S3 and reloaded it: the server serves version 3.
+    info = c.wait("d", f"curl -sf -m 2 {AUTH} {server}/weight_info | grep -q '\"3\"' && curl -s {AUTH} {server}/weight_info",
+                  "the server on b at version 3", 180, (("b", "vllm"),))  # fmt: skip
+    assert json.loads(info)["weight_version"] == "3"
+    # The three steps took the rollout's 12 groups, 4 each, none skipped as stale.
     position = c.run("d", f"{s3} python -c \"from dataclasses import asdict; from storage.progress import read_trainer_position; "
                           f"import json; print(json.dumps(asdict(read_trainer_position('s3://runs', 'demo'))))\"").stdout  # fmt: skip
-    assert json.loads(position.strip().splitlines()[-1])["groups_consumed"] == 8, position
-    assert trained.count("stale_groups_skipped=0") == 2, trained[-3000:]
-
-
-LOOP_CONFIG = """
-run: s3://runs/loop
-model: /tmp/model
-max_lag: 1
-servers: {{count: 0, urls: [{server}], reload_urls: false}}
-rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
-trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
-trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{c}:29400", work_dir: /tmp/train-loop}}
-phases:
-  - name: rl
-    steps: 6
-    environments:
-      - env: compare
-        config: {{max_value: 9, group_size: 8, max_tokens: 4, temperature: 1.0, seed: 7}}
-    trainer: {{groups_per_step: 4}}
-"""
+    assert json.loads(position.strip().splitlines()[-1])["groups_consumed"] == 12, position
+    assert trained.count("stale_groups_skipped=0") == 2 and resumed["c"].count("stale_groups_skipped=0") == 1, trained[-3000:]
 
 
 def test_clotho_run_drives_the_cluster(cluster):
@@ -149,32 +114,22 @@ def test_clotho_run_drives_the_cluster(cluster):
     c (rank 0) and d, each a run of the train-node deployment on its own work queue, and the server
     on b reloads itself from S3. The pipeline follows the trainer through S3 and the Prefect API."""
     c, s3 = cluster, cluster.s3_env()
-    api = f"PREFECT_API_URL=http://{c.host('a')}:4200/api"
     server = serve(c, "vllm-loop", 8001, "s3://runs/loop")
-    deploy = (f"{api} prefect work-pool create rollout-pool --type process --overwrite && {api} prefect work-pool create train-pool --type process --overwrite "
-              f"&& {api} prefect work-queue create node-c --pool train-pool && {api} prefect work-queue create node-d --pool train-pool "
-              f"&& {api} prefect --no-prompt deploy --name rollout-pipeline --name train-node")  # fmt: skip
-    c.run("c", f"cd $REPO && ({deploy}) > /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)", timeout=180)  # from the checkout, as the README deploys
+    deploy_loop(c)
     for host in ("c", "d"):
-        c.spawn(host, "worker", f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}")
-        c.spawn(host, "train-worker", f"{s3} {api} exec prefect worker start --pool train-pool --work-queue node-{host} --name trainer-{host}")
-    c.run("a", f"{s3} {FETCH_MODEL}")  # the config names the model by a path every host has
-    config = LOOP_CONFIG.format(server=server, c=c.host("c"))
-    c.run("a", f"cat > /tmp/loop.yaml << 'EOF'\n{config}\nEOF")
-    ran = c.run("a", f"{s3} {api} CLOTHO_API_KEY={KEY} clotho run /tmp/loop.yaml > /tmp/run.log 2>&1; echo exit $?; tail -c 4000 /tmp/run.log",
+        start_workers(c, host)
+    c.run("a", f"cat > /tmp/loop.yaml << 'EOF'\n{loop_config(c, 's3://runs/loop', server, 6)}\nEOF")
+    ran = c.run("a", f"{s3} {c.api_env()} CLOTHO_API_KEY={KEY} clotho run /tmp/loop.yaml > /tmp/run.log 2>&1; echo exit $?; tail -c 4000 /tmp/run.log",
                 timeout=600, check=False)  # fmt: skip
     workers = "".join(c.log(host, name)[-2000:] for host in ("c", "d") for name in ("worker", "train-worker"))
     assert "exit 0" in ran.stdout, ran.stdout + workers
 
-    # Every step published, each took its 4 groups (and any it skipped as stale), none taken twice,
-    # no torn shard: read from the run's files on d, as `make soak` reads them.
-    checked = c.run("d", f"{s3} PYTHONPATH=$REPO python -c \"import json; from soak.checks import read_storage, read_training; "
-                         "s = read_storage('s3://runs/loop'); t = read_training('s3://runs/loop', s); "
-                         "print(json.dumps({'committed': len(s.groups), 'torn': s.torn, 'regressions': t.regressions, "
-                         "'took': {k: len(v) for k, v in t.steps.items()}, 'twice': sum(n > 1 for n in t.times_trained().values())}))\"").stdout  # fmt: skip
-    tallied = json.loads(checked.strip().splitlines()[-1])
-    assert sorted(map(int, tallied["took"])) == [1, 2, 3, 4, 5, 6] and min(tallied["took"].values()) >= 4, tallied
-    assert tallied["twice"] == 0 and not tallied["torn"] and not tallied["regressions"], tallied
+    # Every step published, each took the 4 groups it trained and any it skipped as stale (no group
+    # consumed untrained), none taken twice, no torn shard: read from the run's files on d, as
+    # `make soak` reads them.
+    tallied = tally(c, "s3://runs/loop")
+    assert tallied["steps"] == [1, 2, 3, 4, 5, 6] and all(tallied["took"][step] == tallied["read"][step] >= 4 for step in tallied["took"]), tallied
+    assert tallied["lost"] == tallied["twice"] == 0 and not tallied["torn"] and not tallied["regressions"], tallied
     ran_log = c.run("a", "cat /tmp/run.log").stdout
     assert "no reload watcher here" in ran_log, ran_log[-3000:]
     assert "[rl] step 6/6" in ran_log, ran_log[-3000:]  # the pipeline followed the remote trainer's steps through S3

@@ -6,6 +6,7 @@ fails fails its flow run with the trainer's own words. The run across hosts: tes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -28,11 +29,13 @@ async def deploy(queues: list[str]) -> None:
     """The train-node deployment on a process pool with these work queues, as prefect.yaml deploys it."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectAlreadyExists
 
     async with get_client() as client:
         await client.create_work_pool(WorkPoolCreate(name="train-pool", type="process"), overwrite=True)
         for queue in queues:
-            await client.create_work_queue(queue, work_pool_name="train-pool")
+            with contextlib.suppress(ObjectAlreadyExists):  # the server is the session's
+                await client.create_work_queue(queue, work_pool_name="train-pool")
         flow_id = await client.create_flow_from_name("train-node")
         await client.create_deployment(flow_id, "train-node", work_pool_name="train-pool", entrypoint="flows/train_node.py:train_node")
 
@@ -79,9 +82,41 @@ def test_a_node_whose_trainer_fails_fails_with_the_trainers_words(prefect_server
     and the node's flow run fails with that, its log beside the work dir."""
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         with pytest.raises(RuntimeError) as failed:
-            train_node(run_url=f"file://{tmp_path}/storage/run", model=str(tmp_path / "no-model"), steps=1, nodes=1, node_rank=0,
+            train_node(run_url=f"file://{tmp_path}/storage/run", model="/no-such-model", steps=1, nodes=1, node_rank=0,
                        rendezvous="127.0.0.1:29431", work_dir=str(tmp_path / "work"))  # fmt: skip
     said = str(failed.value)
     assert said.startswith("trainer node 0 on ") and "exited with" in said, said
-    assert "--model" in said and "no-model" in said, said  # the trainer's own error, from its log
+    assert "Invalid value for --model" in said and "'/no-such-model' does not exist" in said, said  # the trainer's own words, from its log
     assert (tmp_path / "work" / "trainer-node0.log").exists()
+
+
+def test_after_a_node_failed_the_lost_one_is_marked_crashed_and_every_node_starts_again(prefect_server, tmp_path, monkeypatch):
+    """Node 1 failed (its peer's host went away); node 0 still shows Running, since its host and
+    its worker are gone: it is cancelled, marked crashed when no worker ends it, and both nodes
+    start again as new flow runs on their queues, while restarts are left."""
+    import flows.train_node
+    from prefect.client.orchestration import get_client
+    from prefect.states import Failed, Running
+
+    monkeypatch.setattr(flows.train_node, "LOST_AFTER_S", 1.0)
+
+    async def scenario() -> tuple[list[str], list[str], str, int, str]:
+        await deploy(["node-a", "node-b"])
+        runs = await NodeRuns.start(config(tmp_path, restarts=1), config(tmp_path).phases[0], 3)
+        first = list(runs.ids)
+        async with get_client() as client:
+            await client.set_flow_run_state(first[0], Running(), force=True)
+            await client.set_flow_run_state(first[1], Failed(message="Connection closed by peer"), force=True)
+        said = await runs.outcome()
+        await runs.restart()
+        async with get_client() as client:
+            old = [(await client.read_flow_run(i)).state for i in first]
+        names = list(runs.names)
+        await runs.stop()
+        return [s.type.value for s in old], names, said, runs.restarts_left, old[0].message
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        old, names, said, left, message = asyncio.run(scenario())
+    assert said == "trainer node flow run rl-train-node1 ended FAILED: Connection closed by peer", said
+    assert old == ["CRASHED", "FAILED"] and "taken for lost with its host" in message, (old, message)
+    assert names == ["rl-train-node0-r1", "rl-train-node1-r1"] and left == 0

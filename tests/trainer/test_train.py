@@ -298,16 +298,24 @@ def test_two_ranks_train_and_publish(tmp_path, tiny_model_dir):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_two_ranks_sharing_a_work_dir_resume_together(tmp_path, tiny_model_dir):
+def test_two_ranks_resume_together_from_a_shared_work_dir_or_from_storage_on_a_new_disk(tmp_path, tiny_model_dir):
     """Both ranks read rank 0's resume state (one work dir on a disk they share) and go on from it;
-    ranks on hosts that share none stop with an error instead (tests/cluster)."""
+    on a disk that has none (a new host's), from the copy in the run's storage (state_in_storage):
+    one rank per host fetches it. Ranks on hosts that share no disk and have no copy in storage stop
+    with an error instead (tests/cluster)."""
     root = str(tmp_path)
-    write_shards(root, "run", sampled_groups(tiny_model_dir, 4, seed=21), groups_per_shard=4)
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 6, seed=21), groups_per_shard=6)
     launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
-    run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 1)], launcher=launcher)
-    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 2)], launcher=launcher)
+    disk, new_disk = ["--work-dir", str(tmp_path / "host-c")], ["--work-dir", str(tmp_path / "host-d")]
+    run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 1, "state_in_storage=true", "max_staleness=8"), *disk], launcher=launcher)
+    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 2, "state_in_storage=true", "max_staleness=8"), *disk], launcher=launcher)
     assert "on 2 rank(s)" in output and "resuming from step 1" in output, output[-3000:]
-    assert latest_checkpoint(root, "run").step == 2
+    assert "fetched" not in output  # its own disk had it whole
+    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 3, "state_in_storage=true", "max_staleness=8"), *new_disk], launcher=launcher)
+    assert output.count("resume state step-00000002 fetched") == 1 and "resuming from step 2" in output, output[-3000:]
+    assert latest_checkpoint(root, "run").step == 3
+    assert read_trainer_position(root, "run").groups_consumed == 6  # each group once across the three
+    assert (tmp_path / "run" / "trainer-state" / "LATEST").read_text() == "step-00000003"
 
 
 @pytest.mark.slow

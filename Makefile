@@ -7,7 +7,7 @@ PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup adapters demo test test-fast cluster-test bench soak docs clean-venvs
+.PHONY: setup adapters demo test test-fast cluster-test cluster-trials bench soak docs clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -78,6 +78,11 @@ test-fast: $(VENV)/.installed
 # part of `make test`, alone here.
 cluster-test: setup
 	$(VENV)/bin/python -m pytest tests/cluster $(PYTEST_ARGS)
+
+# Host-loss trials on that cluster (soak/host_loss.py): clotho run across it, host c killed whole at a
+# random moment, 5 trials; prints the table (about 20 minutes on 2 cores).
+cluster-trials: setup
+	$(VENV)/bin/python -m soak.host_loss $(TRIALS_ARGS)
 
 bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_storage.py

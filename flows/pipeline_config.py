@@ -117,6 +117,11 @@ class RolloutConfig(Strict):
         description="Run the rollout flows as runs of this deployment ('rollout/NAME', see prefect.yaml) on its "
         "work pool, so workers on other machines add capacity; None runs them in the pipeline's process.",
     )
+    restarts: int = Field(
+        default=3, ge=0,
+        description="With a deployment: times each rollout flow run is started again after it crashed or was lost with "
+        "its host (still Running, its sampler silent for a minute: it is marked crashed first).",
+    )
 
 
 class TrainerNodesConfig(Strict):

@@ -45,7 +45,16 @@ def init_distributed() -> tuple[int, int]:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+    for attempt in range(3):
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo", verbose=False)
+            break
+        except torch.distributed.DistNetworkError as error:
+            # The free port this process chose was taken before it listened (another process,
+            # between free_port and the bind): choose again. A launcher's port is not ours to change.
+            if given or "EADDRINUSE" not in str(error) or attempt == 2:
+                raise
+            os.environ["MASTER_PORT"] = str(free_port())
     return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 

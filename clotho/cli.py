@@ -96,7 +96,7 @@ def _interrupt(*_) -> None:
 
 @app.command()
 def serve(
-    model: str = typer.Option(..., help="Local model directory or Hugging Face model id."),
+    model: str = typer.Option(..., help="Local model directory, storage URL of one (s3://...) or Hugging Face model id."),
     port: int = typer.Option(8000, min=1, max=65535, help="Port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback needs --api-key."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key the server requires."),
@@ -117,6 +117,9 @@ def serve(
     from inference.server import PolicyServer, ServerStartError
 
     check_model(model)
+    from storage.models import local_model
+
+    model = local_model(model)  # a model in storage: this host's copy, fetched once
     if dtype not in SERVER_DTYPES:
         raise typer.BadParameter(f"{dtype!r}: use one of {', '.join(SERVER_DTYPES)}", param_hint="--dtype")
     if run:

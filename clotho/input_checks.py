@@ -27,7 +27,14 @@ def check_tokenizer(tokenizer: str, option: str = "--tokenizer") -> str:
     only (loading it would cost seconds the flow spends anyway)."""
     from trainer.config import is_hub_id
 
+    from storage.models import check_model_url, is_model_url
+
     fix = "give the policy model's directory or Hugging Face id (by default, the model the server serves)"
+    if is_model_url(tokenizer):
+        try:
+            return check_model_url(tokenizer)
+        except ValueError as error:
+            raise typer.BadParameter(str(error), param_hint=option) from None
     path = Path(tokenizer).expanduser()
     if path.is_dir():
         if not any((path / name).is_file() for name in TOKENIZER_FILES):

@@ -42,6 +42,7 @@ from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.layout import split_run_url
+from storage.models import local_model
 from storage.progress import DEAD_AFTER_S, clear_run_end, groups_committed, read_sampler_positions, read_trainer_position, write_run_end
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec
@@ -93,10 +94,14 @@ async def start_services(
     """The policy servers, the reload watcher and the evaluator, each stopped when `stack` closes;
     returns the servers' URLs (the pipeline's own first)."""
     stack.callback(view.measured.close)
-    servers = await start_servers(config, api_key, log)
+    # The model here, for what loads it here (servers, the watcher's parity check, the evaluator);
+    # the trainer and rollout flows, maybe on other hosts, each fetch a model URL themselves.
+    loads_here = config.servers.count or (config.servers.reload_urls and config.servers.urls) or config.evaluation is not None
+    model = await asyncio.to_thread(local_model, config.model) if loads_here else config.model
+    servers = await start_servers(config, model, api_key, log)
     stack.callback(stop_servers, servers)
     urls = [server.base_url for server in servers] + list(config.servers.urls)
-    watcher = reload_watcher(config, servers, api_key)
+    watcher = reload_watcher(config, model, servers, api_key)
     if watcher is not None:
         stop_watching = asyncio.Event()
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
@@ -105,7 +110,7 @@ async def start_services(
         log.info("no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls))
     if config.evaluation is not None:
         evaluating = asyncio.ensure_future(
-            evaluate_versions(config, urls[0], api_key, config.model, view.curve, view.measured, view.started, log, stop_rule_met)
+            evaluate_versions(config, urls[0], api_key, model, view.curve, view.measured, view.started, log, stop_rule_met)
         )
         stack.push_async_callback(cancel_and_wait, [evaluating])
     return urls
@@ -171,11 +176,11 @@ def run_summary(config: PipelineConfig, view: RunView, storage: str, run: str, s
     return summary
 
 
-async def start_servers(config: PipelineConfig, api_key: str | None, log) -> list[PolicyServer]:
-    """The pipeline's own policy servers, started at once (in parallel) on the initial model."""
+async def start_servers(config: PipelineConfig, model: str, api_key: str | None, log) -> list[PolicyServer]:
+    """The pipeline's own policy servers, started at once (in parallel) on the initial model (`model`: its local directory)."""
     servers = [
         PolicyServer(
-            config.model, api_key=api_key, dtype=config.servers.dtype,
+            model, api_key=api_key, dtype=config.servers.dtype,
             max_model_len=config.servers.max_model_len,
         )  # fmt: skip
         for _ in range(config.servers.count)
@@ -203,16 +208,16 @@ def end_run_here(storage: str, run: str) -> None:
         write_run_end(storage, run, position.steps)
 
 
-def reload_watcher(config: PipelineConfig, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher | None:
+def reload_watcher(config: PipelineConfig, model: str, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher | None:
     """The watcher of the pipeline's own servers and of servers.urls unless they reload themselves;
-    None when it would watch none."""
+    None when it would watch none. `model`: the initial model's local directory."""
     mode = config.servers.reload_mode
     policies = [ServedPolicy.of(server, reload_mode=mode) for server in servers]
     if config.servers.reload_urls:
-        policies += [ServedPolicy(url.rstrip("/"), Path(config.model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
+        policies += [ServedPolicy(url.rstrip("/"), Path(model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
     if not policies:
         return None
-    guard = ParityGuard.for_model(config.model, dtype=config.servers.dtype)
+    guard = ParityGuard.for_model(model, dtype=config.servers.dtype)
     return ReloadWatcher(config.run, policies, guard, poll_s=config.servers.reload_poll_s)
 
 

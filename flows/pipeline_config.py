@@ -164,7 +164,10 @@ class EvaluationConfig(Strict):
 
 class PipelineConfig(Strict):
     run: str = Field(description="Run URL STORAGE_URL/RUN: shards, checkpoints and progress of the run.")
-    model: str = Field(description="The initial policy: a Hugging Face model directory (or hub id where reachable).")
+    model: str = Field(
+        description="The initial policy: a Hugging Face model directory, a storage URL of one (s3://bucket/models/NAME: "
+        "each host's parts fetch their own copy, storage.models) or a hub id where reachable."
+    )
     max_lag: int = Field(
         default=1,
         ge=0,

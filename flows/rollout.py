@@ -20,6 +20,7 @@ from flows.admission import Admission
 from flows.group_store import GroupStore, Results
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import split_run_url
+from storage.models import local_model
 from tasks.api_key import resolve_api_key
 from tasks.rollout import EnvSpec, check_servers, collect_lane, collect_one, ensure_server_limits, environment_for, hand_over_to
 
@@ -69,6 +70,7 @@ async def rollout(
     """
     log = get_run_logger()
     storage, run = split_run_url(run_url)
+    tokenizer = await asyncio.to_thread(local_model, tokenizer)  # a model in storage: this host's copy
     specs = checked_specs(environments, servers, max_concurrent_groups, server_concurrency, task_run_s)
     api_key = await resolve_api_key(api_key_secret)
     await check_servers(servers, api_key)

@@ -61,6 +61,10 @@ def train_command(
         raise typer.BadParameter(f"not valid YAML ({' '.join(str(error).split())}); fix the file", param_hint="--config") from None
     except ValueError as error:  # an --set that does not apply, a file that is not a mapping
         raise typer.BadParameter(str(error), param_hint="--set") from None
+    from storage.models import local_model
+
+    # A model in storage: this host's copy, fetched once (storage.models).
+    trainer_config = trainer_config.model_copy(update={"model": local_model(trainer_config.model)})
     try:
         check_run_tokenizer(storage, run_name, trainer_config.model)
     except TokenizerMismatchError as error:

@@ -26,9 +26,14 @@ def is_hub_id(name: str) -> bool:
 
 
 def check_model_source(model: str) -> str:
-    """`model` if it is a local model directory (with config.json) or could be a hub id; a path
-    that names no model directory raises ValueError saying the fix, before anything loads it.
+    """`model` if it is a local model directory (with config.json), a storage URL holding one, or
+    could be a hub id; a path that names no model directory raises ValueError saying the fix,
+    before anything loads it.
     ('org/name' that is no directory here is taken for a hub id: transformers downloads it.)"""
+    from storage.models import check_model_url, is_model_url
+
+    if is_model_url(model):  # fetched by each process that loads it (storage.models.local_model)
+        return check_model_url(model)
     path = Path(model).expanduser()
     build = "`clotho model tiny DIR` builds a small one"
     if path.is_dir():

@@ -115,12 +115,12 @@ class Cluster:
 # The policy server's API key: the servers listen on the bridge, not on loopback.
 KEY = "cluster-key"
 AUTH = f"-H 'Authorization: Bearer {KEY}'"
-FETCH_MODEL = "python -c \"import fsspec; fsspec.filesystem('s3').get('s3://models/tiny', '/tmp/model', recursive=True)\""
+# The model, built on c, in S3: every part on every host names it by this URL and fetches its own copy.
+MODEL = "s3://models/tiny"
 
 
 def start_shared_services(c: Cluster) -> None:
-    """On a, the Prefect server and the S3 API; the model, built on c, in S3 and fetched from
-    there by a, b and d (each host its own copy at /tmp/model)."""
+    """On a, the Prefect server and the S3 API; the model, built on c, in S3 at MODEL."""
     a, s3 = c.host("a"), c.s3_env()
     c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
                             "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
@@ -128,9 +128,7 @@ def start_shared_services(c: Cluster) -> None:
     c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
     c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
                "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
-               "fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', 's3://models/tiny', recursive=True)\"")  # fmt: skip
-    for host in ("a", "b", "d"):
-        c.run(host, f"{s3} {FETCH_MODEL}")
+               f"fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', '{MODEL}', recursive=True)\"")  # fmt: skip
     c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
 
 
@@ -138,7 +136,7 @@ def serve(c: Cluster, name: str, port: int, run: str) -> str:
     """`clotho serve` on b behind the key, its watcher reloading `run` from S3; its URL."""
     b = c.host("b")
     c.spawn("b", name, f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
-                       f"--model /tmp/model --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
+                       f"--model {MODEL} --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
     c.wait("c", f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null", f"the policy server {name} on b", 300, (("b", name),))
     return f"http://{b}:{port}"
 
@@ -168,7 +166,7 @@ def start_workers(c: Cluster, host: str, suffix: str = "") -> None:
 # as two nodes, c (rank 0) and d.
 LOOP_CONFIG = """
 run: {run}
-model: /tmp/model
+model: {model}
 max_lag: 1
 servers: {{count: 0, urls: [{server}], reload_urls: false}}
 rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
@@ -185,7 +183,7 @@ phases:
 
 
 def loop_config(c: Cluster, run: str, server: str, steps: int) -> str:
-    return LOOP_CONFIG.format(run=run, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps)
+    return LOOP_CONFIG.format(run=run, model=MODEL, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps)
 
 
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.cluster.hosts import AUTH, KEY, Cluster, deploy_loop, loop_config, serve, start_shared_services, start_workers, tally, unavailable
+from tests.cluster.hosts import AUTH, KEY, MODEL, Cluster, deploy_loop, loop_config, serve, start_shared_services, start_workers, tally, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,7 +52,7 @@ def two_node_trainer(c: Cluster, name: str, port: int, steps: int, settings: str
     d, each with its work dir in its own /tmp; returns once both ended."""
     for rank, host in enumerate(("c", "d")):
         c.spawn(host, name, f"{c.s3_env()} exec torchrun --nnodes 2 --node-rank {rank} --nproc-per-node 1 --master-addr {c.host('c')} "
-                            f"--master-port {port} -m trainer.cli -- --run {RUN} --model /tmp/model --steps {steps} --work-dir /tmp/work "
+                            f"--master-port {port} -m trainer.cli -- --run {RUN} --model {MODEL} --steps {steps} --work-dir /tmp/work "
                             f"--set groups_per_step=4 --set lr=1e-4 --set max_staleness=4 --data-timeout-s 120 {settings}")  # fmt: skip
     for host in ("c", "d"):
         c.wait_exit(host, name, 300)
@@ -73,7 +73,7 @@ def test_the_loops_parts_across_four_hosts(cluster):
 
     # Rollouts on c: the Prefect API on a, the server on b, shards to S3 on a.
     rollout = c.run("c", f"{s3} PREFECT_API_URL=http://{a}:4200/api clotho rollout --run {RUN} --server {server} "
-                         f"--api-key {KEY} --env compare --set group_size=8 --set max_tokens=4 --groups 12 --tokenizer /tmp/model", timeout=300)  # fmt: skip
+                         f"--api-key {KEY} --env compare --set group_size=8 --set max_tokens=4 --groups 12 --tokenizer {MODEL}", timeout=300)  # fmt: skip
     assert "'groups': 12, 'failures': 0" in rollout.stdout + rollout.stderr, rollout.stdout[-2000:]
 
     # The trainer on c and d: two nodes, one rank each, rendezvous at c over the bridge.

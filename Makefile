@@ -80,7 +80,7 @@ cluster-test: setup
 	$(VENV)/bin/python -m pytest tests/cluster $(PYTEST_ARGS)
 
 # Host-loss trials on that cluster (soak/host_loss.py): clotho run across it, host c killed whole at a
-# random moment, 5 trials; prints the table (about 20 minutes on 2 cores).
+# random moment, 5 trials; prints the table (about 15 minutes on 2 cores).
 cluster-trials: setup
 	$(VENV)/bin/python -m soak.host_loss $(TRIALS_ARGS)
 

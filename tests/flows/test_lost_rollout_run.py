@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -21,21 +22,23 @@ def test_a_rollout_run_whose_sampler_went_silent_is_marked_crashed_and_started_a
 
     monkeypatch.setattr(flows.pipeline, "LOST_CHECK_S", 0.0)
     storage = f"file://{tmp_path}/storage"
+    name = f"lost-{uuid.uuid4().hex[:8]}"
 
     async def scenario() -> tuple[list, str]:
         async with get_client() as client:
             await client.create_work_pool(WorkPoolCreate(name="rollout-lost-pool", type="process"), overwrite=True)
             flow_id = await client.create_flow_from_name("rollout")
             await client.create_deployment(flow_id, "lost", work_pool_name="rollout-lost-pool", entrypoint="flows/rollout.py:rollout")
-        running = asyncio.ensure_future(flows.pipeline.run_rollout_deployment("rollout/lost", {"run_url": f"{storage}/run"}, "rl-0", restarts=1))
+        # A name of its own: the Prefect server is the session's, where pipelines' rollout runs are rl-0 too.
+        running = asyncio.ensure_future(flows.pipeline.run_rollout_deployment("rollout/lost", {"run_url": f"{storage}/run"}, name, restarts=1))
         async with get_client() as client:
-            while not (runs := await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["rl-0"])))):
+            while not (runs := await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))):
                 await asyncio.sleep(0.2)
             first = runs[0]
             await client.set_flow_run_state(first.id, Running(), force=True)  # a worker took it; then its host went
             write_sampler_position(storage, "run", SamplerPosition("slot-0", committed=3, in_flight=2, holder=str(first.id),
                                                                     updated_at=time.time() - 120))  # fmt: skip
-            while not (again := await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=["rl-0-r1"])))):
+            while not (again := await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"{name}-r1"])))):
                 await asyncio.sleep(0.2)
             lost = (await client.read_flow_run(first.id)).state
         running.cancel()

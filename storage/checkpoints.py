@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import is_local, publish, resolve, retrying, storage_errors
+from storage.filesystem import download_whole, is_local, publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 from storage.progress import PROGRESS, replace_json
 
@@ -285,11 +285,6 @@ def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_opt
     target = Path(cache_dir) / step_name(info.step)
     if (target / STABLE).exists():
         return target
-    partial = target.with_name(target.name + ".partial")
-    with storage_errors(info.url):
-        for name in info.manifest["files"]:
-            (partial / name).parent.mkdir(parents=True, exist_ok=True)
-            retrying(fs, join(path, name), fs.get_file, join(path, name), str(partial / name))
-    (partial / STABLE).write_text(json.dumps(info.manifest))
-    partial.rename(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    download_whole(info.url, fs, path, info.manifest["files"], target, written_last={STABLE: json.dumps(info.manifest).encode()})
     return target

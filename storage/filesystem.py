@@ -6,7 +6,8 @@ import contextlib
 import errno
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import fsspec
@@ -340,3 +341,26 @@ def relative(path: str, base: str) -> str:
     if not path.startswith(base + "/"):
         raise ValueError(f"{path} is not below {base}")
     return path[len(base) + 1 :]
+
+
+def download_whole(url: str, fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str], target: Path, *,
+                   written_last: dict[str, bytes] | None = None) -> None:  # fmt: skip
+    """The files `names` under `root` (the storage path of `url`) into the local directory `target`,
+    whole or not at all: downloaded into a hidden directory beside it, `written_last` (marker files,
+    name -> bytes) written there after them, then renamed into place. Where another process put a
+    copy there first (several on one host, or hosts sharing a disk), that one is kept."""
+    import shutil
+
+    aside = target.parent / f".{target.name}.partial-{os.getpid()}"
+    shutil.rmtree(aside, ignore_errors=True)
+    with storage_errors(url):
+        for name in names:
+            (aside / name).parent.mkdir(parents=True, exist_ok=True)
+            retrying(fs, f"{root.rstrip('/')}/{name}", fs.get_file, f"{root.rstrip('/')}/{name}", str(aside / name))
+    aside.mkdir(parents=True, exist_ok=True)
+    for name, body in (written_last or {}).items():
+        (aside / name).write_bytes(body)
+    try:
+        os.rename(aside, target)
+    except OSError:  # a copy got there first
+        shutil.rmtree(aside, ignore_errors=True)

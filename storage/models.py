@@ -13,12 +13,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import is_local, resolve, retrying, storage_errors
+from storage.filesystem import download_whole, is_local, resolve, retrying, storage_errors
 from storage.layout import join
 
 log = logging.getLogger(__name__)
@@ -61,20 +60,11 @@ def local_model(model: str, storage_options: dict[str, Any] | None = None, cache
     if (target / COMPLETE).exists():
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    aside = target.with_name(f"{target.name}.partial-{os.getpid()}")
-    shutil.rmtree(aside, ignore_errors=True)
     started = time.monotonic()
     with storage_errors(model):
         names = [name[len(path.rstrip("/")) + 1 :] for name in retrying(fs, path, fs.find, path)]
-        if "config.json" not in names:
-            raise ValueError(f"{model!r} holds no config.json: not a Hugging Face model directory")
-        for name in names:
-            (aside / name).parent.mkdir(parents=True, exist_ok=True)
-            retrying(fs, join(path, name), fs.get_file, join(path, name), str(aside / name))
-    (aside / COMPLETE).write_text(model)
-    try:
-        os.rename(aside, target)
-    except OSError:  # another process of this host fetched it first
-        shutil.rmtree(aside, ignore_errors=True)
+    if "config.json" not in names:
+        raise ValueError(f"{model!r} holds no config.json: not a Hugging Face model directory")
+    download_whole(model, fs, path, names, target, written_last={COMPLETE: model.encode()})
     log.info("model %s fetched to %s (%d files, %.1f s)", model, target, len(names), time.monotonic() - started)
     return str(target)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import is_local, resolve, retrying, storage_errors
+from storage.filesystem import download_whole, is_local, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 
 log = logging.getLogger(__name__)
@@ -87,8 +87,8 @@ class StateStore:
             retrying(fs, complete, fs.pipe_file, complete, json.dumps({"tag": tag, "files": files, "saved_at": time.time()}).encode())
             latest = join(root, LATEST)
             retrying(fs, latest, fs.pipe_file, latest, tag.encode())
-            tags = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if p.rstrip("/").rsplit("/", 1)[-1].startswith("step-"))
-            for old in [t for t in tags if t < tag][: max(0, len([t for t in tags if t <= tag]) - keep)]:
+            names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False))
+            for old in sorted(name for name in names if name.startswith("step-") and name <= tag)[:-keep]:
                 retrying(fs, join(root, old), fs.rm, join(root, old), recursive=True)
 
     def latest(self) -> tuple[str, dict[str, int]] | None:
@@ -111,19 +111,9 @@ class StateStore:
             self._point_latest(state_dir, tag)
             return False
         fs, root = resolve(self.url, self.storage_options)
-        aside = state_dir / f".fetch-{tag}-{os.getpid()}"
-        shutil.rmtree(aside, ignore_errors=True)
         started = time.monotonic()
-        with storage_errors(self.url):
-            for name in files:
-                (aside / name).parent.mkdir(parents=True, exist_ok=True)
-                source = join(root, tag, name)
-                retrying(fs, source, fs.get_file, source, str(aside / name))
         shutil.rmtree(target, ignore_errors=True)  # a partial copy (a save cut short)
-        try:
-            os.rename(aside, target)
-        except OSError:  # another host's copy got there first
-            shutil.rmtree(aside, ignore_errors=True)
+        download_whole(self.url, fs, join(root, tag), files, target)
         self._point_latest(state_dir, tag)
         log.info("resume state %s fetched from %s (%d files, %.1f s)", tag, self.url, len(files), time.monotonic() - started)
         return True

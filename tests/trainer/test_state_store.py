@@ -53,7 +53,7 @@ def test_a_host_fetches_the_stored_state_once_and_points_latest_at_it(tmp_path):
     host_d.mkdir()
     assert store.fetch(tag, listed, host_d) is True
     assert (host_d / "step-00000006" / "mp_rank_00_model_states.pt").read_bytes() == b"model-6"
-    assert (host_d / "latest").read_text() == "step-00000006" and not list(host_d.glob(".fetch-*"))
+    assert (host_d / "latest").read_text() == "step-00000006" and not list(host_d.glob(".*partial*"))
     assert store.fetch(tag, listed, host_d) is False  # whole already: nothing downloaded
     # A host whose newer local state never completed in storage resumes from the stored one; a
     # partial local copy of the stored tag is replaced.

@@ -35,6 +35,8 @@ import tomllib
 from importlib.metadata import distributions
 from pathlib import Path
 
+from core.cache import cache_dir
+
 READY = ".clotho-layer.json"  # written last: a layer without it was cut short and is built again
 # What a project folder holds that is not its source: builds, caches, its own venv.
 NOT_SOURCE = ("build", "*.egg-info", "__pycache__", ".venv", ".git")
@@ -45,7 +47,7 @@ class LayerError(RuntimeError):
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clotho" / "env-venvs"
+    return cache_dir("env-venvs")
 
 
 def pip_arguments(packages: list[str], requirement_files: list[str]) -> list[str]:

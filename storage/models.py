@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
+from core.cache import cache_dir
 from storage.filesystem import download_whole, is_local, resolve, retrying, storage_errors
 from storage.layout import join
 
@@ -31,7 +31,7 @@ def is_model_url(model: str) -> bool:
 
 
 def models_cache() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "clotho" / "models"
+    return cache_dir("models")
 
 
 def check_model_url(url: str, storage_options: dict[str, Any] | None = None) -> str:

@@ -10,7 +10,7 @@ import uuid
 
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-import flows.pipeline
+import flows.rollout_runs
 from storage.progress import SamplerPosition, write_sampler_position
 
 
@@ -20,7 +20,7 @@ def test_a_rollout_run_whose_sampler_went_silent_is_marked_crashed_and_started_a
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
     from prefect.states import Running
 
-    monkeypatch.setattr(flows.pipeline, "LOST_CHECK_S", 0.0)
+    monkeypatch.setattr(flows.rollout_runs, "LOST_CHECK_S", 0.0)
     storage = f"file://{tmp_path}/storage"
     name = f"lost-{uuid.uuid4().hex[:8]}"
 
@@ -30,7 +30,7 @@ def test_a_rollout_run_whose_sampler_went_silent_is_marked_crashed_and_started_a
             flow_id = await client.create_flow_from_name("rollout")
             await client.create_deployment(flow_id, "lost", work_pool_name="rollout-lost-pool", entrypoint="flows/rollout.py:rollout")
         # A name of its own: the Prefect server is the session's, where pipelines' rollout runs are rl-0 too.
-        running = asyncio.ensure_future(flows.pipeline.run_rollout_deployment("rollout/lost", {"run_url": f"{storage}/run"}, name, restarts=1))
+        running = asyncio.ensure_future(flows.rollout_runs.run_rollout_deployment("rollout/lost", {"run_url": f"{storage}/run"}, name, restarts=1))
         async with get_client() as client:
             while not (runs := await client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))):
                 await asyncio.sleep(0.2)

@@ -1,6 +1,7 @@
 """clotho against TRL's GRPOTrainer: the same task, start, settings and seeds, scored by one evaluator outside both.
 
     python bench/bench_peer.py [--tasks compare,repeat] [--seeds 0,1,2] [--steps compare=120,repeat=30]
+        [--max-lag compare=1] [--result NAME]
 
 Two tasks:
 - compare, the demo's RL phase (answers of a token or two: the update is most of a step) from the
@@ -10,8 +11,9 @@ Two tasks:
 
 Per task and seed, each side trains the same steps from the same weights on the environment's items
 in get_item's order, 8 prompts x 16 samples a step: clotho as `clotho run` (vLLM, the rollout flow,
-the trainer, reloads, against a Prefect server the bench starts), TRL as bench/peer_trl.py in
-.venv-trl (transformers' generate, CPU). The sides take turns going first. Each keeps a checkpoint
+the trainer, reloads, against a Prefect server the bench starts; max_lag the demo's, 0, on compare,
+on-policy as TRL is, and 1 on repeat, where sampling a version ahead lets the update run beside the
+next step's sampling), TRL as bench/peer_trl.py in .venv-trl (transformers' generate, CPU). The sides take turns going first. Each keeps a checkpoint
 every 5 steps; afterwards one evaluator scores every checkpoint of both the same way (greedy
 transformers generate, the environment's reward): all 90 compare problems (and the 28 held out
 of training apart), or 32 unseen rows.
@@ -68,12 +70,12 @@ KEEP_EVERY = 5
 TASKS = {
     "compare": {
         "start": "sft", "env": "compare", "env_config": DEMO_RL["environments"][0]["config"],
-        "lr": DEMO_RL["trainer"]["lr"], "steps": 120, "threshold": 0.8,
+        "lr": DEMO_RL["trainer"]["lr"], "steps": 120, "threshold": 0.8, "max_lag": DEMO["max_lag"],
     },
     "repeat": {
         "start": "built", "env": "repeat",
         "env_config": {"digits": 48, "group_size": 16, "max_tokens": 128, "temperature": 1.0, "seed": 7},
-        "lr": 1e-3, "steps": 30, "threshold": 0.1,
+        "lr": 1e-3, "steps": 30, "threshold": 0.1, "max_lag": 1,
     },
 }  # fmt: skip
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
@@ -96,7 +98,7 @@ def clotho_config(run_url: str, model: Path, task: dict, seed: int, steps: int, 
         "trainer": {"groups_per_step": PROMPTS_PER_STEP, "lr": task["lr"]},
     }]  # fmt: skip
     return {
-        "run": run_url, "model": str(model), "max_lag": DEMO["max_lag"], "rollout": DEMO["rollout"],
+        "run": run_url, "model": str(model), "max_lag": task.get("max_lag", DEMO["max_lag"]), "rollout": DEMO["rollout"],
         "trainer": {**DEMO["trainer"], "keep_last": 2, "keep_every": KEEP_EVERY, "seed": seed},
         "phases": phases,
     }  # fmt: skip
@@ -231,10 +233,13 @@ def main() -> None:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", default="", help="per task, e.g. compare=60,repeat=20 (default: the task's)")
+    parser.add_argument("--max-lag", default="", help="clotho's max_lag per task, e.g. compare=1 (default: the task's)")
+    parser.add_argument("--result", default="peer", help="bench/results/RESULT.json (default peer: the table's)")
     args = parser.parse_args()
     if not TRL_PYTHON.exists():
         sys.exit(f"bench_peer: {TRL_PYTHON} is missing: make .venv-trl/.installed (make bench builds it)")
     steps_of = {name: int(value) for name, value in (pair.split("=") for pair in args.steps.split(",") if pair)}
+    lag_of = {name: int(value) for name, value in (pair.split("=") for pair in args.max_lag.split(",") if pair)}
     seeds = [int(seed) for seed in args.seeds.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-peer-"))
     prefect = start_prefect_server(workdir / "prefect")
@@ -246,7 +251,7 @@ def main() -> None:
         built = build_tiny_model(workdir / "built", seed=0, size="small")
         sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None
         for name in args.tasks.split(","):
-            task = TASKS[name]
+            task = {**TASKS[name], "max_lag": lag_of.get(name, TASKS[name]["max_lag"])}
             steps = steps_of.get(name, task["steps"])
             start = sft if task["start"] == "sft" else built
             items = evaluation_items(task, built)
@@ -268,7 +273,7 @@ def main() -> None:
                 return [run["clotho"][key] / run["trl"][key] for run in runs if run["clotho"][key] and run["trl"][key]]
 
             report["tasks"][name] = {
-                "env": task["env"], "env_config": task["env_config"], "start": task["start"], "steps": steps,
+                "env": task["env"], "env_config": task["env_config"], "start": task["start"], "steps": steps, "max_lag": task["max_lag"],
                 "lr": task["lr"], "threshold": task["threshold"], "evaluation_items": len(items), "runs": runs,
                 "ratio_seconds_per_step": ratio_summary(ratios("seconds_per_step")),
                 "ratio_minutes_to_threshold": ratio_summary(ratios("minutes_to_threshold")),
@@ -277,7 +282,7 @@ def main() -> None:
             }  # fmt: skip
         report["targets"] = {"ratio_seconds_per_step": "<= 1.0", "ratio_minutes_to_threshold": "<= 1.0"}
         print(json.dumps({name: {k: v for k, v in t.items() if k != "runs"} for name, t in report["tasks"].items()}, indent=1))
-        write_result("peer", report)
+        write_result(args.result, report)
     finally:
         prefect.stop()
         shutil.rmtree(workdir, ignore_errors=True)

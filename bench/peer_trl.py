@@ -64,7 +64,8 @@ class StepLog(TrainerCallback):
         logs = logs or {}
         if "reward" in logs:
             self.write({"step": state.global_step, "time": self.step_ended.get(state.global_step, time.time()),
-                        "reward": logs["reward"], "completion_length": logs.get("completions/mean_length")})  # fmt: skip
+                        "reward": logs["reward"], "completion_length": logs.get("completions/mean_length"),
+                        "grad_norm": logs.get("grad_norm"), "clip_fraction": logs.get("clip_ratio/region_mean")})  # fmt: skip
 
     def on_save(self, args, state, control, **kwargs):
         ended = self.step_ended.get(state.global_step)

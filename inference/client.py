@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -124,6 +124,15 @@ def recording_versions() -> Iterator[list[tuple[int, int] | None]]:
         yield recorded
     finally:
         _recorded.reset(token)
+
+
+def record_versions(versions: Iterable[tuple[int, int] | None]) -> None:
+    """Adds versions to the group being recorded (recording_versions), for completions sampled
+    where the context does not reach: an adapter's own route answering a harness in another thread
+    or process (environments.adapters.verifiers). None for a completion whose versions are unknown."""
+    recorded = _recorded.get()
+    if recorded is not None:
+        recorded.extend(versions)
 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:

@@ -13,7 +13,9 @@ trainable branches' token_ids, sampled_mask and logprobs (kept per message node 
 scored with trace.reward, the weighted sum of the taskset's @vf.reward functions (each in
 extras["rewards"], @vf.metric values in extras["metrics"]) or what the Env recorded. An episode of
 two trainable agents (self-play) gives two sequences, each naming its agent in extras["agent"]: a
-group holds up to group_size x samples_per_episode sequences.
+group holds up to group_size x samples_per_episode sequences. A sequence's policy_versions are
+those vLLM reported for the completions its sampled turns are (verifiers' answer has no field for
+them: the route keeps them, GenerateServer.versions_of), so one sampled across reloads says so.
 
     config {"env": {"taskset": {"id": "gsm8k-v1"}}, "group_size": 4}     an installed taskset
     config {"env": {"taskset": {"id": "my_pkg.my_taskset", "num_tasks": 8},
@@ -38,6 +40,7 @@ payoff, as upstream kuhn_poker records it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import socket
@@ -63,13 +66,19 @@ from verifiers.v1.trace import AgentInfo, TraceTask
 from environments.adapters.verifiers_setup import local_env_config, provision_chat_program
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import Messages
-from core.scored_group import ScoredGroup, ScoredSequence
-from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable
+from core.scored_group import ScoredGroup, ScoredSequence, version_range
+from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable, record_versions
 
 MESSAGE = TypeAdapter(vf.Message)
 # The loopback generate route takes no key (the policy server's key stays in this process); the
 # TrainClient reads its key from this variable, which nobody sets, and sends "EMPTY".
 NO_KEY_VARIABLE = "CLOTHO_VERIFIERS_UNUSED_KEY"
+# Training samples an episode may give when the config does not say (samples_per_episode): an Env
+# can fan one episode into several attempts of one agent, which its agents alone do not tell.
+SAMPLES_PER_EPISODE = 8
+# The policy versions of the route's latest completions, kept until the episodes that asked for them
+# are stored: far more than the completions of the groups one service collects at once.
+KEPT_COMPLETIONS = 65536
 
 
 class VerifiersConfig(EnvironmentConfig):
@@ -81,8 +90,9 @@ class VerifiersConfig(EnvironmentConfig):
     samples_per_episode: int | None = Field(
         default=None, ge=1,
         description="Training samples one episode may give (its trainable agents' traces x their branches), each "
-        "stored as a sequence of the group; None: one per agent the Env declares (two for a two-player self-play "
-        "Env). A group holds up to group_size x this many sequences.",
+        "stored as a sequence of the group; None: up to 8, or one per agent the Env declares where it declares "
+        "more (an Env that fans an episode into attempts, as code_golf does, or a self-play game's seats fit). "
+        "A group holds up to group_size x this many sequences.",
     )
     renderer: dict[str, Any] | None = Field(
         default=None,
@@ -131,7 +141,11 @@ def completion_parameters(body: dict[str, Any]) -> dict[str, Any]:
 class GenerateServer:
     """vLLM's /inference/v1/generate, what verifiers' TrainClient calls, in front of the policy
     server's /v1/completions: on a loopback port, in a thread of its own (its own event loop, so
-    it needs nothing from whoever runs the environment). One per policy client's settings."""
+    it needs nothing from whoever runs the environment). One per policy client's settings.
+
+    The route answers in verifiers' terms, which have no field for the policy versions that sampled
+    a completion, so it keeps them here, by the completion's ids and logprobs (what verifiers stores
+    in the message node the reply becomes, exactly), for `versions_of` to give each stored sequence."""
 
     def __init__(self, policy_url: str, api_key: str | None, max_retries: int, backoff: float):
         self.policy = dict(base_url=policy_url, api_key=api_key, max_retries=max_retries, backoff=backoff)
@@ -140,6 +154,8 @@ class GenerateServer:
         # collect_trajectories raises what the route saw (verifiers would record a failed trace).
         self.run_errors = 0
         self.last_run_error: Exception | None = None
+        self.versions: collections.OrderedDict[tuple, tuple[int, int] | None] = collections.OrderedDict()
+        self.versions_lock = threading.Lock()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -176,6 +192,10 @@ class GenerateServer:
             return self.run_error(error)
         except PolicyServerError as error:  # the policy server refused the request (a prompt too long ...)
             return JSONResponse({"error": str(error)}, status_code=400)
+        with self.versions_lock:
+            self.versions[(tuple(completion.token_ids), tuple(completion.logprobs))] = completion.policy_versions
+            while len(self.versions) > KEPT_COMPLETIONS:
+                self.versions.popitem(last=False)
         pairs = zip(completion.token_ids, completion.logprobs)
         content = [{"token": f"token_id:{token}", "logprob": logprob} for token, logprob in pairs]
         return JSONResponse({
@@ -183,6 +203,13 @@ class GenerateServer:
             "choices": [{"index": 0, "token_ids": completion.token_ids, "logprobs": {"content": content},
                          "finish_reason": completion.finish_reason}],
         })  # fmt: skip
+
+    def versions_of(self, token_ids: list[int], logprobs: list[float]) -> tuple[bool, tuple[int, int] | None]:
+        """(whether the route sampled this completion, the (first, last) policy versions it
+        sampled with: None where the policy server gave none)."""
+        key = (tuple(token_ids), tuple(logprobs))
+        with self.versions_lock:
+            return key in self.versions, self.versions.get(key)
 
     def run_error(self, error: Exception) -> JSONResponse:
         """424, not 5xx: the policy client already retried, and the harness's SDK retries 5xx again."""
@@ -230,7 +257,7 @@ class Verifiers(Environment):
         self.env_config = local_env_config(self.config.env)
         self.taskset = vf.load_taskset(self.env_config.taskset)
         self.task_type = type(self.taskset).task_type()
-        self.samples = self.config.samples_per_episode or max(1, len(agent_config_fields(self.env_config)))
+        self.samples = self.config.samples_per_episode or max(SAMPLES_PER_EPISODE, len(agent_config_fields(self.env_config)))
         self.epoch = 0
         self.tasks = self.epoch_tasks()
         provision_chat_program()
@@ -318,11 +345,13 @@ class Verifiers(Environment):
         return sequences
 
     def sequence(self, trace, branch, episode: int) -> ScoredSequence:
-        """One training sample as it was sampled, scored with its trace's reward."""
+        """One training sample as it was sampled, scored with its trace's reward and the policy
+        versions of its sampled turns."""
         last_call = branch.calls[-1] if branch.calls else None
         return ScoredSequence(
             tokens=branch.token_ids, mask=branch.sampled_mask, logprobs=branch.logprobs, score=trace.reward,
             finish_reason="length" if last_call is not None and last_call.finish_reason == "length" else "stop",
+            policy_versions=self.branch_versions(branch),
             messages=self.conversation(branch),
             extras={
                 "rewards": {name: r.model_dump() for name, r in trace.rewards.items() if r is not None},
@@ -330,6 +359,21 @@ class Verifiers(Environment):
                 "turns": trace.num_turns, "agent": trace.agent.name, "episode": episode,
             },
         )  # fmt: skip
+
+    def branch_versions(self, branch) -> tuple[int, int] | None:
+        """The (first, last) policy versions of the branch's sampled turns, each the completion the
+        generate route returned for it; None when one of them is not known (a turn the route did
+        not answer, a server without versions). Each turn's versions also go to the group's record
+        (inference.client.record_versions), None for an unknown one, so that the group is stamped
+        as if the completions had been sampled in this process."""
+        turns = []
+        for node in branch.nodes:
+            sampled = [token for token, trained in zip(node.token_ids, node.mask) if trained]
+            if sampled:
+                found, versions = self.generate.versions_of(sampled, node.logprobs)
+                turns.append(versions if found else None)
+        record_versions(turns)
+        return None if None in turns else version_range(turns)
 
     def conversation(self, branch) -> Messages:
         """The branch as chat messages; a sampled turn's content is its sampled tokens decoded (what

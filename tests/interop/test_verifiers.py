@@ -72,6 +72,9 @@ def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprob
             assert sequence.score == pytest.approx(sum(r["score"] * r["weight"] for r in rewards.values()))
             assert set(sequence.extras["metrics"]) == {"reply_characters"}
             assert sequence.extras["stop_condition"] == "agent_completed"
+            # The versions vLLM said sampled it, which verifiers' answer has no field for: kept by
+            # the adapter's generate route, the group stamped from them.
+            assert sequence.policy_versions == (group.policy_version, group.policy_version)
 
     async def served_logprobs() -> list[list[float]]:
         async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
@@ -141,6 +144,38 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
     }  # fmt: skip
 
 
+BRANCH_VERSIONS = """
+import json, sys
+from types import SimpleNamespace
+from environments.adapters.verifiers import GenerateServer, Verifiers
+from inference.client import recording_versions
+
+route = GenerateServer("http://127.0.0.1:9", None, 0, 0.0)  # nothing is sent: the lookup alone
+route.versions[((7, 8), (-0.5, -1.5))] = (3, 4)  # a turn the route answered across a reload
+route.versions[((9,), (-0.25,))] = (4, 4)
+route.versions[((5,), (-2.0,))] = None  # answered by a server that gives no versions
+adapter = SimpleNamespace(generate=route)
+node = lambda prompt, sampled, logprobs: SimpleNamespace(token_ids=prompt + sampled, mask=[False] * len(prompt) + [True] * len(sampled), logprobs=logprobs)
+two_turns = SimpleNamespace(nodes=[node([1, 2], [7, 8], [-0.5, -1.5]), node([3], [], []), node([4], [9], [-0.25])])
+unanswered = SimpleNamespace(nodes=[node([1], [7, 8], [-0.5, -1.25])])  # the logprobs differ: not that completion
+no_versions = SimpleNamespace(nodes=[node([1], [5], [-2.0])])
+with recording_versions() as recorded:
+    found = [Verifiers.branch_versions(adapter, branch) for branch in (two_turns, unanswered, no_versions)]
+json.dump({"found": found, "recorded": recorded}, sys.stdout)
+"""
+
+
+@pytest.mark.integration
+def test_each_sequence_has_the_versions_of_the_completions_its_turns_are() -> None:
+    venv = adapter_venv("verifiers")
+    done = subprocess.run([venv / "bin" / "python", "-c", BRANCH_VERSIONS], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["found"] == [[3, 4], None, None]  # a turn it cannot name makes the sequence's range unknown
+    assert result["recorded"] == [[3, 4], [4, 4], None, None]  # ... and the group's stamp conservative
+
+
 @pytest.mark.integration
 def test_an_episode_of_two_trainable_agents_stores_both_traces_as_sequences_of_the_group(
     served_verifiers, prefect_server, policy_server, policy_tokenizer, tmp_path
@@ -166,24 +201,25 @@ def test_an_episode_of_two_trainable_agents_stores_both_traces_as_sequences_of_t
     assert summary["totals"]["groups"] == 0 and summary["totals"]["failures"] == 1, summary  # each episode failed, saying why
 
 
-KUHN_POKER = Path(__file__).resolve().parents[1] / "data" / "upstream" / "verifiers" / "environments" / "kuhn_poker"
+UPSTREAM = Path(__file__).resolve().parents[1] / "data" / "upstream" / "verifiers" / "environments"
 
 
 @pytest.fixture(scope="module")
-def served_kuhn_poker():
-    """The adapter with upstream kuhn_poker installed as its README says (its own package, taskset
-    id kuhn-poker), in a layer over .venv-env-verifiers (clotho env serve --requirements DIR)."""
-    served = serve_adapter("verifiers", ADAPTER, ("--requirements", str(KUHN_POKER)))
+def served_upstream():
+    """The adapter with upstream kuhn_poker and code_golf installed as verifiers installs an
+    environment (each its own package: taskset ids kuhn-poker and code-golf), in one layer over
+    .venv-env-verifiers (clotho env serve --requirements DIR --requirements DIR)."""
+    served = serve_adapter("verifiers", ADAPTER, ("--requirements", str(UPSTREAM / "kuhn_poker"), "--requirements", str(UPSTREAM / "code_golf")))
     yield served
     served.stop()
 
 
 @pytest.mark.integration
 def test_upstream_kuhn_poker_self_play_stores_each_seat_s_trace_with_its_payoff(
-    served_kuhn_poker, prefect_server, policy_server, policy_tokenizer, tmp_path
+    served_upstream, prefect_server, policy_server, policy_tokenizer, tmp_path
 ) -> None:
     config = {"env": {"taskset": {"id": "kuhn-poker"}}, "group_size": 2, "max_tokens": 8}
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_kuhn_poker.url, config,
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_upstream.url, config,
                                      f"file://{tmp_path}/store/kuhn", groups=2)  # fmt: skip
     assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
     for group in groups:
@@ -194,3 +230,24 @@ def test_upstream_kuhn_poker_self_play_stores_each_seat_s_trace_with_its_payoff(
             by_episode.setdefault(sequence.extras["episode"], {})[sequence.extras["agent"]] = sequence.score
         for seats in by_episode.values():  # zero-sum: the payoff the Env recorded on each seat's trace
             assert all(score in (-2.0, -1.0, 1.0, 2.0) for score in seats.values()) and (len(seats) < 2 or sum(seats.values()) == 0)
+
+
+@pytest.mark.integration
+def test_upstream_code_golf_stores_every_attempt_with_the_sibling_comparison_s_rewards(
+    served_upstream, prefect_server, policy_server, policy_tokenizer, tmp_path
+) -> None:
+    """code_golf fans an episode into `attempts` (2) attempts of one golfer, runs each program in
+    the attempt's subprocess runtime and scores the attempts against each other in finalize():
+    each attempt is a sequence of the group with the rewards verifiers recorded on its trace."""
+    config = {"env": {"taskset": {"id": "code-golf"}}, "group_size": 2, "max_tokens": 24}
+    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_upstream.url, config,
+                                     f"file://{tmp_path}/store/golf", groups=2)  # fmt: skip
+    assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
+    for group in groups:
+        assert len(group.sequences) == 4  # 2 episodes x 2 attempts
+        for sequence in group.sequences:
+            rewards = sequence.extras["rewards"]
+            assert any(sequence.mask) and {"correct", "most_concise", "fastest"} <= set(rewards), rewards
+            # The stand-in's program never prints the answer: no attempt passes, and a failed one
+            # earns nothing on either comparison (finalize's rule).
+            assert sequence.score == 0.0 and rewards["most_concise"]["score"] == rewards["fastest"]["score"] == 0.0

@@ -13,10 +13,10 @@ Per task and seed, each side trains the same steps from the same weights on the 
 in get_item's order, 8 prompts x 16 samples a step: clotho as `clotho run` (vLLM, the rollout flow,
 the trainer, reloads, against a Prefect server the bench starts; max_lag the demo's, 0, on compare,
 on-policy as TRL is, and 1 on repeat, where sampling a version ahead lets the update run beside the
-next step's sampling), TRL as bench/peer_trl.py in .venv-trl (transformers' generate, CPU). The sides take turns going first. Each keeps a checkpoint
-every 5 steps; afterwards one evaluator scores every checkpoint of both the same way (greedy
-transformers generate, the environment's reward): all 90 compare problems (and the 28 held out
-of training apart), or 32 unseen rows.
+next step's sampling), TRL as bench/peer_trl.py in .venv-trl (transformers' generate, CPU). The
+sides take turns going first. Each keeps a checkpoint every 5 steps; afterwards one evaluator
+scores every checkpoint of both the same way (greedy transformers generate, the environment's
+reward): all 90 compare problems (and the 28 held out of training apart), or 32 unseen rows.
 
 Time is counted from the first step: a step's elapsed time is its end minus the first step's end
 plus one median step, with TRL's checkpoint saves taken out (clotho publishes every step as part of

@@ -147,7 +147,8 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
 BRANCH_VERSIONS = """
 import json, sys
 from types import SimpleNamespace
-from environments.adapters.verifiers import GenerateServer, Verifiers
+from environments.adapters.verifiers import Verifiers
+from environments.adapters.verifiers_generate import GenerateServer
 from inference.client import recording_versions
 
 route = GenerateServer("http://127.0.0.1:9", None, 0, 0.0)  # nothing is sent: the lookup alone

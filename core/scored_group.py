@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 #   3: ScoredSequence.ref_logprobs and teacher_logprobs; objectives "dpo" and "distill"
 #   4: ScoredSequence.previous_score (kept by `clotho reprocess ... rescore`)
 #   5: ScoredSequence.policy_versions (a sequence sampled across an in-flight reload spans two)
-SCHEMA_VERSION = 5
+#   6: ScoredSequence.sampling (the parameters that drew it and what its logprobs are of)
+SCHEMA_VERSION = 6
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -61,6 +62,82 @@ def new_group_id() -> str:
     return f"{time.time_ns() // 1000:013x}-{os.urandom(6).hex()}"
 
 
+# vLLM's --logprobs-mode values: what a server's sampled-token "logprobs" are. processed_logprobs
+# are of the distribution that drew the token (after temperature, min_p, top-k and top-p, the kept
+# set renormalised); raw_logprobs (vLLM's default) are of the model before any of them.
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
+# vLLM samples greedily below this temperature, and then scales nothing (vllm/v1/sample/sampler.py).
+GREEDY_BELOW = 1e-5
+
+
+class Sampling(BaseModel):
+    """How a sequence's sampled tokens were drawn: the parameters its requests sent and the server's
+    logprobs mode. The trainer scores each sequence under the distribution its sampler's logprobs
+    are of (logprob_temperature)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus mass; 1 keeps every token.")
+    top_k: int | None = Field(default=None, ge=1, description="Most likely tokens kept; None keeps every one.")
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, description="Tokens below min_p x the top probability dropped.")
+    logprobs_mode: LogprobsMode | None = Field(
+        default=None,
+        description="What the server's logprobs are (vLLM's --logprobs-mode): processed_logprobs, of the "
+        "distribution that drew the tokens; raw_logprobs, of the model before temperature and truncation; "
+        "None where the server did not say (vLLM without VLLM_SERVER_DEV_MODE's /server_info).",
+    )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def truncated(self) -> bool:
+        """Whether tokens were drawn from fewer than the whole vocabulary (top_p, top_k or min_p)."""
+        return self.top_p < 1.0 or self.top_k is not None or self.min_p > 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the sampler's logprobs are at, the one the trainer divides the logits by:
+        the sampling temperature for processed logprobs, 1 for raw ones or greedy sampling (which vLLM
+        does not scale)."""
+        return self.temperature if self.logprobs_mode == "processed_logprobs" and not self.greedy else 1.0
+
+
+def policy_gradient_problems(sequence: ScoredSequence) -> list[str]:
+    """Why the trainer's logprobs of `sequence` could not be of the distribution its sampler's
+    logprobs are of, as 'field: what; fix' lines: what a policy-gradient objective (rl, distill)
+    needs, since its importance ratio divides one by the other. Unset sampling means temperature 1
+    and no truncation."""
+    sampling = sequence.sampling
+    if sampling is None or sampling.greedy:
+        return []
+    found = []
+    for name, neutral in (("top_p", 1.0), ("top_k", None), ("min_p", 0.0)):
+        value = getattr(sampling, name)
+        if value != neutral:
+            found.append(
+                f"sampling.{name}: {value} truncates the distribution that drew the tokens and the trainer "
+                f"does not; sample policy-gradient groups with {name} {neutral} (--set {name}={neutral}) or "
+                "train them as sft"
+            )
+    mode = sampling.logprobs_mode
+    if mode is not None and mode.endswith("_logits"):
+        found.append(
+            f"sampling.logprobs_mode: {mode}: the server returned logits, not logprobs; start it with "
+            "--logprobs-mode processed_logprobs (clotho serve does)"
+        )
+    elif mode is None and sampling.temperature != 1.0:
+        found.append(
+            f"sampling.logprobs_mode: unknown at temperature {sampling.temperature:g}, so the sampler's logprobs "
+            "may be of the model or of the tempered distribution; sample with a server clotho starts "
+            "(clotho serve: --logprobs-mode processed_logprobs, /server_info) or at temperature 1"
+        )
+    return found
+
+
 # Optional per-token lists: when set, one entry per token.
 PER_TOKEN_OPTIONAL = ("advantages", "ref_logprobs", "teacher_logprobs")
 
@@ -100,6 +177,13 @@ class ScoredSequence(BaseModel):
         "fills it from what the server reported when the environment leaves it unset; None where "
         "unknown (shards older than schema version 5, a server that does not report versions).",
     )
+    sampling: Sampling | None = Field(
+        default=None,
+        description="The sampling parameters and logprobs mode its trained tokens were drawn with, from "
+        "the requests the policy client sent (Completion.sampling); Environment.collect_group fills it "
+        "when the environment leaves it unset. None: temperature 1, no truncation (shards older than "
+        "schema version 6, demonstrations nobody sampled).",
+    )
     messages: list[dict[str, Any]] | None = Field(
         default=None, description="The conversation as messages, for inspection and SFT export."
     )
@@ -128,7 +212,10 @@ class ScoredSequence(BaseModel):
         """A single-turn sample: the prompt, then a completion (inference.client.Completion) exactly
         as the sampler returned it, trained, with its finish reason and the policy versions that
         sampled it."""
-        fields = {"finish_reason": completion.finish_reason, "policy_versions": completion.policy_versions, **fields}
+        fields = {
+            "finish_reason": completion.finish_reason, "policy_versions": completion.policy_versions,
+            "sampling": completion.sampling, **fields,
+        }  # fmt: skip
         return cls.from_prompt(prompt_tokens, completion.token_ids, completion.logprobs, score, **fields)
 
     @property
@@ -205,6 +292,10 @@ def objective_problems(group: ScoredGroup, objective: str | None = None) -> list
                 f"objective: dpo pair with tied scores ({group.sequences[0].score}); the chosen sequence "
                 "needs the higher score: score them apart or drop the pair"
             ]
+    if objective in ("rl", "distill"):
+        for index, sequence in enumerate(group.sequences):
+            if problems := policy_gradient_problems(sequence):
+                return [f"sequences[{index}].{problems[0]} (objective {objective})"]
     if objective == "distill":
         for index, sequence in enumerate(group.sequences):
             teacher = sequence.teacher_logprobs

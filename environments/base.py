@@ -16,9 +16,9 @@ from environments.config import EnvironmentConfig, Item
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
 from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, RolloutFailure, failure_reason
 from environments.items import ItemStream, Rows, as_item
-from environments.trajectory import stamp_versions
+from environments.trajectory import complete_record, version_stamp
 from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
-from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable, recording_versions
+from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable, recording_completions
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +192,8 @@ class Environment(ABC):
 
     # ---- what the framework calls ----------------------------------------------------------
     async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
-        """collect_trajectories, stamped with the policy versions that sampled it, failures returned as data.
+        """collect_trajectories, stamped with the policy versions and the sampling parameters that
+        drew it (environments.trajectory.complete_record), failures returned as data.
 
         The server tags every token with the version of the weights that sampled it (vLLM's weight
         version spans, inference.client): a sequence that spans a reload (in-flight, the default, lets
@@ -215,12 +216,13 @@ class Environment(ABC):
         limit = self.config.group_timeout_s
         try:
             async with asyncio.timeout(limit) as deadline:
-                with recording_versions() as sampled:
+                with recording_completions() as sampled:
                     group = await self.collect_trajectories(item)
             if not isinstance(group, ScoredGroup):
                 raise InvalidGroupError(
                     f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
                 )
+            complete_record(group, sampled)
             group.check_limits(
                 vocab_size=self.vocab_size, max_group_size=self.max_group_sequences, max_tokens=self.config.max_group_tokens,
                 expected=self.group_sequences_expected(),
@@ -240,7 +242,7 @@ class Environment(ABC):
             return failure
         group.env = self.name
         announced = await version  # errors keep their type (an unreachable server is retried)
-        group.policy_version = stamp_versions(group, sampled, announced)
+        group.policy_version = version_stamp(group, sampled, announced)
         return group
 
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import httpx
 
 from core.retrying import async_attempts
+from core.scored_group import LOGPROBS_MODES, LogprobsMode, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +55,16 @@ def _finish_reason(choice: dict) -> str:
 
 @dataclass(frozen=True)
 class Completion:
-    """One sampled continuation: exactly the ids the sampler produced, with their logprobs, and the
-    policy version of the weights that sampled each token (None from a server that does not say)."""
+    """One sampled continuation: exactly the ids the sampler produced, with their logprobs, the
+    policy version of the weights that sampled each token (None from a server that does not say) and
+    the sampling parameters the request sent, with what the server's logprobs are of."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (EOS or stop sequence) or "length"
     text: str = ""
     versions: list[int] | None = None
+    sampling: Sampling | None = None
 
     @property
     def policy_versions(self) -> tuple[int, int] | None:
@@ -109,16 +113,17 @@ def token_versions(spans: list[dict] | None, count: int) -> list[int] | None:
     return versions
 
 
-# The sampled completions' version ranges while a group is collected (recording_versions).
-_recorded: contextvars.ContextVar[list[tuple[int, int] | None] | None] = contextvars.ContextVar("clotho_versions", default=None)
+# The completions sampled while a group is collected (recording_completions); None for one sampled
+# where this process cannot see it.
+_recorded: contextvars.ContextVar[list[Completion | None] | None] = contextvars.ContextVar("clotho_completions", default=None)
 
 
 @contextlib.contextmanager
-def recording_versions() -> Iterator[list[tuple[int, int] | None]]:
-    """Collects the (first, last) policy versions of every completion this context (and the tasks it
-    starts) samples through a PolicyClient, None for one whose server gave no versions: what
-    Environment.collect_group stamps a group with, whatever its environment did with the tokens."""
-    recorded: list[tuple[int, int] | None] = []
+def recording_completions() -> Iterator[list[Completion | None]]:
+    """Collects every completion this context (and the tasks it starts) samples through a
+    PolicyClient: what Environment.collect_group stamps a group's policy versions and sampling
+    parameters from, whatever its environment did with the tokens."""
+    recorded: list[Completion | None] = []
     token = _recorded.set(recorded)
     try:
         yield recorded
@@ -126,13 +131,13 @@ def recording_versions() -> Iterator[list[tuple[int, int] | None]]:
         _recorded.reset(token)
 
 
-def record_versions(versions: Iterable[tuple[int, int] | None]) -> None:
-    """Adds versions to the group being recorded (recording_versions), for completions sampled
-    where the context does not reach: an adapter's own route answering a harness in another thread
-    or process (environments.adapters.verifiers). None for a completion whose versions are unknown."""
+def record_completions(completions: Iterable[Completion | None]) -> None:
+    """Adds completions to the group being recorded (recording_completions), for ones sampled where
+    the context does not reach: an adapter's own route answering a harness in another thread or
+    process (environments.adapters.verifiers). None for a completion this process never saw."""
     recorded = _recorded.get()
     if recorded is not None:
-        recorded.extend(versions)
+        recorded.extend(completions)
 
 
 def served_model(base_url: str, api_key: str | None = None) -> str:
@@ -167,6 +172,7 @@ class PolicyClient:
         self.has_api_key = bool(api_key)
         # Whether the server has vLLM's /inference/v1/generate (None: not asked yet).
         self.generate_route: bool | None = None
+        self._logprobs_mode: asyncio.Future[LogprobsMode | None] | None = None
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
@@ -216,20 +222,24 @@ class PolicyClient:
         min_tokens: int = 0,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int | None = None,
+        min_p: float = 0.0,
         stop: list[str] | None = None,
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
         priority: int = 0,
     ) -> list[Completion]:
-        """Samples n continuations of a token-id prompt; never re-tokenizes any text. A priority
-        below 0 is scheduled before the requests waiting (a server with priority scheduling only:
-        inference.server.URGENT)."""
+        """Samples n continuations of a token-id prompt; never re-tokenizes any text. Each
+        completion says how it was drawn (Completion.sampling: these parameters and the server's
+        logprobs mode). A priority below 0 is scheduled before the requests waiting (a server with
+        priority scheduling only: inference.server.URGENT)."""
         if temperature == 0.0 and n > 1:
             # vLLM refuses n > 1 with greedy sampling; n identical requests give the same group.
-            single = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.0, top_p=top_p,
-                          stop=stop, stop_token_ids=stop_token_ids, seed=seed, priority=priority)  # fmt: skip
+            single = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.0, top_p=top_p, top_k=top_k,
+                          min_p=min_p, stop=stop, stop_token_ids=stop_token_ids, seed=seed, priority=priority)  # fmt: skip
             batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
             return [completion for batch in batches for completion in batch]
+        mode = self._asked_logprobs_mode()  # read beside the first request, not before it
         sampling = {
             "n": n,
             "max_tokens": max_tokens,
@@ -248,16 +258,45 @@ class PolicyClient:
             sampling["stop_token_ids"] = stop_token_ids
         if seed is not None:
             sampling["seed"] = seed
+        if top_k is not None:
+            sampling["top_k"] = top_k
+        if min_p:
+            sampling["min_p"] = min_p
         scheduling = {"priority": priority} if priority else {}
         completions = await self._generate(list(prompt_ids), sampling, scheduling) if self.generate_route is not False else None
         if completions is None:
             body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sampling, **scheduling}
             response = await self.request("POST", "/v1/completions", json=body)
             completions = [self._parse_choice(choice) for choice in response.json()["choices"]]
-        recorded = _recorded.get()
-        if recorded is not None:
-            recorded.extend(completion.policy_versions for completion in completions)
+        drawn = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs_mode=await asyncio.shield(mode))
+        completions = [dataclasses.replace(completion, sampling=drawn) for completion in completions]
+        record_completions(completions)
         return completions
+
+    async def logprobs_mode(self) -> LogprobsMode | None:
+        """What the server's logprobs are (vLLM's --logprobs-mode), read once from its /server_info
+        (VLLM_SERVER_DEV_MODE, which every server clotho starts has); None from a server that does
+        not say."""
+        return await asyncio.shield(self._asked_logprobs_mode())
+
+    def _asked_logprobs_mode(self) -> asyncio.Future[LogprobsMode | None]:
+        asked = self._logprobs_mode
+        if asked is None or (asked.done() and asked.exception() is not None):  # an error is asked again
+            self._logprobs_mode = asyncio.ensure_future(self._read_logprobs_mode())
+            # Its error reaches whoever awaits it; one whose request failed first never does.
+            self._logprobs_mode.add_done_callback(lambda future: future.cancelled() or future.exception())
+        return self._logprobs_mode
+
+    async def _read_logprobs_mode(self) -> LogprobsMode | None:
+        response = await self.request("GET", "/server_info", params={"config_format": "json"}, answered=(404, 405))
+        if response.status_code != 200:
+            log.info("%s has no /server_info (%s): its logprobs mode is unknown", self.base_url, response.status_code)
+            return None
+        try:
+            mode = response.json()["vllm_config"]["model_config"]["logprobs_mode"]
+        except (KeyError, TypeError, ValueError):
+            return None
+        return mode if mode in LOGPROBS_MODES else None
 
     async def _generate(self, prompt_ids: list[int], sampling: dict, scheduling: dict) -> list[Completion] | None:
         """vLLM's token-in-token-out route, whose answer says which weight version sampled each

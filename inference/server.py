@@ -75,6 +75,11 @@ CPU_EXECUTOR_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # other requests keep priority 0, where the order is first come, first served as before.
 PRIORITY_SCHEDULING_ARGS = ["--scheduling-policy", "priority"]
 URGENT = -1  # vLLM: a lower priority value is scheduled earlier
+# The sampled tokens' logprobs of the distribution that drew them (after temperature and any
+# truncation), which the trainer scores each sequence under (core.scored_group.Sampling); vLLM's
+# default, raw_logprobs, is of the untempered model. CLOTHO_VLLM_ARGS may ask for raw_logprobs: the
+# trainer then scores the untempered model too (the objective before sampling was recorded).
+LOGPROBS_MODE_ARGS = ["--logprobs-mode", "processed_logprobs"]
 
 
 def lower_priority(priority: str) -> None:
@@ -199,6 +204,8 @@ class PolicyServer:
             args += CPU_EXECUTOR_ARGS
         if not any(arg.startswith("--scheduling-policy") for arg in self.extra_args):
             args += PRIORITY_SCHEDULING_ARGS
+        if not any(arg.startswith("--logprobs-mode") for arg in self.extra_args):
+            args += LOGPROBS_MODE_ARGS
         return args + self.extra_args
 
     @property

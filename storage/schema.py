@@ -10,7 +10,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from core.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
+from core.scored_group import SCHEMA_VERSION, Sampling, ScoredGroup, ScoredSequence
+
+# ScoredSequence.sampling; null: unset (temperature 1, no truncation), a null top_k: no top-k.
+# (Its fields are nullable for Parquet's sake: a null struct's children are null too.)
+SAMPLING_TYPE = pa.struct([
+    ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()), ("min_p", pa.float64()),
+    ("logprobs_mode", pa.string()),
+])  # fmt: skip
 
 # Group fields are repeated on every row of the group so any row, file or query stands alone.
 SHARD_SCHEMA = pa.schema(
@@ -39,6 +46,7 @@ SHARD_SCHEMA = pa.schema(
         # ScoredSequence.policy_versions: both null (unknown) or first <= last
         pa.field("first_policy_version", pa.int64(), nullable=True),  # since version 5
         pa.field("last_policy_version", pa.int64(), nullable=True),  # since version 5
+        pa.field("sampling", SAMPLING_TYPE, nullable=True),  # since version 6
     ]
 )
 GROUP_COLUMNS = (
@@ -54,7 +62,7 @@ GROUP_COLUMNS = (
 # The columns each older schema version lacks; all are nullable and null means "not set".
 ADDED_IN_VERSION = {
     2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs"), 4: ("previous_score",),
-    5: ("first_policy_version", "last_policy_version"),
+    5: ("first_policy_version", "last_policy_version"), 6: ("sampling",),
 }
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
@@ -153,6 +161,7 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
         "previous_score": pa.array([s.previous_score for s in sequences], pa.float64()),
         "first_policy_version": pa.array([s.policy_versions and s.policy_versions[0] for s in sequences], pa.int64()),
         "last_policy_version": pa.array([s.policy_versions and s.policy_versions[1] for s in sequences], pa.int64()),
+        "sampling": pa.array([s.sampling and s.sampling.model_dump() for s in sequences], SAMPLING_TYPE),
     }
     metadata = {
         METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode(),
@@ -238,6 +247,16 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
     }
     created_ns = table.column("created_at").cast(pa.int64()).to_pylist()
     make_group = ScoredGroup.model_construct if validated else ScoredGroup
+    samplings: dict[tuple, Sampling] = {}  # a shard's sequences share a few: one object each
+
+    def sampling_of(row: dict[str, Any] | None) -> Sampling | None:
+        if row is None:
+            return None
+        key = tuple(row.values())
+        if key not in samplings:
+            samplings[key] = Sampling(**row)
+        return samplings[key]
+
     make_sequence = ScoredSequence.model_construct if validated else dict
     groups: list[ScoredGroup] = []
     start = 0
@@ -257,6 +276,7 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 previous_score=rows["previous_score"][i],
                 policy_versions=None if rows["first_policy_version"][i] is None
                 else (rows["first_policy_version"][i], rows["last_policy_version"][i]),
+                sampling=sampling_of(rows["sampling"][i]),
                 finish_reason=rows["finish_reason"][i],
                 messages=None if rows["messages"][i] is None else json.loads(rows["messages"][i]),
                 extras=json.loads(rows["extras"][i]),

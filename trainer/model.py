@@ -30,32 +30,40 @@ def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, predictors: torch.Tensor | None = None
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    predictors: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logprob of each input token under the logits that predict it.
+    """Logprob of each input token under the logits that predict it, at a temperature.
 
-    logits [batch, seq, vocab], input_ids [batch, seq] -> [batch, seq], float32 or wider.
+    logits [batch, seq, vocab], input_ids [batch, seq] -> [batch, seq], float32 or wider;
+    temperature a float or [batch, seq], the temperature of each position's logits.
 
     Next-token prediction: token t is predicted by the logits at position t - 1, so
-    result[:, t] = log_softmax(logits[:, t - 1] / temperature)[input_ids[:, t]], result[:, 0] = 0.
-    The first token of a sequence has no prediction and is never trained; in packed rows the first
-    token of each later sequence gets a meaningless value (its "prediction" comes from the previous
-    sequence) and packing masks it out. `temperature` must match the sampler's logprobs.
-    `predictors` [batch, seq] (PackedBatch.predictors, with shared prefixes) names the position
-    whose logits predict each token instead: result[:, t] = log_softmax(logits[:, predictors[:, t]])
-    [input_ids[:, t]] for t >= 1.
+    result[:, t] = log_softmax(logits[:, t - 1] / temperature[:, t - 1])[input_ids[:, t]],
+    result[:, 0] = 0. The first token of a sequence has no prediction and is never trained; in
+    packed rows the first token of each later sequence gets a meaningless value (its "prediction"
+    comes from the previous sequence) and packing masks it out. `temperature` must be the one the
+    sampler's logprobs are at (PackedBatch.temperatures). `predictors` [batch, seq]
+    (PackedBatch.predictors, with shared prefixes) names the position whose logits predict each
+    token instead: result[:, t] = log_softmax(logits[:, predictors[:, t]])[input_ids[:, t]] for t >= 1.
     """
     if logits.shape[:2] != input_ids.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}: the first two "
             "dimensions must match; pass the model's logits for exactly these input_ids"
         )
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(logits.device)[..., None]
     if predictors is not None:
         scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
         by = predictors[:, 1:]
         rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
         predicted = scaled[rows, by, input_ids[:, 1:]] - torch.logsumexp(scaled, dim=-1).gather(1, by)
         return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature[:, :-1]
     scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     predicted = picked - torch.logsumexp(scaled, dim=-1)
@@ -68,16 +76,17 @@ def packed_logprobs(
     hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS,
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
-    """Logprob of every token of a packed micro-batch under `model`: [rows, L] float32 (see
-    token_logprobs).
+    """Logprob of every token of a packed micro-batch under `model`, each sequence at its
+    temperature (batch.temperatures): [rows, L] float32 (see token_logprobs).
 
     Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
     [rows, 1, L, L] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
     Rows of one sequence each with plain causal attention run with neither (PackedBatch.needs_mask).
     """
     input_ids = batch.input_ids.to(device)
+    temperature = 1.0 if batch.temperatures is None else batch.temperatures
     if not batch.needs_mask(hooks):  # one sequence a row, plain causal: sdpa's causal kernel
-        return token_logprobs(model(input_ids=input_ids, use_cache=False).logits, input_ids)
+        return token_logprobs(model(input_ids=input_ids, use_cache=False).logits, input_ids, temperature)
     output = model(
         input_ids=input_ids,
         position_ids=batch.position_ids.to(device),
@@ -85,7 +94,7 @@ def packed_logprobs(
         use_cache=False,
     )
     predictors = batch.predictors.to(device) if batch.predictors is not None else None
-    return token_logprobs(output.logits, input_ids, predictors=predictors)
+    return token_logprobs(output.logits, input_ids, temperature, predictors=predictors)
 
 
 def micro_batch_loss(

@@ -70,6 +70,9 @@ class TrainingSequence:
     # continue it, attending to it, their positions starting at its length (position_offset).
     prefix: bool = False
     position_offset: int = 0
+    # The temperature its sampler's logprobs are at (core.scored_group.Sampling.logprob_temperature):
+    # the trainer scores it under logits / temperature, the distribution that drew it.
+    temperature: float = 1.0
 
 
 @dataclass
@@ -104,6 +107,9 @@ class PackedBatch:
     # one before it, but the prefix's last slot for the first token of a sequence continuing one).
     sequence_prefixes: list[int | None] = field(default_factory=list)
     predictors: torch.Tensor | None = None
+    # [rows, L] the temperature of each slot's sequence (1.0 on padding), which divides the logits
+    # the slot gives; None when every sequence's is 1.
+    temperatures: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -318,7 +324,7 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
     ids = {index: position for position, index in enumerate(order)}
     sequences = [all_sequences[i] for i in order]
     fill = {"input_ids": 0, "positions": 0, "ids": -1, "mask": False, "old": 0.0, "advantages": 0.0, "ref": 0.0,
-            "has_ref": False, "predictors": 0}  # fmt: skip
+            "has_ref": False, "predictors": 0, "temperatures": 1.0}  # fmt: skip
     columns: dict[str, list[list]] = {name: [] for name in fill}
     prefix_of: dict[int, int | None] = {}
     for row in rows:
@@ -341,6 +347,7 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
             values["advantages"] += s.advantages
             values["ref"] += s.ref_logprobs if s.ref_logprobs is not None else [0.0] * len(s.tokens)
             values["has_ref"] += [s.ref_logprobs is not None] * len(s.tokens)
+            values["temperatures"] += [s.temperature] * len(s.tokens)
         for name, value in values.items():
             columns[name].append(value + [fill[name]] * padding)
     any_stored = any(s.ref_logprobs is not None for s in sequences)
@@ -359,6 +366,8 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         has_stored_ref=torch.tensor(columns["has_ref"], dtype=torch.bool) if any_stored else None,
         sequence_prefixes=[prefix_of[i] for i in range(len(sequences))] if shares else [],
         predictors=torch.tensor(columns["predictors"], dtype=torch.long) if shares else None,
+        temperatures=torch.tensor(columns["temperatures"], dtype=torch.float32)
+        if any(s.temperature != 1.0 for s in sequences) else None,
     )
 
 

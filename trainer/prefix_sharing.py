@@ -14,7 +14,9 @@ Sharing is chosen per group by the packer's cost model (slots x (token_work + ro
 mask over the row): it pays where answers are short next to the prompt, not where a row of 16 long
 answers would make its attention cost more than the prompt's copies did; long groups may share in
 chunks, each chunk with a copy of the prefix. A group whose attention hooks change a sequence's
-causal block (a sliding window) is laid out as before, and so are dpo pairs.
+causal block (a sliding window) is laid out as before, and so are dpo pairs and groups whose
+sequences were sampled at different temperatures (the prefix's last slot predicts each rest's
+first token, at one temperature).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def share_prefixes(
         group = [sequences[i] for i in members]
         prefix = shared_prefix_length(group)
         if prefix < 2 or any(s.unit == group[0].unit for s in group[1:]):  # too short, or a pair's unit
+            continue
+        if any(s.temperature != group[0].temperature for s in group[1:]):  # the prefix's last slot predicts at one
             continue
         count = chunk_count([len(s.tokens) for s in group], prefix, token_budget, token_work)
         if count == 0 or any(hooked_block(len(s.tokens), s.extras, hooks)[1] for s in group):

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.scored_group import ScoredGroup, objective_problems, preference_pair
+from core.scored_group import ScoredGroup, ScoredSequence, objective_problems, preference_pair
 from trainer.advantages import sequence_token_advantages
 from trainer.config import AdvantageConfig
-from trainer.data import group_objective
+from trainer.data import ON_POLICY_OBJECTIVES, group_objective
 from trainer.packing import PackedBatch, TrainingSequence, pack_micro_batches, padding_waste
 from trainer.prefix_sharing import share_prefixes
 
@@ -23,7 +23,8 @@ def training_sequences(
 ) -> list[TrainingSequence]:
     """Flatten groups into sequences with their objective (trainer.data.group_objective), their
     per-token advantages and extras (group's, then the sequence's own on top), with the first
-    token untrained since nothing predicts it. Advantages by objective:
+    token untrained since nothing predicts it, and the temperature each is scored at
+    (logprob_temperature). Advantages by objective:
         rl       the group's (trainer.advantages; per-token overrides honoured)
         distill  teacher logprob - sampler logprob on each trained token (reverse KL, per token)
         dpo      +1 on the chosen sequence, -1 on the rejected one, which follows it (one unit)
@@ -56,6 +57,7 @@ def training_sequences(
                     ref_logprobs=None if sequence.ref_logprobs is None else list(sequence.ref_logprobs),
                     unit=unit,
                     group=-1 if objective == "dpo" else group_index,
+                    temperature=logprob_temperature(sequence, objective),
                 )
             )
             if objective != "dpo":
@@ -63,6 +65,15 @@ def training_sequences(
         if objective == "dpo":
             unit += 1
     return result
+
+
+def logprob_temperature(sequence: ScoredSequence, objective: str) -> float:
+    """The temperature the trainer scores a sequence at: for a policy-gradient objective (rl,
+    distill), the one its sampler's logprobs are at, so that the importance ratio compares one
+    distribution with itself; a demonstration or a preference pair is scored under the model."""
+    if objective not in ON_POLICY_OBJECTIVES or sequence.sampling is None:
+        return 1.0
+    return sequence.sampling.logprob_temperature
 
 
 def dpo_pair(group: ScoredGroup) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from inference.client import Completion, PolicyClient, PolicyServerError
 SAMPLED: contextvars.ContextVar[list[tuple[tuple[int, ...], Completion]] | None] = contextvars.ContextVar(
     "clotho_atropos_sampled", default=None
 )
-SAMPLING_ARGS = ("n", "max_tokens", "temperature", "top_p", "stop", "seed", "min_tokens", "stop_token_ids")
+SAMPLING_ARGS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "min_tokens", "stop_token_ids")
 MAX_TOKENS_ALIASES = ("max_new_tokens", "max_completion_tokens")
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,9 @@ scored with trace.reward, the weighted sum of the taskset's @vf.reward functions
 extras["rewards"], @vf.metric values in extras["metrics"]) or what the Env recorded. An episode of
 two trainable agents (self-play) gives two sequences, each naming its agent in extras["agent"]: a
 group holds up to group_size x samples_per_episode sequences. A sequence's policy_versions are
-those vLLM reported for the completions its sampled turns are (verifiers' answer has no field for
-them: the route keeps them, verifiers_generate.GenerateServer.versions_of), so one sampled across reloads says so.
+those vLLM reported for the completions its sampled turns are, and its sampling those completions were
+drawn with (verifiers' answer has no field for them: the route keeps the completions,
+verifiers_generate.GenerateServer.completion_of), so one sampled across reloads says so.
 
     config {"env": {"taskset": {"id": "gsm8k-v1"}}, "group_size": 4}     an installed taskset
     config {"env": {"taskset": {"id": "my_pkg.my_taskset", "num_tasks": 8},
@@ -57,8 +58,9 @@ from environments.adapters.verifiers_generate import generate_server
 from environments.adapters.verifiers_setup import local_env_config, provision_chat_program
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import Messages
+from environments.trajectory import shared_sampling
 from core.scored_group import ScoredGroup, ScoredSequence, version_range
-from inference.client import record_versions
+from inference.client import Completion, record_completions
 
 MESSAGE = TypeAdapter(vf.Message)
 # The loopback generate route takes no key (the policy server's key stays in this process); the
@@ -224,12 +226,14 @@ class Verifiers(Environment):
 
     def sequence(self, trace, branch, episode: int) -> ScoredSequence:
         """One training sample as it was sampled, scored with its trace's reward and the policy
-        versions of its sampled turns."""
+        versions and sampling of its sampled turns."""
         last_call = branch.calls[-1] if branch.calls else None
+        turns = self.branch_completions(branch)
         return ScoredSequence(
             tokens=branch.token_ids, mask=branch.sampled_mask, logprobs=branch.logprobs, score=trace.reward,
             finish_reason="length" if last_call is not None and last_call.finish_reason == "length" else "stop",
-            policy_versions=self.branch_versions(branch),
+            policy_versions=None if None in turns else version_range(turn.policy_versions for turn in turns),
+            sampling=shared_sampling(turns),
             messages=self.conversation(branch),
             extras={
                 "rewards": {name: r.model_dump() for name, r in trace.rewards.items() if r is not None},
@@ -238,19 +242,18 @@ class Verifiers(Environment):
             },
         )  # fmt: skip
 
-    def branch_versions(self, branch) -> tuple[int, int] | None:
-        """The (first, last) policy versions of the branch's sampled turns, each the completion the
-        generate route returned for it; None when one of them is not known (a turn the route did
-        not answer, a server without versions). Each turn's versions also go to the group's record
-        (inference.client.record_versions), None for an unknown one, so that the group is stamped
-        as if the completions had been sampled in this process."""
+    def branch_completions(self, branch) -> list[Completion | None]:
+        """The completion the generate route returned for each of the branch's sampled turns, None
+        for one it did not answer. They also go to the group's record
+        (inference.client.record_completions), so that the group is stamped as if the completions
+        had been sampled in this process."""
         turns = []
         for node in branch.nodes:
             sampled = [token for token, trained in zip(node.token_ids, node.mask) if trained]
             if sampled:
-                turns.append(self.generate.versions_of(sampled, node.logprobs))
-        record_versions(turns)
-        return None if None in turns else version_range(turns)
+                turns.append(self.generate.completion_of(sampled, node.logprobs))
+        record_completions(turns)
+        return turns
 
     def conversation(self, branch) -> Messages:
         """The branch as chat messages; a sampled turn's content is its sampled tokens decoded (what

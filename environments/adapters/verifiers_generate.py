@@ -1,7 +1,7 @@
 """The verifiers adapter's model route: vLLM's /inference/v1/generate, what verifiers' TrainClient
 calls, served on loopback in front of clotho's policy server (environments.adapters.verifiers points
-each episode's TrainClient at it). It answers in verifiers' terms and keeps, beside them, the policy
-versions that sampled each completion, which those terms have no field for.
+each episode's TrainClient at it). It answers in verifiers' terms and keeps, beside them, each
+completion's policy versions and sampling parameters, which those terms have no field for.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable
+from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerError, PolicyServerUnreachable
 
-# The policy versions of the route's latest completions, kept until the episodes that asked for them
+# The route's latest completions, kept until the episodes that asked for them
 # are stored: far more than the completions of the groups one service collects at once.
 KEPT_COMPLETIONS = 65536
 
@@ -30,7 +30,7 @@ KEPT_COMPLETIONS = 65536
 # Sampling parameters the route passes to /v1/completions, and the ones renderers sets on every
 # request that need nothing: the sampled token's logprob is always returned, ids never text, and
 # router replay (routed_experts) is for MoE engines.
-SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "stop", "stop_token_ids", "seed")
+SAMPLING = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids", "seed")
 ANSWERED_ANYWAY = ("logprobs", "skip_special_tokens", "routed_experts_prompt_start")
 
 
@@ -51,9 +51,10 @@ class GenerateServer:
     server's /v1/completions: on a loopback port, in a thread of its own (its own event loop, so
     it needs nothing from whoever runs the environment). One per policy client's settings.
 
-    The route answers in verifiers' terms, which have no field for the policy versions that sampled
-    a completion, so it keeps them here, by the completion's ids and logprobs (what verifiers stores
-    in the message node the reply becomes, exactly), for `versions_of` to give each stored sequence."""
+    The route answers in verifiers' terms, which have no field for the policy versions and sampling
+    parameters of a completion, so it keeps the completions here, by their ids and logprobs (what
+    verifiers stores in the message node the reply becomes, exactly), for `completion_of` to give
+    each stored sequence."""
 
     def __init__(self, policy_url: str, api_key: str | None, max_retries: int, backoff: float):
         self.policy = dict(base_url=policy_url, api_key=api_key, max_retries=max_retries, backoff=backoff)
@@ -62,8 +63,8 @@ class GenerateServer:
         # collect_trajectories raises what the route saw (verifiers would record a failed trace).
         self.run_errors = 0
         self.last_run_error: Exception | None = None
-        self.versions: collections.OrderedDict[tuple, tuple[int, int] | None] = collections.OrderedDict()
-        self.versions_lock = threading.Lock()
+        self.completions: collections.OrderedDict[tuple, Completion] = collections.OrderedDict()
+        self.completions_lock = threading.Lock()
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -100,10 +101,10 @@ class GenerateServer:
             return self.run_error(error)
         except PolicyServerError as error:  # the policy server refused the request (a prompt too long ...)
             return JSONResponse({"error": str(error)}, status_code=400)
-        with self.versions_lock:
-            self.versions[(tuple(completion.token_ids), tuple(completion.logprobs))] = completion.policy_versions
-            while len(self.versions) > KEPT_COMPLETIONS:
-                self.versions.popitem(last=False)
+        with self.completions_lock:
+            self.completions[(tuple(completion.token_ids), tuple(completion.logprobs))] = completion
+            while len(self.completions) > KEPT_COMPLETIONS:
+                self.completions.popitem(last=False)
         pairs = zip(completion.token_ids, completion.logprobs)
         content = [{"token": f"token_id:{token}", "logprob": logprob} for token, logprob in pairs]
         return JSONResponse({
@@ -112,11 +113,11 @@ class GenerateServer:
                          "finish_reason": completion.finish_reason}],
         })  # fmt: skip
 
-    def versions_of(self, token_ids: list[int], logprobs: list[float]) -> tuple[int, int] | None:
-        """The (first, last) policy versions this route's completion of these ids and logprobs was
-        sampled with; None where it is not one of its latest, or the policy server gave none."""
-        with self.versions_lock:
-            return self.versions.get((tuple(token_ids), tuple(logprobs)))
+    def completion_of(self, token_ids: list[int], logprobs: list[float]) -> Completion | None:
+        """This route's completion of these ids and logprobs (with its policy versions and sampling
+        parameters); None where it is not one of its latest."""
+        with self.completions_lock:
+            return self.completions.get((tuple(token_ids), tuple(logprobs)))
 
     def run_error(self, error: Exception) -> JSONResponse:
         """424, not 5xx: the policy client already retried, and the harness's SDK retries 5xx again."""

@@ -75,6 +75,8 @@ def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprob
             # The versions vLLM said sampled it, which verifiers' answer has no field for: kept by
             # the adapter's generate route, the group stamped from them.
             assert sequence.policy_versions == (group.policy_version, group.policy_version)
+            # ... and the sampling it was drawn with (the taskset's temperature, the server's processed logprobs).
+            assert sequence.sampling is not None and sequence.sampling.logprobs_mode == "processed_logprobs"
 
     async def served_logprobs() -> list[list[float]]:
         async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
@@ -144,37 +146,43 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
     }  # fmt: skip
 
 
-BRANCH_VERSIONS = """
+BRANCH_COMPLETIONS = """
 import json, sys
 from types import SimpleNamespace
+from core.scored_group import Sampling
 from environments.adapters.verifiers import Verifiers
 from environments.adapters.verifiers_generate import GenerateServer
-from inference.client import recording_versions
+from inference.client import Completion, recording_completions
 
 route = GenerateServer("http://127.0.0.1:9", None, 0, 0.0)  # nothing is sent: the lookup alone
-route.versions[((7, 8), (-0.5, -1.5))] = (3, 4)  # a turn the route answered across a reload
-route.versions[((9,), (-0.25,))] = (4, 4)
-route.versions[((5,), (-2.0,))] = None  # answered by a server that gives no versions
+hot = Sampling(temperature=1.25, logprobs_mode="processed_logprobs")
+def answered(ids, logprobs, versions):
+    route.completions[(tuple(ids), tuple(logprobs))] = Completion(ids, logprobs, "stop", versions=versions, sampling=hot)
+answered([7, 8], [-0.5, -1.5], [3, 4])  # a turn the route answered across a reload
+answered([9], [-0.25], [4])
+answered([5], [-2.0], None)  # answered by a server that gives no versions
 adapter = SimpleNamespace(generate=route)
 node = lambda prompt, sampled, logprobs: SimpleNamespace(token_ids=prompt + sampled, mask=[False] * len(prompt) + [True] * len(sampled), logprobs=logprobs)
 two_turns = SimpleNamespace(nodes=[node([1, 2], [7, 8], [-0.5, -1.5]), node([3], [], []), node([4], [9], [-0.25])])
 unanswered = SimpleNamespace(nodes=[node([1], [7, 8], [-0.5, -1.25])])  # the logprobs differ: not that completion
 no_versions = SimpleNamespace(nodes=[node([1], [5], [-2.0])])
-with recording_versions() as recorded:
-    found = [Verifiers.branch_versions(adapter, branch) for branch in (two_turns, unanswered, no_versions)]
-json.dump({"found": found, "recorded": recorded}, sys.stdout)
+with recording_completions() as recorded:
+    found = [Verifiers.branch_completions(adapter, branch) for branch in (two_turns, unanswered, no_versions)]
+describe = lambda c: None if c is None else [c.policy_versions, c.sampling.temperature]
+json.dump({"found": [[describe(c) for c in turns] for turns in found], "recorded": [describe(c) for c in recorded]}, sys.stdout)
 """
 
 
 @pytest.mark.integration
-def test_each_sequence_has_the_versions_of_the_completions_its_turns_are() -> None:
+def test_each_sequence_has_the_versions_and_sampling_of_the_completions_its_turns_are() -> None:
     venv = adapter_venv("verifiers")
-    done = subprocess.run([venv / "bin" / "python", "-c", BRANCH_VERSIONS], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([venv / "bin" / "python", "-c", BRANCH_COMPLETIONS], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["found"] == [[3, 4], None, None]  # a turn it cannot name makes the sequence's range unknown
-    assert result["recorded"] == [[3, 4], [4, 4], None, None]  # ... and the group's stamp conservative
+    # Each turn the completion the route answered it with (its versions and temperature), None where it did not.
+    assert result["found"] == [[[[3, 4], 1.25], [[4, 4], 1.25]], [None], [[None, 1.25]]]
+    assert result["recorded"] == [[[3, 4], 1.25], [[4, 4], 1.25], None, [None, 1.25]]  # the group's record too
 
 
 @pytest.mark.integration

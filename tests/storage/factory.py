@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from core.scored_group import ScoredGroup, ScoredSequence
+from core.scored_group import Sampling, ScoredGroup, ScoredSequence
 
 
 def make_group(
@@ -48,6 +48,8 @@ def make_group(
                 else {},
                 # sampled by one version, across a reload, or unknown (a server that does not say)
                 policy_versions=[(policy_version, policy_version), (policy_version, policy_version + 1), None][index % 3],
+                # drawn at a temperature, greedily, or not recorded (a demonstration)
+                sampling=[Sampling(temperature=1.25, logprobs_mode="processed_logprobs"), Sampling(temperature=0.0), None][index % 3],
             )
         )
     return ScoredGroup(

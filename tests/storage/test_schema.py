@@ -10,7 +10,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
+from core.scored_group import SCHEMA_VERSION, InvalidGroupError, Sampling, ScoredGroup, ScoredSequence
 from storage.schema import (
     METADATA_SCHEMA_VERSION,
     METADATA_TOKENIZER,
@@ -211,6 +211,31 @@ def test_a_version_4_shard_still_reads_with_its_groups_unchanged() -> None:
     assert groups == expected and groups[0].sequences[0].previous_score == 0.0
     assert all(s.policy_versions is None for g in groups for s in g.sequences) and groups[0].policy_versions is None
     assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def test_a_version_5_shard_still_reads_with_its_sampling_unset() -> None:
+    # Written by clotho at schema version 5 (commit 87eabbe), before ScoredSequence.sampling: unset
+    # means temperature 1 and no truncation, what the trainer scored every sequence at then.
+    table = decode((DATA / "schema-v5.parquet").read_bytes(), "test://v5")
+    groups = table_to_groups(table)
+    expected = [ScoredGroup(**fields) for fields in json.loads((DATA / "schema-v5.json").read_text())]
+    assert groups == expected and all(s.sampling is None for g in groups for s in g.sequences)
+    assert any(s.policy_versions is not None for g in groups for s in g.sequences)
+    assert table_to_groups(decode(encode(table), "test://again")) == expected
+
+
+def test_sampling_round_trips_per_sequence() -> None:
+    hot = Sampling(temperature=1.25, logprobs_mode="processed_logprobs")
+    truncated = Sampling(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, logprobs_mode="raw_logprobs")
+    sequences = [
+        ScoredSequence.from_prompt([1, 2], [3], [-0.5], score=1.0, sampling=sampling)
+        for sampling in (hot, truncated, None)
+    ]
+    group = ScoredGroup(env="e", item_id="i", sequences=sequences)
+    table = groups_to_table([group], "tok")
+    check_table(table)
+    [back] = table_to_groups(decode(encode(table), "test://sampling"), validated=True)
+    assert [s.sampling for s in back.sequences] == [hot, truncated, None]
 
 
 def test_policy_versions_round_trip_and_a_backwards_range_is_named() -> None:

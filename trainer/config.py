@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -56,6 +56,12 @@ BUILTIN_LOSSES = {
     "dr_grpo": "trainer.losses:dr_grpo",
     "dapo": "trainer.losses:dapo",
     "gspo": "trainer.losses:gspo",
+    # the off-policy corrections by name (trainer.corrections)
+    "mis_token": "trainer.corrections:mis_token",
+    "mis_sequence": "trainer.corrections:mis_sequence",
+    "icepop": "trainer.corrections:icepop",
+    "cispo": "trainer.corrections:cispo",
+    "dppo": "trainer.corrections:dppo",
 }
 
 
@@ -67,6 +73,9 @@ class LossDefaults:
     clip_low: float = 0.2
     clip_high: float = 0.2
     advantage_mode: AdvantageMode = "grpo"
+    # The settings the loss reads from config.options, with their defaults; a loss that declares
+    # any refuses others (a typo would otherwise run with the default unnoticed).
+    options: Mapping[str, float] = field(default_factory=dict)
 
 
 class LossConfig(BaseModel):
@@ -128,8 +137,9 @@ class LossConfig(BaseModel):
     )
     options: dict[str, Any] = Field(
         default_factory=dict,
-        description="A custom loss's own settings (YAML values), read by it as config.options; "
-        "the built-in losses read none. --set loss.options.beta=0.1 sets one.",
+        description="A loss's own settings (YAML values), read by it as config.options, over the defaults it "
+        "declares (LossDefaults.options): the corrections' thresholds (trainer.corrections), a custom "
+        "loss's settings. --set loss.options.high=5 sets one.",
     )
 
     _function: Callable[..., Any] = PrivateAttr()
@@ -143,6 +153,13 @@ class LossConfig(BaseModel):
             self.clip_low = self._defaults.clip_low
         if self.clip_high is None:
             self.clip_high = self._defaults.clip_high
+        declared = self._defaults.options
+        if declared and (unknown := sorted(set(self.options) - set(declared))):
+            raise ValueError(
+                f"loss.options: {unknown} not settings of loss {self.name}; it takes "
+                + ", ".join(f"{key} (default {value})" for key, value in declared.items())
+            )
+        self.options = {**declared, **self.options}
         if self.importance_cap is not None and self.importance_cap < 1.0 + self.clip_high:
             raise ValueError(
                 f"importance_cap: {self.importance_cap} < 1 + clip_high ({1.0 + self.clip_high} "

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from tests.trainer import custom_loss
-from trainer import losses
+from trainer import corrections, losses
 from core.overrides import apply_overrides
 from trainer.config import BUILTIN_LOSSES, LossConfig, TrainerConfig
 
@@ -27,7 +27,8 @@ def test_clip_defaults_follow_the_loss():
 def test_a_built_in_name_is_short_for_its_import_path():
     for name, path in BUILTIN_LOSSES.items():
         assert LossConfig(name=name).function is LossConfig(name=path).function
-        assert LossConfig(name=path).function is getattr(losses, name)
+        module = corrections if path.startswith("trainer.corrections:") else losses
+        assert LossConfig(name=path).function is getattr(module, name)
     assert LossConfig(name="trainer.losses:dapo").clip_high == 0.28
 
 
@@ -45,7 +46,7 @@ def test_a_custom_loss_is_imported_with_its_own_defaults():
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("ppo", "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo\\)"),
+        ("ppo", "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo, mis_token, mis_sequence, icepop, cispo, dppo\\)"),
         ("no_such_module:loss", "loss.name: 'no_such_module:loss': cannot import no_such_module"),
         ("trainer.losses:nope", "trainer.losses has no 'nope'"),
         (f"{CUSTOM}:NOT_A_LOSS", "NOT_A_LOSS is not a function but of type int"),

@@ -56,6 +56,9 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     console.print(table)
     if summary.get("stopped_by_rule"):
         console.print(f"stopped at version {summary['stopped_by_rule']['version']}: {summary['stopped_by_rule']['rule']}")
+    if summary.get("best"):
+        best = summary["best"]
+        console.print(f"best checkpoint: step {best['step']} (held-out {best['reward']:.3f}), kept as {best['checkpoint']}")
     console.print(verdict["line"])
     console.print(f"summary: {workdir / 'summary.json'}  curve: {workdir / 'reward-curve.png'}")
     return {**summary, "verdict": verdict}

@@ -49,8 +49,8 @@ def reprocess_command(
 
 def evaluate_command(
     env: str = typer.Option(..., help="Environment: an installed name (clotho env list) or module.path:ClassName."),
-    checkpoint: str = typer.Option("LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST of --run."),
-    run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN, for --checkpoint LATEST."),
+    checkpoint: str = typer.Option("LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST or BEST (the best evaluated) of --run."),
+    run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN, for --checkpoint LATEST or BEST."),
     set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value (YAML value)."),
     items: int = typer.Option(50, min=1, help="Held-out items to answer (greedy)."),
     server: str = typer.Option(None, help="Use this running server (it must serve the checkpoint's version) instead of serving it here."),

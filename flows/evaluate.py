@@ -2,6 +2,7 @@
 
     clotho evaluate --env NAME --checkpoint STEP_URL            a published step
     clotho evaluate --env NAME --checkpoint LATEST --run RUN    the run's newest
+    clotho evaluate --env NAME --checkpoint BEST --run RUN      the run's best evaluated (checkpoints/BEST)
                     [--server URL]                              a running server serving that version
 
 Without --server it serves the checkpoint with vLLM itself (the same server as training uses) and
@@ -28,7 +29,7 @@ from prefect.artifacts import create_table_artifact
 
 from flows.artifacts import artifact_key
 from inference.client import PolicyClient
-from storage.checkpoints import CheckpointError, CheckpointInfo, fetch_checkpoint, latest_checkpoint, read_checkpoint
+from storage.checkpoints import CheckpointError, CheckpointInfo, best_checkpoint, fetch_checkpoint, latest_checkpoint, read_checkpoint
 from storage.filesystem import resolve, storage_errors
 from storage.layout import join, split_run_url
 from tasks.api_key import API_KEY_VARIABLE
@@ -43,13 +44,22 @@ def result_url(checkpoint: CheckpointInfo, env: str) -> str:
 
 
 def find_checkpoint(checkpoint: str, run: str | None) -> CheckpointInfo:
-    if checkpoint == "LATEST":
+    """A step URL, or LATEST / BEST of `run` (its newest, or the one its evaluator marked best)."""
+    if checkpoint in ("LATEST", "BEST"):
+        which = "newest" if checkpoint == "LATEST" else "best evaluated"
         if run is None:
-            raise EvaluationError("--checkpoint LATEST needs --run RUN_URL (whose newest checkpoint to evaluate)")
+            raise EvaluationError(f"--checkpoint {checkpoint} needs --run RUN_URL (whose {which} checkpoint to evaluate)")
         root, name = split_run_url(run)
-        info = latest_checkpoint(root, name)
+        try:
+            info = (latest_checkpoint if checkpoint == "LATEST" else best_checkpoint)(root, name)
+        except CheckpointError as error:
+            raise EvaluationError(f"--checkpoint {checkpoint}: {error}") from None
         if info is None:
-            raise EvaluationError(f"{run} has no published checkpoint yet")
+            raise EvaluationError(
+                f"{run} has no published checkpoint yet" if checkpoint == "LATEST" else
+                f"{run} has no best checkpoint: its pipeline marks one at each held-out evaluation that beats the "
+                "ones before (a config with `evaluation:`); name a step URL or LATEST instead"
+            )  # fmt: skip
         return info
     try:
         return read_checkpoint(checkpoint)

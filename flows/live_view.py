@@ -71,11 +71,11 @@ def text_chart(series: dict[str, tuple[str, list[tuple[float, float]]]], width: 
 def live_markdown(
     run: str, phase: str, total_steps: int, steps: list[dict[str, Any]], curve: list[dict[str, Any]],
     reload_s: dict[int, float], elapsed_s: float, staleness: dict[str, float], seconds_per_step: float | None = None,
-    finished: bool = False,
+    finished: bool = False, best: dict[str, Any] | None = None,
 ) -> str:  # fmt: skip
     """The card's text for the run so far: `steps` are the trainer's metrics rows, `curve` the
     held-out evaluations, `reload_s` the reload time of each served version, `seconds_per_step`
-    the recent pace (StepLog.seconds_per_step)."""
+    the recent pace (StepLog.seconds_per_step), `best` the best evaluated checkpoint (Curve.best)."""
     step = int(steps[-1]["step"]) if steps else 0
     state = "finished" if finished else "running"
     head = [f"# Run `{run}`: {state}", ""]
@@ -88,6 +88,8 @@ def live_markdown(
         facts.append(f"servers serve policy **v{version}** (reloaded in {reload_s[version]:.2f} s)")
     if steps and steps[-1].get("groups_per_s") is not None:
         facts.append(f"{steps[-1]['groups_per_s']:.2f} groups/s trained")
+    if best is not None:
+        facts.append(f"best checkpoint **step {best['step']}** (held-out {best['reward']:.3f}, kept as checkpoints/BEST)")
     total = sum(staleness.values())
     if total:
         facts.append("staleness of trained groups: " + ", ".join(f"{lag} behind {100 * count / total:.0f}%" for lag, count in staleness.items()))
@@ -171,7 +173,8 @@ class RunView:
             steps = self.steps
             self.shown_version = served
             return live_markdown(self.run, self.phase, self.config.total_steps, steps.rows, self.curve.rows, self.measured.reload_s,
-                                 time.monotonic() - self.started, steps.staleness_histogram(), steps.seconds_per_step(), finished)  # fmt: skip
+                                 time.monotonic() - self.started, steps.staleness_histogram(), steps.seconds_per_step(), finished,
+                                 self.curve.best)  # fmt: skip
 
         await self.live.show(markdown, force=finished or served != self.shown_version)
 

@@ -41,6 +41,7 @@ from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
+from storage.checkpoints import checkpoint_url, mark_best, read_best
 from storage.layout import split_run_url
 from storage.models import local_model
 from storage.progress import clear_run_end, groups_committed, read_trainer_position, write_run_end
@@ -148,7 +149,8 @@ async def run_phase(
             if failed:
                 raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
         if stop_rule_met.done():
-            log.info("phase %s: %s at version %d; stopping", phase.name, phase.stop.describe(), stop_rule_met.result())
+            log.info("phase %s: %s at version %d; stopping (%s)", phase.name, phase.stop.describe(), stop_rule_met.result(),
+                     view.curve.describe_best())  # fmt: skip
             await trainer.stop()  # it ends after its step in progress (trainer.stopping)
             end_run_here(storage, run)
         elif outcome:
@@ -170,6 +172,8 @@ def run_summary(config: PipelineConfig, view: RunView, storage: str, run: str, s
     summary |= view.measured.summary() | sample_utilization(storage, run, view.steps)
     if stop_rule_met.done():
         summary["stopped_by_rule"] = {"version": stop_rule_met.result(), "rule": config.phases[-1].stop.describe()}
+    if view.curve.best is not None:
+        summary["best"] = view.curve.best
     if view.curve.rows:
         summary["curve"] = with_training_reward(view.curve.rows, view.steps.rows)
     return summary
@@ -316,9 +320,14 @@ async def evaluate_versions(
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
     at the last step: the curve, the same measure in every phase. Resolves `stop_rule_met` with
-    the version at which the last phase's stop rule holds, and ends there."""
+    the version at which the last phase's stop rule holds, and ends there. Each evaluated checkpoint
+    that beats the best so far is marked best (checkpoints/BEST, kept by retention; curve.best)."""
     from environments.loading import load_config, load_environment_class
 
+    storage, run = split_run_url(config.run)
+    best = await asyncio.to_thread(read_best, storage, run)  # a resumed run's, from before
+    if best is not None:
+        curve.best = {**best, "checkpoint": checkpoint_url(storage, run, int(best["step"]))}
     evaluation = config.evaluation
     env_class = load_environment_class(evaluation.env)
     last_step = config.total_steps
@@ -335,6 +344,9 @@ async def evaluate_versions(
                 measured.evaluation(row)
                 log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
                 evaluated = version
+                if version > 0 and (curve.best is None or row["reward"] > curve.best["reward"]):
+                    if await asyncio.to_thread(mark_best, storage, run, version, row["reward"]):
+                        curve.best = {"step": version, "reward": row["reward"], "checkpoint": checkpoint_url(storage, run, version)}
                 # The last phase's evaluations: of the versions it trained (not the one it started from).
                 last_phase, last_phase_start = config.phases[-1], last_step - config.phases[-1].steps
                 if last_phase.stop is not None and version > last_phase_start:

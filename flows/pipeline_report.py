@@ -185,6 +185,13 @@ class Curve:
     def __init__(self):
         self.rows: list[dict[str, Any]] = []
         self.changed = asyncio.Event()
+        # The best evaluated checkpoint, {"step", "reward", "checkpoint"}, once one is marked
+        # (storage.checkpoints.mark_best: kept by retention).
+        self.best: dict[str, Any] | None = None
+
+    def describe_best(self) -> str:
+        best = self.best
+        return "no checkpoint evaluated yet" if best is None else f"best: step {best['step']} (held-out {best['reward']:.3f})"
 
     def add(self, phase: str, step: int, reward: float, minutes: float) -> dict[str, Any]:
         row = {"phase": phase, "step": step, "reward": reward, "minutes": round(minutes, 3)}
@@ -212,6 +219,9 @@ def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
         total = sum(histogram.values()) or 1
         shares = ", ".join(f"{lag} behind: {count:.0f} ({100 * count / total:.0f}%)" for lag, count in histogram.items())
         lines.append(f"- trained groups by how many policy versions behind their samples were: {shares}")
+    if curve.best is not None:
+        lines.append(f"- {curve.describe_best()}, kept as `{curve.best['checkpoint']}` (`checkpoints/BEST`; "
+                     "`clotho evaluate --checkpoint BEST --run RUN`)")  # fmt: skip
     if curve.rows:
         lines += ["", "| phase | step | reward (greedy, held out) | minutes |", "|---|---|---|---|"]
         lines += [f"| {r['phase']} | {r['step']} | {r['reward']:.3f} | {r['minutes']:.1f} |" for r in curve.rows]

@@ -3,6 +3,7 @@
     {root}/{run}/checkpoints/step-{N:08d}/   Hugging Face files (safetensors, config, tokenizer)
     {root}/{run}/checkpoints/step-{N:08d}/STABLE   JSON manifest, written after every file
     {root}/{run}/checkpoints/LATEST                 'step-{N:08d}', updated after STABLE
+    {root}/{run}/checkpoints/BEST                   JSON {step, reward}: the best evaluated step
 
 A reader trusts a step directory only once its STABLE exists, and STABLE lists every file with its
 size, so a half-uploaded checkpoint is never loaded; STABLE itself appears whole (one PUT, or a
@@ -11,11 +12,13 @@ request is retried while an object store fails transiently (storage.filesystem.r
 overwrite, so a publish that failed clearly can simply run again. The policy version of step N is N.
 
 Retention (`apply_retention`, run by the trainer after each publish) keeps the last K published
-steps, every N-th one, the one LATEST names and every step a server pins (serves, or is loading:
-`{run}/progress/pins/{server}.json`, written by the reload watcher). It deletes STABLE first, so a
-reader never trusts a half-deleted step, then looks at the pins once more (a watcher pins, then
-checks STABLE: one of the two sees the other) and puts STABLE back if a server pinned the step
-meanwhile; the next pass finishes steps a killed deletion left without STABLE.
+steps, every N-th one, the one LATEST names, the one BEST names (`mark_best`, by the run's
+evaluator: the step whose held-out reward was the highest) and every step a server pins (serves, or
+is loading: `{run}/progress/pins/{server}.json`, written by the reload watcher). It deletes STABLE
+first, so a reader never trusts a half-deleted step, then looks at the pins and BEST once more (a
+watcher pins, the evaluator marks, then each checks STABLE: one of the two sees the other) and puts
+STABLE back if the step was pinned or marked meanwhile; the next pass finishes steps a killed
+deletion left without STABLE.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 STABLE = "STABLE"
 LATEST = "LATEST"
+BEST = "BEST"
 CHECKPOINT_LAYOUT_VERSION = 1
 _STEP = re.compile(r"step-(\d{8})")
 
@@ -188,6 +192,48 @@ def step_directories(root: str, run: str, *, storage_options: dict[str, Any] | N
         ]
 
 
+def best_url(root: str, run: str) -> str:
+    return join(checkpoints_url(root, run), BEST)
+
+
+def read_best(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """What BEST says ({"step", "reward", "marked_at"}), or None before a step was marked."""
+    url = best_url(root, run)
+    fs, path = resolve(url, storage_options)
+    with storage_errors(url):
+        try:
+            return json.loads(retrying(fs, path, fs.cat_file, path))
+        except FileNotFoundError:
+            return None
+
+
+def mark_best(root: str, run: str, step: int, reward: float, *, storage_options: dict[str, Any] | None = None) -> bool:
+    """Name published `step` the run's best (its held-out `reward`) in BEST, which retention then
+    keeps. Written after the step's STABLE and checked against it after: where retention deleted the
+    step before it saw BEST, BEST goes back to what it named before and this returns False."""
+    previous = read_best(root, run, storage_options=storage_options)
+    replace_json(best_url(root, run), {"step": step, "reward": reward, "marked_at": time.time()}, storage_options)
+    url = checkpoint_url(root, run, step)
+    fs, path = resolve(url, storage_options)
+    with storage_errors(url):
+        if _exists(fs, join(path, STABLE)):
+            return True
+        if previous is not None:
+            replace_json(best_url(root, run), previous, storage_options)
+        else:
+            best_path = resolve(best_url(root, run), storage_options)[1]
+            retrying(fs, best_path, fs.rm, best_path)
+    log.warning("step %d of %s was removed before it could be marked best; BEST still names %s", step, run,
+                previous and previous["step"])  # fmt: skip
+    return False
+
+
+def best_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
+    """The step BEST names (read and checked as read_checkpoint does); None before one was marked."""
+    best = read_best(root, run, storage_options=storage_options)
+    return None if best is None else read_checkpoint(checkpoint_url(root, run, int(best["step"])), storage_options=storage_options)
+
+
 PINS = f"{PROGRESS}/pins"
 PIN_TTL_S = 3600.0  # a pin its server has not renewed for this long is a dead server's
 
@@ -249,17 +295,22 @@ def apply_retention(
         keep.update(step for step in published if step > keep_after)
     if match := _STEP.fullmatch(pointer):
         keep.add(int(match.group(1)))
-    pinned = pinned_steps(root, run, storage_options=storage_options)
+
+    def protected() -> set[int]:  # what servers pin and what the evaluator marked best
+        best = read_best(root, run, storage_options=storage_options)
+        return pinned_steps(root, run, storage_options=storage_options) | ({int(best["step"])} if best else set())
+
+    held = protected()
     deleted = []
     for step in published:
-        if step in keep or step in pinned:
+        if step in keep or step in held:
             continue
         step_path = join(path, step_name(step))
         with storage_errors(join(base, step_name(step))):
             manifest = fs.cat_file(join(step_path, STABLE))
             fs.rm(join(step_path, STABLE))  # first: from here on no reader trusts the step
-            if step in pinned_steps(root, run, storage_options=storage_options):
-                fs.pipe_file(join(step_path, STABLE), manifest)  # a server pinned it meanwhile
+            if step in protected():
+                fs.pipe_file(join(step_path, STABLE), manifest)  # pinned or marked best meanwhile
                 continue
             fs.rm(step_path, recursive=True)
         deleted.append(step)

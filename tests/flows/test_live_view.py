@@ -53,7 +53,10 @@ def test_the_card_says_where_the_run_is_and_shows_the_latest_steps_newest_first(
     evaluations = text[text.index("## Held-out evaluations") :].splitlines()
     assert evaluations[4:6] == ["| 20 | rl | 0.75 | 1.4 |", "| 0 | rl | 0.25 | 0.1 |"]
     done = live_markdown("demo", "rl", 100, steps, curve, {}, 95.0, {}, finished=True)
-    assert done.startswith("# Run `demo`: finished") and "min left" not in done
+    assert done.startswith("# Run `demo`: finished") and "min left" not in done and "best checkpoint" not in done
+    best = {"step": 20, "reward": 0.75, "checkpoint": "file:///s/demo/checkpoints/step-00000020"}
+    marked = live_markdown("demo", "rl", 100, steps, curve, {}, 95.0, {}, finished=True, best=best)
+    assert "best checkpoint **step 20** (held-out 0.750, kept as checkpoints/BEST)" in marked
 
 
 @pytest.mark.integration

@@ -139,6 +139,13 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
     assert all(not check.problems for check in verify(f"file://{root}/run"))
     assert f"evaluation at version {stopped_at}" in output
     assert left_behind(str(tmp_path)) == []
+    # The best evaluated checkpoint is marked (BEST), still there, and named by the stop line.
+    best = summary["best"]
+    curve = {row["step"]: row["reward"] for row in summary["curve"] if row["step"] > 0}
+    assert best["reward"] == max(curve.values()) and best["step"] == min(s for s, r in curve.items() if r == best["reward"])
+    assert json.loads((root / "run" / "checkpoints" / "BEST").read_text())["step"] == best["step"]
+    assert (root / "run" / "checkpoints" / f"step-{best['step']:08d}" / "STABLE").exists()
+    assert f"stopping (best: step {best['step']} (held-out {best['reward']:.3f}))" in output
 
     # What the pipeline measures itself: each reload's time (JSONL, TensorBoard, the table), the
     # staleness histogram and sample utilization (groups trained / groups the samplers committed).

@@ -165,8 +165,8 @@ def test_the_scheduled_reprocess_deployment_runs_on_a_worker(source, tmp_path, p
 
 
 def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(tmp_path, prefect, tiny_model_dir, policy_server) -> None:
-    from flows.evaluate import evaluate
-    from storage.checkpoints import publish_checkpoint
+    from flows.evaluate import EvaluationError, evaluate, find_checkpoint
+    from storage.checkpoints import mark_best, publish_checkpoint
 
     root = f"file://{tmp_path}/store"
     for step in (1, 2):
@@ -178,6 +178,11 @@ def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(tmp_pat
         written = json.loads((tmp_path / "store" / "run" / "checkpoints" / f"step-{step:08d}" / "evaluation-compare.json").read_text())
         assert written == result and written["report"]["items"] == 4
     assert evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == latest  # once
+    # BEST: the step the run's evaluator marked best (checkpoints/BEST), none before it marked one.
+    with pytest.raises(EvaluationError, match="has no best checkpoint: its pipeline marks one"):
+        find_checkpoint("BEST", f"{root}/run")
+    mark_best(root, "run", 1, 0.25)
+    assert evaluate(env="compare", checkpoint="BEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == first
     # A running server must serve the checkpoint's version: the fixture's serves 0.
     command = [sys.executable, "-m", "clotho.cli", "evaluate", "--env", "compare", "--checkpoint", "LATEST", "--run", f"{root}/run",
                "--server", policy_server.base_url, "--force"]  # fmt: skip

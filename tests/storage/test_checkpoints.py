@@ -11,7 +11,9 @@ from storage.filesystem import resolve
 from storage.checkpoints import (
     CheckpointError,
     apply_retention,
+    best_checkpoint,
     latest_checkpoint,
+    mark_best,
     pin_steps,
     publish_checkpoint,
     published_steps,
@@ -79,6 +81,41 @@ def test_a_step_pinned_during_its_deletion_is_put_back(root: str, model_dir, mon
         return real(*args, **kwargs) if len(calls) == 1 else {1}  # a watcher pinned 1 meanwhile
 
     monkeypatch.setattr(checkpoints, "pinned_steps", pinned_after_the_first_look)
+    assert apply_retention(root, "run", keep_last=1) == [2]
+    assert read_checkpoint(f"{root}/run/checkpoints/step-00000001").step == 1  # whole, STABLE again
+
+
+def test_the_best_step_is_never_removed_by_retention(root: str, model_dir) -> None:
+    publish(root, model_dir, range(1, 7))
+    assert best_checkpoint(root, "run") is None
+    assert mark_best(root, "run", 2, 0.857)
+    assert apply_retention(root, "run", keep_last=2) == [1, 3, 4]
+    info = best_checkpoint(root, "run")
+    assert (info.step, checkpoints.read_best(root, "run")["reward"]) == (2, 0.857)
+    assert mark_best(root, "run", 6, 0.9)  # a better one: the old best goes with the next pass
+    publish(root, model_dir, [7, 8])
+    assert apply_retention(root, "run", keep_last=2) == [2, 5]
+    assert published_steps(root, "run") == [6, 7, 8] and best_checkpoint(root, "run").step == 6
+
+
+def test_a_step_deleted_before_it_is_marked_best_is_not_named(root: str, model_dir) -> None:
+    publish(root, model_dir, range(1, 5))
+    assert mark_best(root, "run", 2, 0.5)
+    apply_retention(root, "run", keep_last=1)  # 1 and 3 go; 2 is best
+    assert not mark_best(root, "run", 3, 0.7)  # the evaluator was too late: BEST still names 2
+    assert best_checkpoint(root, "run").step == 2
+
+
+def test_a_step_marked_best_during_its_deletion_is_put_back(root: str, model_dir, monkeypatch) -> None:
+    publish(root, model_dir, range(1, 4))
+    real = checkpoints.read_best
+    calls = []
+
+    def marked_after_the_first_look(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs) if len(calls) == 1 else {"step": 1, "reward": 1.0}  # the evaluator marked 1 meanwhile
+
+    monkeypatch.setattr(checkpoints, "read_best", marked_after_the_first_look)
     assert apply_retention(root, "run", keep_last=1) == [2]
     assert read_checkpoint(f"{root}/run/checkpoints/step-00000001").step == 1  # whole, STABLE again
 

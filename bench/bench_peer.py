@@ -1,7 +1,11 @@
 """clotho against TRL's GRPOTrainer: the same task, start, settings and seeds, scored by one evaluator outside both.
 
     python bench/bench_peer.py [--tasks compare,repeat] [--seeds 0,1,2] [--steps compare=120,repeat=30]
-        [--max-lag compare=1] [--result NAME]
+        [--max-lag compare=1] [--sides clotho,trl] [--result NAME]
+
+    python bench/bench_peer.py --sides clotho,clotho-untempered --result sampling
+        clotho against clotho before it recorded how groups were sampled: servers with vLLM's raw
+        logprobs (--logprobs-mode raw_logprobs), the trainer then at temperature 1 (issue 51)
 
 Two tasks:
 - compare, the demo's RL phase (answers of a token or two: the update is most of a step) from the
@@ -25,8 +29,9 @@ is reported apart. Per side: seconds per step (median), minutes to the task's th
 evaluated reward at the last step and the training reward per step; per task, the ratios
 clotho / TRL per seed, their geometric mean with a 95% interval, and their range; clotho's side
 also keeps how each step learned (learning_per_step: clip fraction, sampler KL, gradient norm,
-staleness), so a run that fails to learn can be read afterwards. Written to
-bench/results/peer.json; bench/report.py renders the table into docs/benchmarks.md.
+staleness), so a run that fails to learn can be read afterwards. The late drop is the best
+evaluated reward of a run minus its reward at the last step. Written to bench/results/peer.json
+(another --result for other --sides); bench/report.py renders the tables into docs/benchmarks.md.
 Targets: seconds per step and minutes to threshold, ratio <= 1.0 on both tasks.
 """
 
@@ -79,6 +84,11 @@ TASKS = {
     },
 }  # fmt: skip
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
+# The sides a run may compare: clotho as it is, clotho with the objective it had before sampling was
+# recorded (the servers' raw logprobs, of the untempered model, and the trainer at temperature 1: what
+# the trainer follows for groups whose logprobs mode is raw), and TRL's GRPOTrainer.
+SIDES = ("clotho", "clotho-untempered", "trl")
+UNTEMPERED_VLLM_ARGS = "--logprobs-mode raw_logprobs"
 LEARNING_METRICS = ("clip_fraction", "sampler_kl", "grad_norm", "staleness_mean")  # clotho's per step, in its JSON
 
 
@@ -206,6 +216,7 @@ def measure(side: dict, task: dict, items) -> dict:
         "steps_to_threshold": reached["step"] if reached else None,
         "reward_last": curve[-1]["reward"] if curve else None,
         "held_out_last": curve[-1]["held_out"] if curve else None,
+        "late_drop": round(max(p["reward"] for p in curve) - curve[-1]["reward"], 4) if curve else None,
         "startup_s": round(times["startup_s"], 1),
         "curve": curve,
         **({"step_costs_s": side["costs"]} if "costs" in side else {}),
@@ -234,9 +245,13 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", default="", help="per task, e.g. compare=60,repeat=20 (default: the task's)")
     parser.add_argument("--max-lag", default="", help="clotho's max_lag per task, e.g. compare=1 (default: the task's)")
+    parser.add_argument("--sides", default="clotho,trl", help=f"the two sides, each one of {', '.join(SIDES)}; ratios are first / second")
     parser.add_argument("--result", default="peer", help="bench/results/RESULT.json (default peer: the table's)")
     args = parser.parse_args()
-    if not TRL_PYTHON.exists():
+    compared = args.sides.split(",")
+    if len(compared) != 2 or len(set(compared)) != 2 or not set(compared) <= set(SIDES):
+        sys.exit(f"bench_peer: --sides {args.sides}: name two different sides of {', '.join(SIDES)}")
+    if "trl" in compared and not TRL_PYTHON.exists():
         sys.exit(f"bench_peer: {TRL_PYTHON} is missing: make .venv-trl/.installed (make bench builds it)")
     steps_of = {name: int(value) for name, value in (pair.split("=") for pair in args.steps.split(",") if pair)}
     lag_of = {name: int(value) for name, value in (pair.split("=") for pair in args.max_lag.split(",") if pair)}
@@ -244,7 +259,8 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-peer-"))
     prefect = start_prefect_server(workdir / "prefect")
     env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
-    report: dict = {"settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY,
+    untempered = env | {"CLOTHO_VLLM_ARGS": f"{env.get('CLOTHO_VLLM_ARGS', '')} {UNTEMPERED_VLLM_ARGS}".strip()}
+    report: dict = {"sides": compared, "settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY,
                                  "precision": "float32 on both sides (TRL: bf16=False, not its default bf16 autocast)"},
                     "tasks": {}}  # fmt: skip
     try:
@@ -258,27 +274,32 @@ def main() -> None:
             runs = []
             for index, seed in enumerate(seeds):
                 sides = {}
-                order = ["clotho", "trl"] if index % 2 == 0 else ["trl", "clotho"]
+                order = compared if index % 2 == 0 else compared[::-1]
                 for framework in order:
                     where = workdir / f"{name}-{seed}-{framework}"
-                    record = (run_clotho(where, start, task, seed, steps, env) if framework == "clotho"
-                              else run_trl(where, start, task, seed, steps))  # fmt: skip
+                    record = (run_trl(where, start, task, seed, steps) if framework == "trl"
+                              else run_clotho(where, start, task, seed, steps, untempered if framework == "clotho-untempered" else env))  # fmt: skip
                     sides[framework] = measure(record, task, items)
                     shutil.rmtree(where, ignore_errors=True)
                     summary = {k: v for k, v in sides[framework].items() if k not in ("curve", "train_reward", "learning_per_step")}
                     print(json.dumps({"task": name, "seed": seed, "side": framework, **summary}), flush=True)
                 runs.append({"seed": seed, "first": order[0], **sides})
 
+            first, second = compared
+
             def ratios(key: str) -> list[float]:
-                return [run["clotho"][key] / run["trl"][key] for run in runs if run["clotho"][key] and run["trl"][key]]
+                return [run[first][key] / run[second][key] for run in runs if run[first][key] and run[second][key]]
+
+            def mean(key: str) -> dict[str, float]:
+                return {side: round(statistics.fmean(run[side][key] for run in runs), 4) for side in compared}
 
             report["tasks"][name] = {
                 "env": task["env"], "env_config": task["env_config"], "start": task["start"], "steps": steps, "max_lag": task["max_lag"],
                 "lr": task["lr"], "threshold": task["threshold"], "evaluation_items": len(items), "runs": runs,
                 "ratio_seconds_per_step": ratio_summary(ratios("seconds_per_step")),
                 "ratio_minutes_to_threshold": ratio_summary(ratios("minutes_to_threshold")),
-                "reached_threshold": {side: sum(run[side]["minutes_to_threshold"] is not None for run in runs) for side in ("clotho", "trl")},
-                "reward_last": {side: round(statistics.fmean(run[side]["reward_last"] for run in runs), 4) for side in ("clotho", "trl")},
+                "reached_threshold": {side: sum(run[side]["minutes_to_threshold"] is not None for run in runs) for side in compared},
+                "reward_last": mean("reward_last"), "late_drop": mean("late_drop"),
             }  # fmt: skip
         report["targets"] = {"ratio_seconds_per_step": "<= 1.0", "ratio_minutes_to_threshold": "<= 1.0"}
         print(json.dumps({name: {k: v for k, v in t.items() if k != "runs"} for name, t in report["tasks"].items()}, indent=1))

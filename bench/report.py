@@ -27,6 +27,8 @@ LISTING_START, LISTING_END = f"<!-- listing:start {LISTED} (python bench/report.
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
 PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
+SAMPLING_START, SAMPLING_END = "<!-- sampling:start (python bench/report.py --readme) -->", "<!-- sampling:end -->"
+SIDE_LABELS = {"clotho": "clotho", "trl": "TRL GRPOTrainer", "clotho-untempered": "clotho, untempered (before)"}
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
 DEMO_YAML = Path(__file__).resolve().parents[1] / "runs" / "demo.yaml"
 
@@ -164,35 +166,39 @@ def _ratio(summary: dict) -> str:
     return f"{summary['mean']}x{rounds} (seeds {low}-{high})"
 
 
-def peer_text() -> str:
-    """The README's clotho-against-TRL table, from bench/results/peer.json (bench/bench_peer.py)."""
-    record = _load("peer")
+def peer_text(name: str = "peer") -> str:
+    """A table of bench/bench_peer.py's two sides per task, from bench/results/NAME.json: peer (clotho
+    against TRL's GRPOTrainer, the README's) or sampling (clotho against its untempered objective)."""
+    record = _load(name)
     if record is None:
-        return "No peer run is recorded yet (`make bench`, or `python bench/bench_peer.py`)."
+        return f"No such run is recorded yet (`python bench/bench_peer.py --result {name}`)."
+    first, second = record["result"].get("sides", ["clotho", "trl"])
     lines = [
-        "| task (steps, start) | framework | seconds per step | minutes to threshold | reward at the last step | held out, last | runs reaching it | start-up s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task (steps, start) | side | seconds per step | minutes to threshold | reward at the last step | held out, last | late drop | runs reaching it | start-up s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, task in record["result"]["tasks"].items():
-        for side in ("clotho", "trl"):
+    for task_name, task in record["result"]["tasks"].items():
+        for side in (first, second):
             runs = [run[side] for run in task["runs"]]
 
             def spread(key: str, digits: int = 2) -> str:
-                values = [run[key] for run in runs if run[key] is not None]
+                values = [run[key] for run in runs if run.get(key) is not None]
                 if not values:
                     return "-"
                 middle = sorted(values)[len(values) // 2]
                 return f"{middle:.{digits}f}" + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
 
-            label = f"{name} ({task['steps']}, {task['start']})" if side == "clotho" else ""
-            lines.append(f"| {label} | {'clotho' if side == 'clotho' else 'TRL GRPOTrainer'} | {spread('seconds_per_step')} | "
+            label = f"{task_name} ({task['steps']}, {task['start']})" if side == first else ""
+            lines.append(f"| {label} | {SIDE_LABELS[side]} | {spread('seconds_per_step')} | "
                          f"{spread('minutes_to_threshold')} (to {task['threshold']}) | {spread('reward_last')} | {spread('held_out_last')} | "
-                         f"{task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |")  # fmt: skip
-        lines.append(f"| | **clotho / TRL** | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | |")
+                         f"{spread('late_drop')} | {task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |")  # fmt: skip
+        ratio = f"**{SIDE_LABELS[first]} / {SIDE_LABELS[second]}**"
+        lines.append(f"| | {ratio} | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | | |")
     seeds = len(next(iter(record["result"]["tasks"].values()))["runs"])
     lines.append("")
-    lines.append(f"Medians over {seeds} seeds (range in brackets); ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
-                 f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/peer.json`).")  # fmt: skip
+    lines.append(f"Medians over {seeds} seeds (range in brackets); the late drop is a run's best evaluated reward minus its reward at the "
+                 "last step; ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
+                 f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/{name}.json`).")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -245,6 +251,10 @@ def demo_text() -> str:
 
 def peer_block() -> str:
     return f"{PEER_START}\n{peer_text()}\n{PEER_END}"
+
+
+def sampling_block() -> str:
+    return f"{SAMPLING_START}\n{peer_text('sampling')}\n{SAMPLING_END}"
 
 
 def demo_block() -> str:
@@ -302,7 +312,8 @@ def main() -> None:
         print(markdown() + "\n\n" + demo_text() + "\n\n" + peer_text())
         return
     text = replace_block(BENCHMARKS.read_text(), START, END, bench_block(), BENCHMARKS)
-    BENCHMARKS.write_text(replace_block(text, PEER_START, PEER_END, peer_block(), BENCHMARKS))
+    text = replace_block(text, PEER_START, PEER_END, peer_block(), BENCHMARKS)
+    BENCHMARKS.write_text(replace_block(text, SAMPLING_START, SAMPLING_END, sampling_block(), BENCHMARKS))
     text = replace_block(README.read_text(), DEMO_START, DEMO_END, demo_block())
     README.write_text(replace_block(text, LISTING_START, LISTING_END, listing_block()))
     print(f"{BENCHMARKS.relative_to(REPO)} tables and the README's demo figures and listing rewritten")

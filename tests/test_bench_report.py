@@ -21,6 +21,7 @@ def bench_report():
 
 @pytest.mark.parametrize("page, block, source", [
     ("docs/benchmarks.md", "bench_block", "bench/results/*.json"), ("docs/benchmarks.md", "peer_block", "bench/results/peer.json"),
+    ("docs/benchmarks.md", "sampling_block", "bench/results/sampling.json"),
     ("README.md", "demo_block", "bench/results/demo.json"), ("README.md", "listing_block", "environments/bundled/capitals.py"),
 ])  # fmt: skip
 def test_numbers_and_listings_are_rendered_from_their_source(page, block, source):

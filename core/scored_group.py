@@ -106,12 +106,12 @@ class Sampling(BaseModel):
         return self.temperature if self.logprobs_mode == "processed_logprobs" and not self.greedy else 1.0
 
 
-def policy_gradient_problems(sequence: ScoredSequence) -> list[str]:
-    """Why the trainer's logprobs of `sequence` could not be of the distribution its sampler's
-    logprobs are of, as 'field: what; fix' lines: what a policy-gradient objective (rl, distill)
-    needs, since its importance ratio divides one by the other. Unset sampling means temperature 1
-    and no truncation."""
-    sampling = sequence.sampling
+def policy_gradient_problems(sampling: Sampling | None) -> list[str]:
+    """Why the trainer's logprobs of a sequence drawn with `sampling` could not be of the
+    distribution its sampler's logprobs are of, as 'sampling.field: what; fix' lines: what a
+    policy-gradient objective (rl, distill) needs, since its importance ratio divides one by the
+    other. Unset sampling means temperature 1 and no truncation. The pipeline's config asks it of
+    each environment's settings before a run starts (flows.pipeline_config)."""
     if sampling is None or sampling.greedy:
         return []
     found = []
@@ -294,7 +294,7 @@ def objective_problems(group: ScoredGroup, objective: str | None = None) -> list
             ]
     if objective in ("rl", "distill"):
         for index, sequence in enumerate(group.sequences):
-            if problems := policy_gradient_problems(sequence):
+            if problems := policy_gradient_problems(sequence.sampling):
                 return [f"sequences[{index}].{problems[0]} (objective {objective})"]
     if objective == "distill":
         for index, sequence in enumerate(group.sequences):

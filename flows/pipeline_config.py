@@ -11,6 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.overrides import apply_overrides
+from core.scored_group import Sampling, policy_gradient_problems
 
 
 class Strict(BaseModel):
@@ -208,6 +209,23 @@ class PipelineConfig(Strict):
                 )
             if self.evaluation is None:
                 raise ValueError(f"phases.{index}.stop: the rule reads the evaluation curve; add an `evaluation` section")
+        return self
+
+    @model_validator(mode="after")
+    def _sampling_the_trainer_scores(self) -> PipelineConfig:
+        # The trainer would skip every group of such an environment, one warning each, for as long
+        # as the run lasts; say so before it starts.
+        for index, phase in enumerate(self.phases):
+            if self.trainer_fields(phase).get("objective", "auto") not in ("auto", "rl", "distill"):
+                continue
+            for number, entry in enumerate(phase.environments):
+                drawn = {name: entry.config[name] for name in ("temperature", "top_p", "top_k", "min_p") if name in entry.config}
+                try:
+                    sampling = Sampling(**drawn, logprobs_mode="processed_logprobs")
+                except ValueError:
+                    continue  # the environment's own config reports a bad value, with its field
+                if problems := policy_gradient_problems(sampling):
+                    raise ValueError(f"phases.{index}.environments.{number}.config.{problems[0].removeprefix('sampling.')}")
         return self
 
     @property

@@ -34,7 +34,7 @@ from typing import Any
 
 from storage.filesystem import download_whole, is_local, publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
-from storage.progress import PROGRESS, replace_json
+from storage.progress import PROGRESS, read_json, replace_json
 
 log = logging.getLogger(__name__)
 
@@ -198,13 +198,7 @@ def best_url(root: str, run: str) -> str:
 
 def read_best(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """What BEST says ({"step", "reward", "marked_at"}), or None before a step was marked."""
-    url = best_url(root, run)
-    fs, path = resolve(url, storage_options)
-    with storage_errors(url):
-        try:
-            return json.loads(retrying(fs, path, fs.cat_file, path))
-        except FileNotFoundError:
-            return None
+    return read_json(best_url(root, run), storage_options)
 
 
 def mark_best(root: str, run: str, step: int, reward: float, *, storage_options: dict[str, Any] | None = None) -> bool:

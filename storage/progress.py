@@ -119,7 +119,7 @@ def read_trainer_position(
     root: str, run: str, *, storage_options: dict[str, Any] | None = None
 ) -> TrainerPosition | None:
     """The trainer's last position; None before a trainer (or the pipeline) wrote one."""
-    data = _read(trainer_position_url(root, run), storage_options)
+    data = read_json(trainer_position_url(root, run), storage_options)
     return None if data is None else _load(TrainerPosition, data, trainer_position_url(root, run))
 
 
@@ -133,7 +133,7 @@ def read_sampler_position(
     root: str, run: str, slot: str, *, storage_options: dict[str, Any] | None = None
 ) -> SamplerPosition | None:
     url = sampler_position_url(root, run, slot)
-    data = _read(url, storage_options)
+    data = read_json(url, storage_options)
     return None if data is None else _load(SamplerPosition, data, url)
 
 
@@ -195,7 +195,7 @@ def write_run_end(root: str, run: str, last_step: int, *, storage_options: dict[
 
 
 def read_run_end(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> int | None:
-    data = _read(end_url(root, run), storage_options)
+    data = read_json(end_url(root, run), storage_options)
     return None if data is None else int(data["last_step"])
 
 
@@ -219,7 +219,7 @@ def write_step_metrics(root: str, run: str, row: dict[str, Any], *, storage_opti
 
 def read_step_metrics(root: str, run: str, step: int, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Step `step`'s metrics row; None before the trainer finished the step."""
-    return _read(step_metrics_url(root, run, step), storage_options)
+    return read_json(step_metrics_url(root, run, step), storage_options)
 
 
 def _load(cls, data: dict[str, Any], where: str):
@@ -244,7 +244,8 @@ def replace_json(url: str, data: dict[str, Any], storage_options: dict[str, Any]
             retrying(fs, path, fs.pipe_file, path, body)  # one PUT: atomic on object stores
 
 
-def _read(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+def read_json(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The small JSON document at `url` (replace_json's), or None where there is none."""
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
         try:

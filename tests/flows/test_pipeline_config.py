@@ -45,6 +45,20 @@ def test_bad_configs_name_the_field_and_the_fix(tmp_path):
         PipelineConfig.from_yaml(path)
 
 
+def test_sampling_the_trainer_cannot_score_is_refused_before_the_run_starts():
+    def phase(config: dict, trainer: dict | None = None) -> dict:
+        return {"run": "file:///tmp/x/run", "model": "m",
+                "phases": [{"name": "rl", "steps": 2, "environments": [{"env": "arithmetic", "config": config}], "trainer": trainer or {}}]}  # fmt: skip
+
+    with pytest.raises(ValueError, match=r"phases.0.environments.0.config.top_p: 0.9 truncates .* or train them as sft"):
+        PipelineConfig.model_validate(phase({"top_p": 0.9, "temperature": 0.7}))
+    with pytest.raises(ValueError, match=r"phases.0.environments.0.config.top_k: 20"):
+        PipelineConfig.model_validate(phase({"top_k": 20}, {"objective": "distill"}))
+    PipelineConfig.model_validate(phase({"top_p": 0.9}, {"objective": "sft"}))  # demonstrations read no sampler logprobs
+    PipelineConfig.model_validate(phase({"top_p": 0.9, "temperature": 0.0}))  # greedy
+    PipelineConfig.model_validate(phase({"temperature": 1.25}))
+
+
 def test_overrides_index_lists():
     from core.overrides import apply_overrides
 

@@ -16,6 +16,7 @@ from trainer.data import objective_problem
 from trainer.model import load_policy, micro_batch_loss, packed_logprobs
 from trainer.packing import TrainingSequence, pack_micro_batches
 from trainer.step import build_step, training_sequences
+from tests.trainer.test_prefix_sharing import loss_and_gradients
 
 
 def processed(temperature: float) -> Sampling:
@@ -98,13 +99,7 @@ def test_a_shared_prompt_at_a_temperature_trains_exactly_as_every_sequence_whole
     def run(share: bool):
         step = build_step(groups, policy_version=0, token_budget=4096, advantage_config=AdvantageConfig(),
                           token_work=6 * model.config.hidden_size, share_prompts=share)  # fmt: skip
-        model.zero_grad()
-        total = 0.0
-        for batch in step.micro_batches:
-            loss, _ = micro_batch_loss(model, batch, LossConfig(name="grpo"), objectives=step.objectives)
-            loss.backward()
-            total += loss.item()
-        return step, total, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return step, *loss_and_gradients(model, step)
 
     shared, shared_loss, shared_grad = run(True)
     whole, whole_loss, whole_grad = run(False)

@@ -229,6 +229,8 @@ def demo_text() -> str:
     stopped = r.get("stopped_by_rule")
     ending = (f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}" if stopped
               else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
+    if best := r.get("best"):
+        ending += f" (its best checkpoint, step {best['step']} at held-out {best['reward']:.2f}, kept as `checkpoints/BEST`)"
     whole = (f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
              if "demo_minutes" in r else ".")  # fmt: skip
     runs = r.get("runs", [])
@@ -280,7 +282,8 @@ def record_demo(summary_path: Path) -> None:
     from results import _commit, write_result
 
     summary = json.loads(summary_path.read_text())
-    kept = ("steps", "minutes", "demo_minutes", "curve", "verdict", "stopped_by_rule", "groups_sampled", "groups_trained", "reload_s_median")
+    kept = ("steps", "minutes", "demo_minutes", "curve", "verdict", "stopped_by_rule", "best", "groups_sampled", "groups_trained",
+            "reload_s_median")  # fmt: skip
     sha, earlier = demo_config_sha(), _load("demo")
     runs = earlier["result"].get("runs", []) if earlier and earlier["result"].get("config_sha") == sha else []
     verdict = summary["verdict"]

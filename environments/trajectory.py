@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.scored_group import InvalidGroupError, Sampling, ScoredGroup, ScoredSequence, version_range
+from core.sampling import Sampling
+from core.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence, version_range
 from inference.client import Completion
 
 

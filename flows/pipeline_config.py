@@ -11,7 +11,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core.overrides import apply_overrides
-from core.scored_group import Sampling, policy_gradient_problems
+from core.sampling import Sampling, policy_gradient_problems
 
 
 class Strict(BaseModel):

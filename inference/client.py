@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import httpx
 
 from core.retrying import async_attempts
-from core.scored_group import LOGPROBS_MODES, LogprobsMode, Sampling
+from core.sampling import LOGPROBS_MODES, LogprobsMode, Sampling
 
 log = logging.getLogger(__name__)
 

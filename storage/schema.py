@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from core.scored_group import SCHEMA_VERSION, Sampling, ScoredGroup, ScoredSequence
+from core.sampling import Sampling
+from core.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
 
 # ScoredSequence.sampling; null: unset (temperature 1, no truncation), a null top_k: no top-k.
 # (Its fields are nullable for Parquet's sake: a null struct's children are null too.)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from core.scored_group import InvalidGroupError, Sampling, ScoredGroup, ScoredSequence
+from core.sampling import Sampling
+from core.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
 from environments.trajectory import Trajectory, complete_record, version_stamp
 from inference.client import Completion, PolicyClient, PolicyServerAuthError, loaded_version, parse_weight_version, recording_completions, token_versions, version_tag
 

@@ -149,7 +149,7 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
 BRANCH_COMPLETIONS = """
 import json, sys
 from types import SimpleNamespace
-from core.scored_group import Sampling
+from core.sampling import Sampling
 from environments.adapters.verifiers import Verifiers
 from environments.adapters.verifiers_generate import GenerateServer
 from inference.client import Completion, recording_completions

@@ -6,7 +6,8 @@ import random
 
 import numpy as np
 
-from core.scored_group import Sampling, ScoredGroup, ScoredSequence
+from core.sampling import Sampling
+from core.scored_group import ScoredGroup, ScoredSequence
 
 
 def make_group(

@@ -10,7 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from core.scored_group import SCHEMA_VERSION, InvalidGroupError, Sampling, ScoredGroup, ScoredSequence
+from core.sampling import Sampling
+from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
 from storage.schema import (
     METADATA_SCHEMA_VERSION,
     METADATA_TOKENIZER,

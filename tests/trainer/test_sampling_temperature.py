@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 import torch
 
-from core.scored_group import InvalidGroupError, Sampling, ScoredGroup, ScoredSequence
+from core.sampling import Sampling
+from core.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
 from environments.bundled.arithmetic import Arithmetic
 from inference.client import PolicyClient
 from trainer.config import AdvantageConfig, LossConfig

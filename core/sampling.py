@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 # vLLM's --logprobs-mode values: what a server's sampled-token "logprobs" are. processed_logprobs
 # are of the distribution that drew the token (after temperature, min_p, top-k and top-p, the kept
 # set renormalised); raw_logprobs (vLLM's default) are of the model before any of them.
-LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits")
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
+LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__
 # vLLM samples greedily below this temperature, and then scales nothing (vllm/v1/sample/sampler.py).
 GREEDY_BELOW = 1e-5
 
@@ -37,11 +37,6 @@ class Sampling(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
-
-    @property
-    def truncated(self) -> bool:
-        """Whether tokens were drawn from fewer than the whole vocabulary (top_p, top_k or min_p)."""
-        return self.top_p < 1.0 or self.top_k is not None or self.min_p > 0.0
 
     @property
     def logprob_temperature(self) -> float:

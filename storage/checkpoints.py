@@ -206,17 +206,18 @@ def mark_best(root: str, run: str, step: int, reward: float, *, storage_options:
     keeps. Written after the step's STABLE and checked against it after: where retention deleted the
     step before it saw BEST, BEST goes back to what it named before and this returns False."""
     previous = read_best(root, run, storage_options=storage_options)
-    replace_json(best_url(root, run), {"step": step, "reward": reward, "marked_at": time.time()}, storage_options)
+    marker = best_url(root, run)
+    replace_json(marker, {"step": step, "reward": reward, "marked_at": time.time()}, storage_options)
     url = checkpoint_url(root, run, step)
     fs, path = resolve(url, storage_options)
     with storage_errors(url):
         if _exists(fs, join(path, STABLE)):
             return True
         if previous is not None:
-            replace_json(best_url(root, run), previous, storage_options)
+            replace_json(marker, previous, storage_options)
         else:
-            best_path = resolve(best_url(root, run), storage_options)[1]
-            retrying(fs, best_path, fs.rm, best_path)
+            marker_path = resolve(marker, storage_options)[1]
+            retrying(fs, marker_path, fs.rm, marker_path)
     log.warning("step %d of %s was removed before it could be marked best; BEST still names %s", step, run,
                 previous and previous["step"])  # fmt: skip
     return False

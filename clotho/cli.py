@@ -75,11 +75,11 @@ app.add_typer(env_app, name="env")
 @model_app.command("tiny")
 def model_tiny(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
-    tie_embeddings: bool = typer.Option(False, "--tie-embeddings/--no-tie-embeddings", help="Share input and output embeddings."),
+    tie_embeddings: bool | None = typer.Option(None, "--tie-embeddings/--no-tie-embeddings", help="Share input and output embeddings (default: the shape's own; the real shapes tie)."),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights (deterministic)."),
-    size: str = typer.Option("tiny", help="tiny (2 layers, hidden 128: tests) or small (4 layers, hidden 256: the demo)."),
+    size: str = typer.Option("tiny", help="tiny (2 layers, hidden 128: tests), small (4 layers, hidden 256: the demo), or a real model's shape with random weights: smollm2-135m, qwen2.5-0.5b."),
 ) -> None:
-    """Build a tiny Qwen2 model and a byte-level BPE tokenizer, offline (random weights)."""
+    """Build a model of a known shape and a byte-level BPE tokenizer, offline (random weights)."""
     from inference.tiny_model import build_tiny_model
 
     started = time.monotonic()

@@ -1,4 +1,8 @@
-"""Builds a tiny Qwen2 causal LM and a byte-level BPE tokenizer locally, with no network."""
+"""Builds causal LMs of known shapes with random weights and a byte-level BPE tokenizer, offline.
+
+Two small shapes for tests and the demo, and two of real models' shapes (SmolLM2-135M, Qwen2.5-0.5B:
+their architecture, layers, widths, heads and vocabulary size) for what grows with the model.
+"""
 
 from __future__ import annotations
 
@@ -28,8 +32,25 @@ TINY_SHAPE = dict(
 # the tiny one cannot (it plateaus around 15% greedy accuracy on 0..9 addition).
 SMALL_SHAPE = dict(TINY_SHAPE, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                    num_key_value_heads=2)  # fmt: skip
-SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE}
+# Real models' shapes (their config.json), tied embeddings and bf16 weights as published. The
+# tokenizer stays the small one (VOCAB_SIZE trained entries) padded to the real vocabulary with
+# entries no text encodes to, as Qwen2.5's own vocabulary has ids past its tokenizer's last token.
+SMOLLM2_135M_SHAPE = dict(
+    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+    rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="bfloat16",
+)  # fmt: skip
+QWEN25_05B_SHAPE = dict(
+    architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16",
+)  # fmt: skip
+SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "smollm2-135m": SMOLLM2_135M_SHAPE, "qwen2.5-0.5b": QWEN25_05B_SHAPE}
 VOCAB_SIZE = 512
+# Input embedding component that keeps an untrained real-vocabulary model on the tokenizer's trained
+# entries (see reachable_vocabulary_init).
+REACHABLE_MARGIN = 1.0
+REACHABLE_GAIN = 24.0
 
 _WORDS = (
     "the a an is are what which how many much number answer guess higher lower correct "
@@ -54,8 +75,12 @@ def training_corpus(seed: int, lines: int = 4000) -> list[str]:
     return corpus
 
 
-def build_tokenizer(out_dir: Path, seed: int):
-    """Trains a byte-level BPE tokenizer of VOCAB_SIZE entries and saves it in HF format."""
+def build_tokenizer(out_dir: Path, seed: int, vocab_size: int = VOCAB_SIZE):
+    """Trains a byte-level BPE tokenizer of VOCAB_SIZE entries and saves it in HF format.
+
+    A larger `vocab_size` pads the vocabulary with entries "[unused{id}]" that no text encodes to
+    (no merge makes them) but that decode, so a model of a real vocabulary can sample any id.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -69,6 +94,11 @@ def build_tokenizer(out_dir: Path, seed: int):
         show_progress=False,
     )
     tokenizer.train_from_iterator(training_corpus(seed), trainer=trainer)
+    if vocab_size > VOCAB_SIZE:
+        spec = json.loads(tokenizer.to_str())
+        vocab = spec["model"]["vocab"]
+        vocab.update({f"[unused{i}]": i for i in range(len(vocab), vocab_size)})
+        tokenizer = Tokenizer.from_str(json.dumps(spec))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
@@ -82,33 +112,84 @@ def build_tokenizer(out_dir: Path, seed: int):
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, tie_embeddings: bool = False, size: str = "tiny") -> Path:
-    """Writes a deterministic tiny (or `size="small"`) Qwen2 model, fp32 safetensors, and its
-    tokenizer to out_dir."""
-    if size not in SHAPES:
-        raise ValueError(f"size {size!r}: use one of {sorted(SHAPES)}")
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def reachable_vocabulary_init(model, trained: int, margin: float = REACHABLE_MARGIN, gain: float = REACHABLE_GAIN) -> None:
+    """Makes an untrained model with tied embeddings sample only the first `trained` ids, as a
+    pretrained model puts no mass on the ids its tokenizer never produces.
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB_SIZE,
-        tie_word_embeddings=tie_embeddings,
+    Dimension 0 of the residual stream becomes a constant: every trained id's embedding is `margin`
+    there and every other id's `-margin`, and no layer writes to it (row 0 of each attention and MLP
+    output projection is zero). The final norm scales it by `gain`, so through the tied LM head each
+    untrained id's logit sits about 2 x margin x gain x margin / rms(residual) below the trained ones'
+    (measured at the real shapes: under 1e-6 of the mass on untrained ids). The weights stay
+    random otherwise, and training moves all of them.
+    """
+    import torch
+
+    decoder = model.get_decoder()
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        embeddings[:trained, 0] = margin
+        embeddings[trained:, 0] = -margin
+        for layer in decoder.layers:
+            layer.self_attn.o_proj.weight[0] = 0.0
+            layer.mlp.down_proj.weight[0] = 0.0
+        decoder.norm.weight[0] = gain
+
+
+def model_config(size: str, tokenizer, tie_embeddings: bool | None = None):
+    """The transformers config and model class of the shape `size` (SHAPES), with `tokenizer`'s
+    special ids. `tie_embeddings` None keeps the shape's own (tied for the real shapes)."""
+    if size not in SHAPES:
+        raise ValueError(f"size {size!r}: use one of {', '.join(SHAPES)}")
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    shape = dict(SHAPES[size])
+    architecture = shape.pop("architecture", "qwen2")
+    shape.setdefault("vocab_size", VOCAB_SIZE)
+    shape.setdefault("dtype", "float32")
+    tied = shape.pop("tie_word_embeddings", False)
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[
+        architecture
+    ]
+    config = config_class(
+        tie_word_embeddings=tied if tie_embeddings is None else tie_embeddings,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
-        **SHAPES[size],
+        **shape,
     )
+    return config, model_class
+
+
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, tie_embeddings: bool | None = None, size: str = "tiny"
+) -> Path:
+    """Writes a deterministic model of the shape `size` (SHAPES) with random weights, and its tokenizer,
+    to out_dir: the small shapes in fp32, the real ones in bf16 with their vocabulary size.
+
+    `tie_embeddings` None keeps the shape's own (tied for the real shapes, untied for the small ones).
+    """
+    if size not in SHAPES:
+        raise ValueError(f"size {size!r}: use one of {', '.join(SHAPES)}")
+    import torch
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(out, seed, SHAPES[size].get("vocab_size", VOCAB_SIZE))
+    config, model_class = model_config(size, tokenizer, tie_embeddings)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
+    if config.vocab_size > VOCAB_SIZE:
+        if not config.tie_word_embeddings:
+            raise ValueError(f"size {size!r} needs tied embeddings (its untrained ids are kept out through them)")
+        reachable_vocabulary_init(model, VOCAB_SIZE)
+    model = model.to(config.dtype)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     model.save_pretrained(out, safe_serialization=True)
     (out / "clotho_model.json").write_text(
-        json.dumps({"builder": "clotho model tiny", "seed": seed, "tie_embeddings": tie_embeddings, "size": size})
+        json.dumps({"builder": "clotho model tiny", "seed": seed, "tie_embeddings": config.tie_word_embeddings, "size": size})
     )
     return out

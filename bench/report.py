@@ -28,6 +28,7 @@ START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- ben
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
 PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
 SAMPLING_START, SAMPLING_END = "<!-- sampling:start (python bench/report.py --readme) -->", "<!-- sampling:end -->"
+SCALE_START, SCALE_END = "<!-- scale:start (python bench/report.py --readme) -->", "<!-- scale:end -->"
 SIDE_LABELS = {"clotho": "clotho", "trl": "TRL GRPOTrainer", "clotho-untempered": "clotho, untempered (before)"}
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
 DEMO_YAML = Path(__file__).resolve().parents[1] / "runs" / "demo.yaml"
@@ -259,6 +260,38 @@ def sampling_block() -> str:
     return f"{SAMPLING_START}\n{peer_text('sampling')}\n{SAMPLING_END}"
 
 
+def scale_memory_text() -> str:
+    """The trainer step's peak RSS per size, before and after the cuts (bench_scale_memory.py)."""
+    record = _load("scale_memory")
+    if not record:
+        return "_not measured yet: python bench/bench_scale_memory.py_"
+    r = record["result"]
+    lines = [
+        f"A trainer step at micro_batch_tokens {r['tokens']}, {r['dtype']}, sequences of {r['sequence']} tokens "
+        f"({_measured(record)}; each case names its commit in the JSON). State: weights, gradients and AdamW's "
+        "moments, 16 bytes a parameter.",
+        "",
+        "| size | vocab | logprobs | gradient checkpointing | peak RSS GiB | state GiB | peak over state | whole fp32 logits GiB | s / step |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    parameters = {case["size"]: case["parameters"] for case in r["cases"] if "parameters" in case}
+    for case in r["cases"]:
+        state = 16 * parameters[case["size"]] if case["size"] in parameters else float("nan")
+        if "error" in case:
+            peak, over, seconds = f"killed: {case['error']}", "-", "-"
+        else:
+            peak, over, seconds = f"{case['peak_rss'] / 2**30:.2f}", f"+{case['peak_rss'] / state - 1:.0%}", f"{min(case['step_seconds']):.1f}"
+        lines.append(
+            f"| {case['size']} | {case['vocab']:,} | {case['logprobs']} | {'on' if case['checkpointing'] else 'off'} | {peak} | "
+            f"{state / 2**30:.2f} | {over} | {4 * case['vocab'] * r['tokens'] / 2**30:.2f} | {seconds} |"
+        )
+    return "\n".join(lines)
+
+
+def scale_block() -> str:
+    return f"{SCALE_START}\n{scale_memory_text()}\n{SCALE_END}"
+
+
 def demo_block() -> str:
     return f"{DEMO_START}\n{demo_text()}\n{DEMO_END}"
 
@@ -279,7 +312,7 @@ def record_demo(summary_path: Path) -> None:
     and one line per demo recorded with the same runs/demo.yaml (`runs`), this one last, so the
     README shows the newest run and how the others went, not the best one."""
     sys.path.insert(0, str(RESULTS.parent))
-    from results import _commit, write_result
+    from results import current_commit, write_result
 
     summary = json.loads(summary_path.read_text())
     kept = ("steps", "minutes", "demo_minutes", "curve", "verdict", "stopped_by_rule", "best", "groups_sampled", "groups_trained",
@@ -288,7 +321,7 @@ def record_demo(summary_path: Path) -> None:
     runs = earlier["result"].get("runs", []) if earlier and earlier["result"].get("config_sha") == sha else []
     verdict = summary["verdict"]
     runs.append({
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(), "steps": summary["steps"],
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": current_commit(), "steps": summary["steps"],
         "sft_plateau": round(verdict["sft_plateau"], 3), "end": round(verdict["end"], 3), "rl_gain": round(verdict["rl_gain"], 3),
         "criterion_met": verdict["criterion_met"], "stopped_by_rule": bool(summary.get("stopped_by_rule")),
         "demo_minutes": round(summary.get("demo_minutes", summary["minutes"]), 1),
@@ -316,7 +349,8 @@ def main() -> None:
         return
     text = replace_block(BENCHMARKS.read_text(), START, END, bench_block(), BENCHMARKS)
     text = replace_block(text, PEER_START, PEER_END, peer_block(), BENCHMARKS)
-    BENCHMARKS.write_text(replace_block(text, SAMPLING_START, SAMPLING_END, sampling_block(), BENCHMARKS))
+    text = replace_block(text, SAMPLING_START, SAMPLING_END, sampling_block(), BENCHMARKS)
+    BENCHMARKS.write_text(replace_block(text, SCALE_START, SCALE_END, scale_block(), BENCHMARKS))
     text = replace_block(README.read_text(), DEMO_START, DEMO_END, demo_block())
     README.write_text(replace_block(text, LISTING_START, LISTING_END, listing_block()))
     print(f"{BENCHMARKS.relative_to(REPO)} tables and the README's demo figures and listing rewritten")

@@ -17,7 +17,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def _commit() -> str:
+def current_commit() -> str:
     def git(*args: str) -> str:
         done = subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True)
         return done.stdout.strip()
@@ -41,7 +41,7 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     record = {
         "bench": name,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": current_commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "result": result,

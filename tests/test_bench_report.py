@@ -22,6 +22,7 @@ def bench_report():
 @pytest.mark.parametrize("page, block, source", [
     ("docs/benchmarks.md", "bench_block", "bench/results/*.json"), ("docs/benchmarks.md", "peer_block", "bench/results/peer.json"),
     ("docs/benchmarks.md", "sampling_block", "bench/results/sampling.json"),
+    ("docs/benchmarks.md", "scale_block", "bench/results/scale_memory.json"),
     ("README.md", "demo_block", "bench/results/demo.json"), ("README.md", "listing_block", "environments/bundled/capitals.py"),
 ])  # fmt: skip
 def test_numbers_and_listings_are_rendered_from_their_source(page, block, source):
@@ -71,3 +72,16 @@ def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves
     assert times["seconds_per_step"] == 2.0
     assert times["elapsed"] == {1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}  # the first step counts as a median one
     assert times["startup_s"] == 8.0
+
+
+def test_the_scale_memory_probe_measures_a_trainer_step_in_a_process_of_its_own(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_scale_memory", REPO / "bench" / "bench_scale_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "MODELS", tmp_path)
+    case = bench.run_case("tiny", 1024, "chunked", True, "float32", steps=1, limit=300, max_rss=8 * 2**30)
+    assert case["parameters"] == 427_136 and case["micro_batches"] == 1 and case["tokens"] == 1024
+    assert 0 < case["peak_rss"] < 8 * 2**30 and len(case["step_seconds"]) == 1
+    assert bench.run_case("tiny", 1024, "whole", False, "float32", steps=1, limit=300, max_rss=2**20) == {
+        "error": "over 0 GiB of RSS"
+    }

@@ -277,6 +277,12 @@ class TrainerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Training precision; bfloat16 on GPUs, float32 on CPU."
     )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description="Keep only each decoder layer's input through the forward pass and recompute the layer in "
+        "the backward: activation memory no longer grows with layers x micro_batch_tokens, for about a third "
+        "more compute. For models of real sizes at large micro_batch_tokens.",
+    )
     save_every: int = Field(
         default=10, gt=0, description="Publish a checkpoint every this many steps."
     )

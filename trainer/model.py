@@ -29,6 +29,63 @@ def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
     )
 
 
+# The most fp32 logits one chunk of positions materialises (hidden_logprobs): 64 MiB is 110 positions
+# at Qwen's 151,936-entry vocabulary and the whole micro-batch at the small models' 512.
+LOGIT_CHUNK_BYTES = 64 * 2**20
+# What the decoder's forward returns logits for: none (the LM head runs per chunk instead).
+NO_LOGITS = torch.empty(0, dtype=torch.long)
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in the backward pass (transformers' gradient checkpointing,
+    non-reentrant), keeping the model in eval mode otherwise.
+
+    transformers checkpoints a layer only while that layer is in training mode, so the layers' own
+    flag is set and nothing else's: dropout and every other submodule stay as load_policy left
+    them (eval: the trainer's logprobs equal the sampler's for the same weights).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"gradient_checkpointing: {type(model).__name__} does not support it in transformers; set it false"
+        )
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.training = True
+
+
+def _picked_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """log_softmax(logits / temperature)[targets] and the entropy of that distribution (no
+    gradient), in fp32 or wider: logits [..., vocab], targets and a tensor temperature [...]."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature[..., None]
+    scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    normalizer = torch.logsumexp(scaled, dim=-1)
+    picked = scaled.gather(-1, targets[..., None]).squeeze(-1) - normalizer
+    with torch.no_grad():
+        entropy = normalizer - (scaled.softmax(-1) * scaled).sum(-1)
+    return picked, entropy
+
+
+def _predictions(
+    input_ids: torch.Tensor, temperature: float | torch.Tensor, predictors: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, float | torch.Tensor]:
+    """For tokens 1.. of each row: the position whose logits predict it [batch, seq - 1], the token
+    itself, and the temperature at that position (a float stays a float)."""
+    batch, length = input_ids.shape
+    if predictors is None:
+        by = torch.arange(length - 1, device=input_ids.device).expand(batch, -1)
+    else:
+        by = predictors[:, 1:].to(input_ids.device)
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.to(input_ids.device).gather(1, by)
+    return by, input_ids[:, 1:], temperature
+
+
 def token_logprobs(
     logits: torch.Tensor,
     input_ids: torch.Tensor,
@@ -48,26 +105,62 @@ def token_logprobs(
     sampler's logprobs are at (PackedBatch.temperatures). `predictors` [batch, seq]
     (PackedBatch.predictors, with shared prefixes) names the position whose logits predict each
     token instead: result[:, t] = log_softmax(logits[:, predictors[:, t]])[input_ids[:, t]] for t >= 1.
+
+    This takes the whole [batch, seq, vocab] logits; the trainer scores from the hidden states in
+    chunks instead (hidden_logprobs), which never holds them all.
     """
     if logits.shape[:2] != input_ids.shape:
         raise ValueError(
             f"logits {tuple(logits.shape)} and input_ids {tuple(input_ids.shape)}: the first two "
             "dimensions must match; pass the model's logits for exactly these input_ids"
         )
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.to(logits.device)[..., None]
-    if predictors is not None:
-        scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-        by = predictors[:, 1:]
-        rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
-        predicted = scaled[rows, by, input_ids[:, 1:]] - torch.logsumexp(scaled, dim=-1).gather(1, by)
-        return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature[:, :-1]
-    scaled = logits[:, :-1].to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    picked = scaled.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    predicted = picked - torch.logsumexp(scaled, dim=-1)
+    by, targets, temperature = _predictions(input_ids, temperature, predictors)
+    rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
+    predicted, _ = _picked_logprobs(logits[rows, by], targets, temperature)
     return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
+
+
+def hidden_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    input_ids: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+    predictors: torch.Tensor | None = None,
+    chunk_bytes: int = LOGIT_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_logprobs from the LM head's input, [batch, seq] each: the logprobs (with gradient) and
+    each position's entropy at its temperature (without; 0 at position 0, like the logprobs).
+
+    hidden [batch, seq, hidden] is what `head` (the LM head) reads. The logits are made a chunk of
+    positions at a time, at most `chunk_bytes` of fp32 logits each, and under grad each chunk is
+    checkpointed: its backward makes them again instead of keeping them, so neither pass holds
+    [positions, vocab] beyond one chunk (chunked log-probs, as prime-rl's and verl's). Logits that
+    fit in one chunk are made once and kept, as a plain forward would.
+    """
+    by, targets, temperature = _predictions(input_ids, temperature, predictors)
+    features = hidden.gather(1, by[..., None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+    targets = targets.flatten()
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.flatten()
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    chunk = max(1, chunk_bytes // (4 * vocab))
+
+    def score(features: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor):
+        return _picked_logprobs(head(features), targets, temperature)
+
+    logprobs, entropies = [], []
+    for start in range(0, len(targets), chunk) or [0]:  # one empty chunk keeps the graph connected
+        part = slice(start, start + chunk)
+        inputs = (features[part], targets[part], temperature[part] if isinstance(temperature, torch.Tensor) else temperature)
+        if torch.is_grad_enabled() and features.requires_grad and len(targets) > chunk:
+            picked, entropy = torch.utils.checkpoint.checkpoint(score, *inputs, use_reentrant=False)
+        else:
+            picked, entropy = score(*inputs)
+        logprobs.append(picked)
+        entropies.append(entropy)
+    shape = input_ids.shape[0], input_ids.shape[1] - 1
+    padded = [torch.nn.functional.pad(torch.cat(parts).view(shape), (1, 0), value=0.0) for parts in (logprobs, entropies)]
+    return padded[0], padded[1]
 
 
 def packed_logprobs(
@@ -75,26 +168,26 @@ def packed_logprobs(
     batch: PackedBatch,
     hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS,
     device: torch.device | str = "cpu",
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of every token of a packed micro-batch under `model`, each sequence at its
-    temperature (batch.temperatures): [rows, L] float32 (see token_logprobs).
+    temperature (batch.temperatures), and each position's entropy: [rows, L] float32 each (see
+    token_logprobs, hidden_logprobs).
 
     Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
     [rows, 1, L, L] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
     Rows of one sequence each with plain causal attention run with neither (PackedBatch.needs_mask).
+    The model runs without its LM head; hidden_logprobs applies it in chunks.
     """
     input_ids = batch.input_ids.to(device)
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
-    if not batch.needs_mask(hooks):  # one sequence a row, plain causal: sdpa's causal kernel
-        return token_logprobs(model(input_ids=input_ids, use_cache=False).logits, input_ids, temperature)
-    output = model(
-        input_ids=input_ids,
-        position_ids=batch.position_ids.to(device),
-        attention_mask=batch.attention_mask(hooks).to(device),
-        use_cache=False,
-    )
-    predictors = batch.predictors.to(device) if batch.predictors is not None else None
-    return token_logprobs(output.logits, input_ids, temperature, predictors=predictors)
+    inputs = dict(input_ids=input_ids, use_cache=False, logits_to_keep=NO_LOGITS, output_hidden_states=True)
+    predictors = None
+    if batch.needs_mask(hooks):  # else one sequence a row, plain causal: sdpa's causal kernel
+        inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask(hooks).to(device))
+        predictors = batch.predictors.to(device) if batch.predictors is not None else None
+    hidden = model(**inputs).hidden_states[-1]
+    head = getattr(model, "module", model).get_output_embeddings()
+    return hidden_logprobs(hidden, head, input_ids, temperature, predictors=predictors)
 
 
 def micro_batch_loss(
@@ -116,7 +209,7 @@ def micro_batch_loss(
     `reference` is the frozen model that scores what has no stored reference logprobs: every
     token for the KL penalty (config.kl_coef > 0), dpo tokens (batch.needs_reference says when).
     """
-    logprobs = packed_logprobs(model, batch, device=device)
+    logprobs, entropy = packed_logprobs(model, batch, device=device)
     ref_logprobs = batch.stored_ref_logprobs.to(device) if batch.stored_ref_logprobs is not None else None
     if batch.needs_reference(kl=config.kl_coef > 0):
         if reference is None:
@@ -125,7 +218,7 @@ def micro_batch_loss(
                 "and no reference model was given; pass the frozen reference (trainer.train loads it)"
             )
         with torch.no_grad():
-            computed = packed_logprobs(reference, batch, device=device)
+            computed, _ = packed_logprobs(reference, batch, device=device)
         if ref_logprobs is None:
             ref_logprobs = computed
         else:
@@ -149,6 +242,9 @@ def micro_batch_loss(
             step_num_tokens=share.num_trained_tokens / world_size,
             function=OBJECTIVE_LOSSES.get(objective),
         )
+        trained = batch.objective_mask(objective).to(device)
+        if trained.any():  # a token-weighted mean over the step (trainer.metrics)
+            metrics[objective]["entropy"] = entropy[trained].mean().item()
         total = total + share.weight * loss
     return total, metrics
 

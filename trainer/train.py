@@ -32,7 +32,7 @@ from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.state_store import StateStore
-from trainer.model import gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
+from trainer.model import enable_gradient_checkpointing, gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.step import StepBatch, build_step
 from trainer.stopping import step_in_progress, stop_if_asked
 from trainer.trackers import open_trackers
@@ -106,6 +106,8 @@ class TrainingRun:
         # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
         # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
         self.model = load_policy(config.model, config.dtype)
+        if config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.engine, *_ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(), config=deepspeed_config(config))
         if config.loss.kl_coef > 0:
             self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)

@@ -8,16 +8,20 @@ from safetensors.torch import load_file
 from tests.conftest import cached_tiny_model
 from trainer.checkpointing import save_hf_checkpoint
 from trainer.config import LossConfig
-from trainer.model import token_logprobs
 from trainer.model import (
+    NO_LOGITS,
+    enable_gradient_checkpointing,
     gradient_norm,
+    hidden_logprobs,
     idle_micro_batch,
     load_policy,
     micro_batch_loss,
     packed_logprobs,
     rank_micro_batches,
+    token_logprobs,
 )
 from trainer.packing import TrainingSequence, pack_micro_batches
+from trainer.step import ObjectiveShare
 
 WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 
@@ -34,7 +38,7 @@ def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequ
 def check_each_scores_as_alone(model, batch, sequences: list[TrainingSequence]) -> torch.Tensor:
     """Every sequence's logprobs in the micro-batch equal its own forward pass, with its window
     (WINDOW: 4 tokens) where its extras ask for one; returns the micro-batch's logprobs."""
-    packed = packed_logprobs(model, batch)
+    packed, _ = packed_logprobs(model, batch)
     for index, s in enumerate(sequences):
         ids = torch.tensor([s.tokens])
         causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
@@ -57,7 +61,7 @@ def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
     packed = check_each_scores_as_alone(model, batch, sequences)
     # The window changes the scores: without the hook the middle sequence would score differently.
     with torch.no_grad():
-        unwindowed = packed_logprobs(model, batch, hooks=())
+        unwindowed, _ = packed_logprobs(model, batch, hooks=())
     middle = batch.sequence_ids == 1
     assert not torch.allclose(unwindowed[middle], packed[middle], atol=1e-4)
 
@@ -107,3 +111,73 @@ def test_tied_checkpoint_stores_lm_head_and_loads_in_transformers(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
     assert AutoTokenizer.from_pretrained(tmp_path).vocab_size == AutoTokenizer.from_pretrained(source).vocab_size
     assert (tmp_path / "generation_config.json").exists()
+
+
+class RecordingHead(torch.nn.Module):
+    """The model's LM head, recording how many positions each call scores (forward and recompute)."""
+
+    def __init__(self, head: torch.nn.Module):
+        super().__init__()
+        self.head, self.calls, self.out_features = head, [], head.out_features
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        self.calls.append(features.shape[0])
+        return self.head(features)
+
+
+def test_chunked_logprobs_equal_the_whole_logits_with_gradients(tiny_model_dir):
+    # Three rows at per-position temperatures, with a shared-prefix predictor map: the chunked
+    # path (7 positions a chunk, the last one ragged) gives the whole-logits logprobs, entropies
+    # and parameter gradients, and never scores more than one chunk of positions at once.
+    model = load_policy(str(tiny_model_dir)).train()
+    ids = torch.randint(3, 512, (3, 23), generator=torch.Generator().manual_seed(5))
+    temperature = torch.rand(3, 23, generator=torch.Generator().manual_seed(6)) + 0.5
+    predictors = torch.arange(23).expand(3, -1) - 1
+    predictors[1, 10:] = torch.arange(2, 15)  # row 1's tokens 10.. continue from position 2
+    upstream = torch.randn(3, 23, generator=torch.Generator().manual_seed(7))
+
+    def gradients(logprobs):
+        model.zero_grad()
+        (logprobs * upstream).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    logits = model(input_ids=ids).logits
+    whole = token_logprobs(logits, ids, temperature, predictors=predictors)
+    expected_gradients = gradients(whole)
+    rows = torch.arange(3)[:, None]
+    scaled = (logits.detach()[rows, predictors[:, 1:]] / temperature[rows, predictors[:, 1:]][..., None]).log_softmax(-1)
+    expected_entropy = -(scaled.exp() * scaled).sum(-1)
+
+    head = RecordingHead(model.get_output_embeddings())
+    hidden = model(input_ids=ids, logits_to_keep=NO_LOGITS, output_hidden_states=True).hidden_states[-1]
+    chunked, entropy = hidden_logprobs(hidden, head, ids, temperature, predictors=predictors, chunk_bytes=7 * 4 * 512)
+    torch.testing.assert_close(chunked, whole, atol=2e-6, rtol=0)
+    torch.testing.assert_close(entropy[:, 1:], expected_entropy, atol=2e-5, rtol=0)
+    assert not entropy.requires_grad and (entropy[:, 0] == 0).all()
+    for name, grad in gradients(chunked).items():
+        torch.testing.assert_close(grad, expected_gradients[name], atol=1e-6, rtol=1e-4, msg=name)
+    # 66 positions in chunks of 7: 10 calls forward, 10 again in the backward (checkpointed).
+    assert max(head.calls) == 7 and len(head.calls) == 20 and sum(head.calls) == 2 * 66
+
+
+def test_gradient_checkpointing_recomputes_layers_for_the_same_gradients(tiny_model_dir):
+    sequences = [sequence(30, 0), sequence(17, 1), sequence(25, 2)]
+    (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=False)
+    objectives = {"rl": ObjectiveShare(groups=1, num_sequences=3, num_trained_tokens=69, weight=1.0)}
+
+    def gradients(model):
+        loss, _ = micro_batch_loss(model, batch, LossConfig(), objectives=objectives)
+        loss.backward()
+        return {name: p.grad for name, p in model.named_parameters()}
+
+    plain = load_policy(str(tiny_model_dir))
+    expected = gradients(plain)
+    model = load_policy(str(tiny_model_dir))
+    enable_gradient_checkpointing(model)
+    calls = []
+    model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+    got = gradients(model)
+    assert len(calls) == 2  # the forward, and its recompute in the backward
+    assert not model.training and not model.model.layers[0].self_attn.training  # dropout stays off
+    for name, grad in got.items():
+        torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=1e-5, msg=name)

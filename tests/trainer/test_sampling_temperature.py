@@ -50,7 +50,7 @@ def test_packed_rows_score_each_sequence_at_its_own_temperature(tiny_model_dir, 
     (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=padded_rows)
     assert batch.temperatures is not None and batch.needs_mask() != padded_rows
     with torch.no_grad():
-        packed = packed_logprobs(model, batch)
+        packed, _ = packed_logprobs(model, batch)
     for index, s in enumerate(sequences):
         torch.testing.assert_close(packed[batch.sequence_ids == index][1:].double(), alone(model, s.tokens, s.temperature),
                                    atol=2e-6, rtol=0)  # fmt: skip
@@ -59,7 +59,7 @@ def test_packed_rows_score_each_sequence_at_its_own_temperature(tiny_model_dir, 
     (plain,) = pack_micro_batches(untempered, token_budget=128, padded_rows=padded_rows)
     assert plain.temperatures is None
     with torch.no_grad():
-        assert not torch.allclose(packed_logprobs(model, plain)[plain.mask], packed[batch.mask], atol=1e-3)
+        assert not torch.allclose(packed_logprobs(model, plain)[0][plain.mask], packed[batch.mask], atol=1e-3)
 
 
 def group_at(sampling: Sampling | None, seed: int = 0, prompt: int = 24, objective=None) -> ScoredGroup:
@@ -148,7 +148,7 @@ async def test_served_logprobs_equal_the_trainer_s_at_the_sampling_temperature(
     worst = 0.0
     for batch in step.micro_batches:
         with torch.no_grad():
-            trainer = packed_logprobs(model, batch)
+            trainer, _ = packed_logprobs(model, batch)
         served = batch.old_logprobs
         worst = max(worst, (trainer - served)[batch.mask].abs().max().item())
     assert worst < 1e-4

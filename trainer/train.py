@@ -94,6 +94,7 @@ class TrainingRun:
         self.reader: ShardReader | None = None
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
+        self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
 
     @classmethod
     def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
@@ -200,8 +201,8 @@ class TrainingRun:
         return metrics | run_metrics(totals)
 
     def save(self) -> dict[str, float]:
-        """Publish the weights as policy version `step`, then (every state_every steps and at the
-        last) the state to resume from, and apply retention. Returns what it cost."""
+        """Publish the weights as policy version `step`, then (when TrainerConfig.state_due says) the
+        state to resume from, and apply retention. Returns what it cost."""
         config, step = self.config, self.step
         ledger_state = self.reader.ledger.to_dict() if self.reader is not None else None
         publish_started = time.monotonic()
@@ -214,12 +215,15 @@ class TrainingRun:
         self.policy_version = step
         if self.rank == 0:
             self.publish_position(step)
-        if step % config.resume_state_every == 0 or step == config.steps:
+        due = config.state_due(step, (time.monotonic() - self.state_saved_at) / 60)
+        if config.state_every_minutes is not None:  # clocks differ: rank 0's decides for every rank
+            due = broadcast_object(due, self.world_size)
+        if due:
             trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals}
             state_started = time.monotonic()
             save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size), self.state_store)
             costs["save_state_s"] = time.monotonic() - state_started
-            self.state_step = step
+            self.state_step, self.state_saved_at = step, time.monotonic()
         if url is not None:
             log.info("step %d: published %s", step, url)
             if config.keep_last is not None:

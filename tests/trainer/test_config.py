@@ -110,7 +110,13 @@ def test_config_imports_nothing_heavy():
 
 
 def test_the_resume_state_goes_with_a_published_checkpoint():
-    assert TrainerConfig(model="m", save_every=2).resume_state_every == 2
-    assert TrainerConfig(model="m", save_every=2, state_every=10).resume_state_every == 10
+    every = TrainerConfig(model="m", save_every=2, steps=30)
+    assert [every.state_due(step, 0.0) for step in (2, 4)] == [True, True]
+    tenth = TrainerConfig(model="m", save_every=2, state_every=10, steps=30)
+    assert [step for step in range(2, 31, 2) if tenth.state_due(step, 0.0)] == [10, 20, 30]
+    timed = TrainerConfig(model="m", save_every=2, state_every_minutes=5, steps=30)
+    assert not timed.state_due(2, 4.9) and timed.state_due(4, 5.0) and timed.state_due(30, 0.0)
+    both = TrainerConfig(model="m", save_every=2, state_every=10, state_every_minutes=5, steps=30)
+    assert both.state_due(10, 0.0) and both.state_due(6, 6.0) and not both.state_due(8, 1.0)
     with pytest.raises(ValidationError, match="state_every=5 is not a multiple of save_every=2.*set state_every to 4"):
         TrainerConfig(model="m", save_every=2, state_every=5)

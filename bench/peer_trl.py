@@ -8,7 +8,8 @@ TRL would, on CPU with transformers' `generate`. The prompts are the environment
 the order its `get_item` hands them out, and the reward is its own `reward`: the task clotho trains
 on, scored by the same code. Settings mirror clotho's `grpo` loss (per-sequence token mean, PPO
 clip, no KL, one update per batch, constant lr, AdamW with no weight decay, gradient norm clipped
-to 1); gradient checkpointing is off (TRL's default turns it on: the same maths, slower).
+to 1); gradient checkpointing is off unless --gradient-checkpointing (TRL's default turns it on: the
+same maths, slower; bench_scale.py turns it on at the real shapes, as on clotho's side).
 
 Writes OUT/steps.jsonl: a row per step when it ends (its wall-clock `time`, TRL's logged reward and
 completion length) and a row per checkpoint with the seconds the save took (the bench takes them
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=5)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="recompute layers in the backward (models of real sizes)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +106,7 @@ def main() -> None:
         num_generations=config.group_size, max_completion_length=config.max_tokens, temperature=config.temperature,
         top_p=config.top_p, shuffle_dataset=False, beta=0.0, epsilon=0.2, loss_type="grpo", num_iterations=1,
         # fp32 like clotho's side: GRPOConfig's default is bf16=True, which on CPU autocasts to bfloat16.
-        bf16=False, gradient_checkpointing=False, save_strategy="steps", save_steps=args.save_every, save_only_model=True,
+        bf16=False, gradient_checkpointing=args.gradient_checkpointing, save_strategy="steps", save_steps=args.save_every, save_only_model=True,
         dataloader_num_workers=0, disable_dropout=True, log_completions=False,
     )  # fmt: skip
     log = StepLog(out / "steps.jsonl")

@@ -288,8 +288,40 @@ def scale_memory_text() -> str:
     return "\n".join(lines)
 
 
+def scale_loop_text() -> str:
+    """The loop at each size, per step, with TRL beside it (bench_scale.py)."""
+    record = _load("scale")
+    if not record:
+        return "_not measured yet: python bench/bench_scale.py_"
+    r = record["result"]
+    lines = [
+        f"The repeat task, {r['prompts_per_step']} prompts x {r['task']['env_config']['group_size']} samples of up to "
+        f"{r['task']['env_config']['max_tokens']} tokens a step, {r['steps']} steps, lr {r['lr']} ({_measured(record)}). "
+        "Medians over the steps after the first; the share is of clotho's step.",
+        "",
+        "| size | vocab | clotho s / step | sampling | update | publish s (MB) | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for entry in r["sizes"]:
+        clotho, trl = entry.get("clotho", {}), entry.get("trl", {})
+        if "step_s" in clotho:
+            parts, shares = clotho["parts_s"], clotho["shares"]
+            overhead = shares["publish_s"] + shares["save_state_s"] + shares["reload_s"]
+            state_mb = f"{clotho['state_bytes'] / 1e6:,.0f}" if clotho.get("state_bytes") else "-"
+            cells = [f"{clotho['step_s']:.2f}", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
+                     f"{parts['update_s']:.2f} ({shares['update_s']:.0%})", f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",
+                     f"{parts['save_state_s']:.2f} ({state_mb})", f"{parts['reload_s']:.2f}", f"{overhead:.0%}",
+                     f"{clotho['trainer_peak_rss_gib']:.2f}"]  # fmt: skip
+        else:
+            cells = [clotho.get("error", "not run")[:60]] + ["-"] * 7
+        cells.append(f"{trl['step_s']:.2f}" if "step_s" in trl else trl.get("error", "not run")[:60])
+        cells.append(f"{entry['ratio']:.3f}" if "ratio" in entry else "-")
+        lines.append(f"| {entry['size']} | {entry['vocab']:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def scale_block() -> str:
-    return f"{SCALE_START}\n{scale_memory_text()}\n{SCALE_END}"
+    return f"{SCALE_START}\n{scale_loop_text()}\n\n{scale_memory_text()}\n{SCALE_END}"
 
 
 def demo_block() -> str:

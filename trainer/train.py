@@ -13,6 +13,7 @@ world size, since DeepSpeed averages the ranks' gradients.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -310,6 +311,8 @@ def step_metrics(
     }
     if grad_norm is not None:
         metrics["grad_norm"] = float(grad_norm)
+    # This rank's peak resident memory so far (rank 0's in the log), what sizes micro_batch_tokens.
+    metrics["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return metrics
 
 

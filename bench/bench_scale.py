@@ -9,17 +9,18 @@ vocabulary, in bf16). The workload is the same at every size: the repeat task (r
 clotho runs it as `clotho run` (one vLLM server in the model's dtype, the rollout flow, the trainer
 in fp32 with gradient checkpointing at the real shapes, a checkpoint published and reloaded every
 step, a resume state every step, max_lag 0 so a step's parts follow one another). Per step, medians
-over the steps after the first: sampling seconds (the trainer's wait for data, less the reload that
-wait includes), update seconds (step_time_s), publish seconds and bytes (one checkpoint's files),
+over the steps after the first: sampling seconds (from the server announcing the version to the
+last group sampled on it), update seconds (step_time_s), publish seconds and bytes (one checkpoint's files),
 resume-state seconds and bytes (one state's files), reload seconds (parity included), each one's
 share of the step, and the trainer's peak RSS.
 
 TRL runs bench/peer_trl.py in .venv-trl on the same task (transformers generate, fp32, gradient
 checkpointing at the real shapes as on clotho's side), its saves taken out of its time as in
-bench_peer.py. Either side is killed past --max-rss-gib of its processes' RSS together (the
+bench_peer.py; the ratio is of wall seconds per step on both sides. Either side is killed past --max-rss-gib of its processes' RSS together (the
 machine's memory is the session's): a side that does not fit is reported so. The ratio is clotho /
-TRL seconds per step where both ran. Written to bench/results/scale.json; bench/report.py renders
-docs/benchmarks.md's table from it.
+TRL wall seconds per step (step end to step end, medians) where both ran. Before both, the parity guard's noise at the size: the served
+logprobs in bf16 against the fp32 reference, of the same weights and of another seed's (parity_noise).
+Written to bench/results/scale.json; bench/report.py renders docs/benchmarks.md's table from it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
 from results import read_jsonl, write_result  # noqa: E402
 from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
+from storage.reader import ShardReader  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
@@ -62,6 +64,17 @@ def model_dir(size: str) -> Path:
     if not (out / "config.json").exists():
         build_tiny_model(out, size=size)
     return out
+
+
+def parameter_count(size: str) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from inference.tiny_model import model_config
+
+    config, model_class = model_config(size, AutoTokenizer.from_pretrained(model_dir(size)))
+    with torch.device("meta"):
+        return sum(p.numel() for p in model_class(config).parameters())
 
 
 def run_watched(command: list[str], log_path: Path, max_rss: float, limit_s: float, env: dict | None = None) -> str | None:
@@ -122,14 +135,22 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     storage, run = split_run_url(run_url)
     work = default_work_dir(storage, run)
     rows = read_jsonl(work / "metrics.jsonl")
-    reloads = {e["version"]: e for e in read_jsonl(work / "pipeline.jsonl") if e["event"] == "reload" and "version" in e}
+    events = read_jsonl(work / "pipeline.jsonl")
+    # When each version began to be served (its reload announced; version 0: the loop's start), and
+    # when the last group sampled on it was made: with max_lag 0 that span is the step's sampling.
+    served_at = {0: min(e["time"] for e in events)}
+    served_at |= {e["version"]: e["time"] for e in events if e["event"] == "reload"}
+    reload_s = {e["version"]: e["reload_s"] for e in events if e["event"] == "reload"}  # parity included
+    sampled_until: dict[int, float] = {}
+    for group in ShardReader(storage, run).groups():
+        sampled_until[group.policy_version] = max(sampled_until.get(group.policy_version, 0.0), group.created_at)
     steps_rows = []
     for row in rows[1:]:  # the first step pays the servers' and the trainer's warm-up
-        reload = reloads.get(row["step"] - 1, {})
-        reload_s = reload.get("reload_s", 0.0)  # preflight to announcement, parity included
+        version = row["step"] - 1  # max_lag 0: step N trains groups sampled on version N - 1
         steps_rows.append({
-            "sampling_s": max(row["data_wait_s"] - reload_s, 0.0), "update_s": row["step_time_s"],
-            "publish_s": row.get("publish_s", 0.0), "save_state_s": row.get("save_state_s", 0.0), "reload_s": reload_s,
+            "sampling_s": sampled_until[version] - served_at[version], "update_s": row["step_time_s"],
+            "publish_s": row.get("publish_s", 0.0), "save_state_s": row.get("save_state_s", 0.0),
+            "reload_s": reload_s.get(version, 0.0),
         })  # fmt: skip
     parts = {name: round(statistics.median(r[name] for r in steps_rows), 3) for name in PARTS}
     step_s = sum(parts.values())
@@ -137,10 +158,16 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     checkpoint = Path(checkpoint_url(storage, run, last).removeprefix("file://"))
     states = sorted((work / "state").glob("step-*"))
     return {
-        "parts_s": parts, "step_s": round(step_s, 3), "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
+        "parts_s": parts, "step_s": round(step_s, 3),
+        # Wall seconds per step as TRL's are counted (from one step's end to the next's): the parts
+        # above can overlap (a reload runs while the trainer saves its state).
+        "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
+        "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
         "publish_bytes": directory_bytes(checkpoint), "state_bytes": directory_bytes(states[-1]) if states else None,
         "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
         "steps_measured": len(steps_rows), "startup_s": round(rows[0]["time"] - started, 1),
+        "tokens_per_step": statistics.median(r["tokens"] for r in rows[1:]),
+        "sampled_tokens_per_step": statistics.median(r["num_tokens"] for r in rows[1:]),
         "reward": [round(r.get("score_mean", 0.0), 4) for r in rows],
     }  # fmt: skip
 
@@ -163,6 +190,103 @@ def run_trl(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float
     return {"step_s": round((sum(durations) - saves) / len(durations), 3), "steps_measured": len(durations)}
 
 
+def parity_noise(size: str, dtype: str) -> dict:
+    """The parity guard's measure (inference.parity_guard: the served logprobs of its prompts against
+    an fp32 transformers forward) with the server in `dtype`: against the same weights (the
+    precision's noise, what its tolerance must pass) and against the same shape built from another
+    seed (wrong weights, what it must catch). Max and mean |difference| over the tokens."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from inference.client import PolicyClient
+    from inference.parity import load_reference_model, reference_logprobs
+    from inference.parity_guard import TOLERANCE, default_prompt_ids
+    from inference.server import PolicyServer
+
+    model = model_dir(size)
+    other = MODELS / f"{size}-seed-1"
+    if not (other / "config.json").exists():
+        build_tiny_model(other, size=size, seed=1)
+    sequences = default_prompt_ids(AutoTokenizer.from_pretrained(model))
+    references = {name: [reference_logprobs(load_reference_model(path), s[:1], s[1:]) for s in sequences]
+                  for name, path in (("same", model), ("other", other))}  # fmt: skip
+    with PolicyServer(model, dtype=dtype, log_path=MODELS / f"parity-{size}-{dtype}.log") as server:
+
+        async def served() -> list[list[float]]:
+            client = PolicyClient(server.base_url)
+            try:
+                return await asyncio.gather(*(client.prompt_logprobs(s) for s in sequences))
+            finally:
+                await client.aclose()
+
+        logprobs = asyncio.run(served())
+    result = {"dtype": dtype, "tolerance": TOLERANCE[dtype]}
+    for name, reference in references.items():
+        differences = [abs(a - b) for s, r in zip(logprobs, reference, strict=True) for a, b in zip(s[1:], r, strict=True)]
+        result[name] = {"max": round(max(differences), 4), "mean": round(statistics.fmean(differences), 4), "tokens": len(differences)}
+    return result
+
+
+# Qwen2.5-7B (its config.json), at runs/gpu-qwen2.5-0.5b.yaml's step: 64 prompts x 16 samples,
+# sequences of ~450 tokens of which ~300 sampled (its max_tokens is 512; an assumed mean).
+QWEN25_7B = {"parameters": 7_615_616_512, "vocab": 152_064, "sequences": 64 * 16, "tokens": 450, "sampled": 300}
+# One 8-GPU node, for the model's second column. Assumptions, not measurements (no GPU here): H100
+# SXM bf16 dense peak, an MFU typical of RL trainers, vLLM decode throughput per GPU at a 7B model
+# with hundreds of sequences in flight, half the GPUs sampling, and a node's NVMe write and read.
+NODE = {"gpus": 8, "peak_flops_per_gpu": 989e12, "mfu": 0.4, "decode_tokens_per_s_per_gpu": 2e4, "sampling_gpus": 4,
+        "disk_bytes_per_s": 3e9}  # fmt: skip
+
+
+def cost_model(entry: dict) -> dict:
+    """Each term of a step extrapolated to Qwen2.5-7B (QWEN25_7B's step) from the rates clotho's
+    side measured at `entry`'s size: on this machine, and on one 8-GPU node (NODE's assumed rates).
+    Per term: seconds and share of the step, and which dominates.
+
+    update: 8 x parameters x tokens FLOPs (forward, backward and gradient checkpointing's recompute)
+    at the FLOP/s measured; sampling: seconds per parameter x sampled token measured (decoding reads
+    every weight per step); publish: the served bf16 weights, 2 bytes a parameter, at the bytes/s
+    measured; resume state: 16 bytes a parameter; reload: the published bytes read back. On the node:
+    the update at its FLOP/s x MFU, sampling at its decode rate, publish, state and reload at its disk.
+    """
+    clotho = entry["clotho"]
+    parameters, parts = entry["parameters"], clotho["parts_s"]
+    tokens, sampled = clotho["tokens_per_step"], clotho["sampled_tokens_per_step"]
+    rates = {
+        "update_flops_per_s": 8 * parameters * tokens / parts["update_s"],
+        "sampling_s_per_parameter_token": parts["sampling_s"] / (parameters * sampled),
+        "publish_bytes_per_s": clotho["publish_bytes"] / parts["publish_s"],
+        "state_bytes_per_s": clotho["state_bytes"] / parts["save_state_s"],
+        "reload_bytes_per_s": clotho["publish_bytes"] / parts["reload_s"],
+    }
+    big = QWEN25_7B["parameters"]
+    step_tokens = QWEN25_7B["sequences"] * QWEN25_7B["tokens"]
+    step_sampled = QWEN25_7B["sequences"] * QWEN25_7B["sampled"]
+    here = {
+        "sampling_s": rates["sampling_s_per_parameter_token"] * big * step_sampled,
+        "update_s": 8 * big * step_tokens / rates["update_flops_per_s"],
+        "publish_s": 2 * big / rates["publish_bytes_per_s"],
+        "save_state_s": 16 * big / rates["state_bytes_per_s"],
+        "reload_s": 2 * big / rates["reload_bytes_per_s"],
+    }
+    node = {
+        "sampling_s": step_sampled / (NODE["decode_tokens_per_s_per_gpu"] * NODE["sampling_gpus"]),
+        "update_s": 8 * big * step_tokens / (NODE["gpus"] * NODE["peak_flops_per_gpu"] * NODE["mfu"]),
+        "publish_s": 2 * big / NODE["disk_bytes_per_s"],
+        "save_state_s": 16 * big / NODE["disk_bytes_per_s"],
+        "reload_s": 2 * big / NODE["disk_bytes_per_s"],
+    }
+
+    def table(seconds: dict) -> dict:
+        total = sum(seconds.values())
+        return {"step_s": round(total, 2), "parts_s": {k: round(v, 3) for k, v in seconds.items()},
+                "shares": {k: round(v / total, 3) for k, v in seconds.items()}, "dominant": max(seconds, key=seconds.get)}  # fmt: skip
+
+    return {"from_size": entry["size"], "rates": {k: float(f"{v:.4g}") for k, v in rates.items()},
+            "target": {"model": "Qwen2.5-7B", **QWEN25_7B}, "this_machine": table(here), "node": table(node),
+            "node_assumptions": NODE}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES))
@@ -170,23 +294,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-rss-gib", type=float, default=20.0, help="Kill a side past this much RSS (all its processes).")
     parser.add_argument("--limit-s", type=float, default=3600.0, help="Kill a side past this many seconds.")
+    parser.add_argument("--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip).")
     args = parser.parse_args()
     sides = args.sides.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO / ".clotho") as temporary:
         for size in args.sizes.split(","):
             model_dir(size)
-            entry = {"size": size, "vocab": SHAPES[size].get("vocab_size", 512)}
+            entry = {"size": size, "vocab": SHAPES[size].get("vocab_size", 512), "parameters": parameter_count(size)}
+            if args.parity_dtype != "none":
+                entry["parity"] = parity_noise(size, args.parity_dtype)
+                print(f"{size} parity: {json.dumps(entry['parity'])}", flush=True)
             for side in sides:
                 runner = run_clotho if side == "clotho" else run_trl
                 started = time.monotonic()
                 entry[side] = runner(Path(temporary) / f"{size}-{side}", size, args.steps, args.max_rss_gib * 2**30, args.limit_s)
                 entry[side]["wall_s"] = round(time.monotonic() - started, 1)
                 print(f"{size} {side}: {json.dumps(entry[side])[:600]}", flush=True)
-            if all("step_s" in entry.get(side, {}) for side in ("clotho", "trl")):
-                entry["ratio"] = round(entry["clotho"]["step_s"] / entry["trl"]["step_s"], 3)
+            if "wall_step_s" in entry.get("clotho", {}) and "step_s" in entry.get("trl", {}):
+                entry["ratio"] = round(entry["clotho"]["wall_step_s"] / entry["trl"]["step_s"], 3)
             results.append(entry)
-    write_result("scale", {"task": TASK, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "steps": args.steps, "sizes": results,
+    measured = [entry for entry in results if "step_s" in entry.get("clotho", {})]
+    model = cost_model(measured[-1]) if measured else None
+    write_result("scale", {"cost_model_7b": model, "task": TASK, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "steps": args.steps, "sizes": results,
                            "target": "clotho / TRL seconds per step <= 1.0 where both run; publish + reload + state <= 10% of a step"})  # fmt: skip
 
 

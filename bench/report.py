@@ -297,9 +297,10 @@ def scale_loop_text() -> str:
     lines = [
         f"The repeat task, {r['prompts_per_step']} prompts x {r['task']['env_config']['group_size']} samples of up to "
         f"{r['task']['env_config']['max_tokens']} tokens a step, {r['steps']} steps, lr {r['lr']} ({_measured(record)}). "
-        "Medians over the steps after the first; the share is of clotho's step.",
+        "Medians over the steps after the first: wall seconds from one step's end to the next's (both sides), "
+        "and clotho's parts, whose sum is in brackets (a reload may overlap the resume state's save); shares are of that sum.",
         "",
-        "| size | vocab | clotho s / step | sampling | update | publish s (MB) | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
+        "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in r["sizes"]:
@@ -308,7 +309,7 @@ def scale_loop_text() -> str:
             parts, shares = clotho["parts_s"], clotho["shares"]
             overhead = shares["publish_s"] + shares["save_state_s"] + shares["reload_s"]
             state_mb = f"{clotho['state_bytes'] / 1e6:,.0f}" if clotho.get("state_bytes") else "-"
-            cells = [f"{clotho['step_s']:.2f}", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
+            cells = [f"{clotho['wall_step_s']:.2f} ({clotho['step_s']:.2f})", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
                      f"{parts['update_s']:.2f} ({shares['update_s']:.0%})", f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",
                      f"{parts['save_state_s']:.2f} ({state_mb})", f"{parts['reload_s']:.2f}", f"{overhead:.0%}",
                      f"{clotho['trainer_peak_rss_gib']:.2f}"]  # fmt: skip
@@ -320,8 +321,38 @@ def scale_loop_text() -> str:
     return "\n".join(lines)
 
 
+def cost_model_text() -> str:
+    """bench_scale.py's extrapolation of each term of a step to Qwen2.5-7B."""
+    record = _load("scale")
+    model = record["result"].get("cost_model_7b") if record else None
+    if not model:
+        return "_no cost model yet: python bench/bench_scale.py_"
+    target, node = model["target"], model["node_assumptions"]
+    names = {"sampling_s": "sampling", "update_s": "update", "publish_s": "publish (bf16)", "save_state_s": "resume state",
+             "reload_s": "reload"}  # fmt: skip
+    rates = model["rates"]
+    lines = [
+        f"Each term extrapolated to Qwen2.5-7B ({target['parameters'] / 1e9:.2f}B parameters) at a step of {target['sequences']} "
+        f"sequences of ~{target['tokens']} tokens ({target['sampled']} sampled), from the rates clotho measured at the "
+        f"{model['from_size']} shape: update {rates['update_flops_per_s'] / 1e9:.0f} GFLOP/s (8 x parameters x tokens), "
+        f"publish {rates['publish_bytes_per_s'] / 1e6:.0f} MB/s, resume state {rates['state_bytes_per_s'] / 1e6:.0f} MB/s, "
+        f"reload {rates['reload_bytes_per_s'] / 1e6:.0f} MB/s. The node column assumes (no GPU here) {node['gpus']} GPUs of "
+        f"{node['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s bf16 at {node['mfu']:.0%} MFU, {node['sampling_gpus']} of them sampling "
+        f"{node['decode_tokens_per_s_per_gpu']:,.0f} tokens/s each, and {node['disk_bytes_per_s'] / 1e9:.0f} GB/s of disk.",
+        "",
+        "| term | this machine s | share | 8-GPU node s | share |",
+        "|---|---|---|---|---|",
+    ]
+    here, gpu = model["this_machine"], model["node"]
+    for key, name in names.items():
+        lines.append(f"| {name} | {here['parts_s'][key]:,.1f} | {here['shares'][key]:.0%} | {gpu['parts_s'][key]:,.1f} | {gpu['shares'][key]:.0%} |")
+    lines.append(f"| **step** | {here['step_s']:,.0f} | dominant: {names[here['dominant']]} | {gpu['step_s']:,.1f} | "
+                 f"dominant: {names[gpu['dominant']]} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def scale_block() -> str:
-    return f"{SCALE_START}\n{scale_loop_text()}\n\n{scale_memory_text()}\n{SCALE_END}"
+    return f"{SCALE_START}\n{scale_loop_text()}\n\n{cost_model_text()}\n\n{scale_memory_text()}\n{SCALE_END}"
 
 
 def demo_block() -> str:

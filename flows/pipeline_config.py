@@ -24,6 +24,10 @@ class EnvironmentEntry(Strict):
     config: dict[str, Any] = Field(default_factory=dict, description="The environment's config fields.")
 
 
+# The dtypes the trainer can publish in (TrainerConfig.publish_dtype): the servers' one, when it is one of them.
+PUBLISHABLE_DTYPES = ("float32", "bfloat16", "float16")
+
+
 class ServersConfig(Strict):
     count: int = Field(default=1, ge=0, description="vLLM servers the pipeline starts on the model, each hot-reloaded.")
     urls: list[str] = Field(
@@ -198,6 +202,18 @@ class PipelineConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _published_as_served(self) -> PipelineConfig:
+        for index, phase in enumerate(self.phases):
+            published = self.trainer_fields(phase).get("publish_dtype")
+            if published is not None and self.servers.dtype in PUBLISHABLE_DTYPES and published != self.servers.dtype:
+                raise ValueError(
+                    f"phases.{index} trainer publish_dtype {published!r}: the servers serve {self.servers.dtype!r}, and a "
+                    f"server of one dtype reloading weights published in another fails its parity check (the trainer's "
+                    f"stored logprobs are of its own weights); drop publish_dtype (it follows servers.dtype)"
+                )
+        return self
+
+    @model_validator(mode="after")
     def _stop_rule(self) -> PipelineConfig:
         for index, phase in enumerate(self.phases):
             if phase.stop is None:
@@ -242,8 +258,10 @@ class PipelineConfig(Strict):
         return self.phases[-1]
 
     def trainer_fields(self, phase: Phase) -> dict[str, Any]:
-        """One phase's TrainerConfig fields: the pipeline's trainer fields, the phase's, k."""
-        return {**self.trainer, **phase.trainer, "max_staleness": self.max_lag}
+        """One phase's TrainerConfig fields: the weights published in the dtype the servers serve,
+        then the pipeline's trainer fields, the phase's, and max_lag as max_staleness."""
+        served = {"publish_dtype": self.servers.dtype} if self.servers.dtype in PUBLISHABLE_DTYPES else {}
+        return {**served, **self.trainer, **phase.trainer, "max_staleness": self.max_lag}
 
     def trainer_overrides(self, phase: Phase) -> list[str]:
         """The same as `--set` overrides for the phase's `clotho train`."""

@@ -78,41 +78,43 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
 
 
 def save_hf_checkpoint(
-    module: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer_source: str, out: Path
+    module: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    tokenizer_source: str,
+    out: Path,
+    dtype: torch.dtype | None = None,
 ) -> None:
-    """Write `module`'s config and generation config, `state_dict` as safetensors and the tokenizer
-    of `tokenizer_source` (the base model) to `out`: a directory vLLM and transformers load."""
-    module.save_pretrained(out, state_dict=state_dict)
-    base_tokenizer(tokenizer_source).save_pretrained(out)
-    if module.config.tie_word_embeddings:
-        write_tied_lm_head(out)
+    """Write `module`'s config and generation config, `state_dict` as one safetensors file in `dtype`
+    (None: as it is) and the tokenizer of `tokenizer_source` (the base model) to `out`: a directory
+    vLLM and transformers load, its config naming the weights' dtype.
 
-
-def write_tied_lm_head(checkpoint_dir: Path) -> None:
-    """Store `lm_head.weight` explicitly (a copy of `model.embed_tokens.weight`) in a checkpoint of
-    a model with tied embeddings.
-
-    save_pretrained leaves the tied tensor out. transformers ties it again on load, but vLLM's
-    in-place weight reload only copies the tensors it is given, so without it the served head would
-    keep the old weights.
+    With tied embeddings the file holds `lm_head.weight` too, a copy of `model.embed_tokens.weight`:
+    transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
+    reload only copies the tensors it is given, so without it the served head would keep the old
+    weights. The tensors are written once, as they are, without a second pass over the file.
     """
-    from safetensors.torch import load_file, save_file
+    import copy
 
-    index_path = checkpoint_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text()) if index_path.exists() else None
-    embedding = "model.embed_tokens.weight"
-    file_name = index["weight_map"][embedding] if index else "model.safetensors"
-    tensors = load_file(checkpoint_dir / file_name)
-    if embedding not in tensors:
-        raise ValueError(
-            f"{checkpoint_dir / file_name} has no {embedding}; write_tied_lm_head knows the "
-            "Qwen2/Llama naming only, extend it for this architecture"
-        )
-    tensors["lm_head.weight"] = tensors[embedding].clone()
-    save_file(tensors, checkpoint_dir / file_name, metadata={"format": "pt"})
-    if index:
-        index["weight_map"]["lm_head.weight"] = file_name
-        index_path.write_text(json.dumps(index, indent=2))
+    from safetensors.torch import save_file
+
+    tensors = {name: tensor.to(dtype) if dtype is not None else tensor for name, tensor in state_dict.items()}
+    if module.config.tie_word_embeddings:
+        embedding = "model.embed_tokens.weight"
+        if embedding not in tensors:
+            raise ValueError(
+                f"the state dict has no {embedding}; save_hf_checkpoint knows the Qwen2/Llama naming of tied "
+                "embeddings only, extend it for this architecture"
+            )
+        tensors["lm_head.weight"] = tensors[embedding].clone()  # its own storage: safetensors refuses shared ones
+    config = copy.deepcopy(module.config)
+    if dtype is not None:
+        config.dtype = dtype
+    out.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(out)
+    if getattr(module, "generation_config", None) is not None:
+        module.generation_config.save_pretrained(out)
+    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    base_tokenizer(tokenizer_source).save_pretrained(out)
 
 
 def publish_step(
@@ -126,8 +128,10 @@ def publish_step(
     extra: dict[str, Any],
     storage_options: dict[str, Any] | None = None,
     staging_dir: Path | None = None,
+    dtype: str | None = None,
 ) -> str | None:
-    """Publish the engine's weights as checkpoint step N (rank 0 writes; call on every rank).
+    """Publish the engine's weights as checkpoint step N (rank 0 writes; call on every rank), in
+    `dtype` (None: the weights' own).
 
     Returns the checkpoint URL on rank 0, None on other ranks. A step already published (STABLE)
     is left alone: it was written by an earlier run of the same steps that died before saving its
@@ -159,7 +163,7 @@ def publish_step(
             )  # fmt: skip
         return url
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
-        save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary))
+        save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary), getattr(torch, dtype) if dtype else None)
         if zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters()):
             # The weights' own logprobs, which servers that load them must give (inference.parity):
             # one short forward here spares every reload a load and forward of the whole model.

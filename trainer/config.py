@@ -286,6 +286,11 @@ class TrainerConfig(BaseModel):
     save_every: int = Field(
         default=10, gt=0, description="Publish a checkpoint every this many steps."
     )
+    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        default=None,
+        description="The dtype of the published weights: the one the servers serve (clotho run sets it from "
+        "servers.dtype), half the bytes to write and reload in bf16; None: the training dtype.",
+    )
     state_every: int | None = Field(
         default=None, gt=0,
         description="Save the resume state (weights, optimizer, data position) every this many steps, a "

@@ -209,7 +209,7 @@ class TrainingRun:
         publish_started = time.monotonic()
         url = publish_step(
             self.engine, zero_stage=config.zero_stage, base_model=config.model, storage=self.storage, run=self.run,
-            step=step, storage_options=self.storage_options, staging_dir=self.staging_dir,
+            step=step, storage_options=self.storage_options, staging_dir=self.staging_dir, dtype=config.publish_dtype,
             extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
         )  # fmt: skip
         costs = {"publish_s": time.monotonic() - publish_started}  # what a step pays beside its update

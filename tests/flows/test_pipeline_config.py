@@ -67,3 +67,15 @@ def test_overrides_index_lists():
     assert data["phases"][1]["steps"] == 2  # a copy
     with pytest.raises(ValueError, match="phases.2: index a list of 2 with 0..1"):
         apply_overrides(data, ["phases.2.steps=5"])
+
+
+def test_the_trainer_publishes_in_the_dtype_the_servers_serve():
+    base = {"run": "file:///tmp/x/run", "model": "m", "phases": [{"name": "rl", "steps": 2, "environments": [{"env": "arithmetic"}]}]}
+    config = PipelineConfig.model_validate({**base, "servers": {"dtype": "bfloat16"}})
+    assert "publish_dtype=\"bfloat16\"" in config.trainer_overrides(config.phases[0])
+    plain = PipelineConfig.model_validate(base)
+    assert plain.trainer_fields(plain.phases[0])["publish_dtype"] == "float32"
+    auto = PipelineConfig.model_validate({**base, "servers": {"dtype": "auto"}})
+    assert "publish_dtype" not in auto.trainer_fields(auto.phases[0])  # not one the trainer publishes in
+    with pytest.raises(ValueError, match=r"phases.0 trainer publish_dtype 'bfloat16': the servers serve 'float32'.*drop publish_dtype"):
+        PipelineConfig.model_validate({**base, "trainer": {"publish_dtype": "bfloat16"}})

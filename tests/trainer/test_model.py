@@ -181,3 +181,22 @@ def test_gradient_checkpointing_recomputes_layers_for_the_same_gradients(tiny_mo
     assert not model.training and not model.model.layers[0].self_attn.training  # dropout stays off
     for name, grad in got.items():
         torch.testing.assert_close(grad, expected[name], atol=1e-7, rtol=1e-5, msg=name)
+
+
+def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path):
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    source = cached_tiny_model(tie_embeddings=True)
+    model = load_policy(str(source))
+    save_hf_checkpoint(model, model.state_dict(), str(source), tmp_path, torch.bfloat16)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"
+    for name, tensor in model.state_dict().items():  # each weight rounded once, nothing else
+        torch.testing.assert_close(tensors[name], tensor.to(torch.bfloat16), atol=0, rtol=0)
+    torch.testing.assert_close(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"], atol=0, rtol=0)
+    assert model.dtype == torch.float32 and model.config.dtype == torch.float32  # the trainer's own copy untouched
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.dtype == torch.bfloat16

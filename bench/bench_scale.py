@@ -110,24 +110,24 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def clotho_config(run_url: str, size: str, steps: int) -> dict:
+def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = None) -> dict:
     real = size in REAL
     return {
         "run": run_url, "model": str(model_dir(size)), "max_lag": 0,
         "servers": {"dtype": "bfloat16" if real else "float32"},
-        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "gradient_checkpointing": real, "seed": 0},
+        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "gradient_checkpointing": real, "seed": 0, **(trainer or {})},
         "phases": [{"name": "rl", "steps": steps, "environments": [{"env": TASK["env"], "config": TASK["env_config"]}],
                     "trainer": {"groups_per_step": PROMPTS_PER_STEP}}],
         "rollout": {"max_concurrent_groups": PROMPTS_PER_STEP, "task_run_s": 5.0},
     }  # fmt: skip
 
 
-def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float) -> dict:
+def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float, trainer: dict | None = None) -> dict:
     """One `clotho run` at `size`: its per-step parts, bytes and peak RSS, or why it did not finish."""
     workdir.mkdir(parents=True)
     run_url = f"file://{workdir}/store/run"
     config = workdir / "run.yaml"
-    config.write_text(yaml.safe_dump(clotho_config(run_url, size, steps)))
+    config.write_text(yaml.safe_dump(clotho_config(run_url, size, steps, trainer)))
     started = time.time()
     error = run_watched([CLOTHO, "run", str(config)], workdir / "run.log", max_rss, limit_s)
     if error:
@@ -294,6 +294,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--max-rss-gib", type=float, default=20.0, help="Kill a side past this much RSS (all its processes).")
     parser.add_argument("--limit-s", type=float, default=3600.0, help="Kill a side past this many seconds.")
+    parser.add_argument("--trainer", type=json.loads, default={}, help="clotho's trainer settings over the bench's, as JSON.")
+    parser.add_argument("--result", default="scale", help="bench/results/NAME.json (scale: the table docs/benchmarks.md shows).")
     parser.add_argument("--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip).")
     args = parser.parse_args()
     sides = args.sides.split(",")
@@ -306,9 +308,9 @@ def main() -> None:
                 entry["parity"] = parity_noise(size, args.parity_dtype)
                 print(f"{size} parity: {json.dumps(entry['parity'])}", flush=True)
             for side in sides:
-                runner = run_clotho if side == "clotho" else run_trl
                 started = time.monotonic()
-                entry[side] = runner(Path(temporary) / f"{size}-{side}", size, args.steps, args.max_rss_gib * 2**30, args.limit_s)
+                where, bounds = Path(temporary) / f"{size}-{side}", (args.max_rss_gib * 2**30, args.limit_s)
+                entry[side] = run_clotho(where, size, args.steps, *bounds, args.trainer) if side == "clotho" else run_trl(where, size, args.steps, *bounds)
                 entry[side]["wall_s"] = round(time.monotonic() - started, 1)
                 print(f"{size} {side}: {json.dumps(entry[side])[:600]}", flush=True)
             if "wall_step_s" in entry.get("clotho", {}) and "step_s" in entry.get("trl", {}):
@@ -316,7 +318,7 @@ def main() -> None:
             results.append(entry)
     measured = [entry for entry in results if "step_s" in entry.get("clotho", {})]
     model = cost_model(measured[-1]) if measured else None
-    write_result("scale", {"cost_model_7b": model, "task": TASK, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "steps": args.steps, "sizes": results,
+    write_result(args.result, {"trainer": args.trainer, "cost_model_7b": model, "task": TASK, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "steps": args.steps, "sizes": results,
                            "target": "clotho / TRL seconds per step <= 1.0 where both run; publish + reload + state <= 10% of a step"})  # fmt: skip
 
 

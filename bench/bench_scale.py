@@ -42,6 +42,7 @@ import psutil  # noqa: E402
 import yaml  # noqa: E402
 
 from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
+from bench_scale_memory import MODELS, SIZES, model_dir  # noqa: E402  (the models both scale benches build)
 from results import read_jsonl, write_result  # noqa: E402
 from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
@@ -50,20 +51,11 @@ from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
-MODELS = REPO / ".clotho" / "bench" / "models"
-SIZES = ["tiny", "small", "smollm2-135m", "qwen2.5-0.5b"]
 REAL = {"smollm2-135m", "qwen2.5-0.5b"}
 TASK = {"env": "repeat", "env_config": {"digits": 16, "group_size": 8, "max_tokens": 32, "temperature": 1.0, "seed": 7}}
 PROMPTS_PER_STEP = 4
 LR = 1e-6
 PARTS = ("sampling_s", "update_s", "publish_s", "save_state_s", "reload_s")
-
-
-def model_dir(size: str) -> Path:
-    out = MODELS / size
-    if not (out / "config.json").exists():
-        build_tiny_model(out, size=size)
-    return out
 
 
 def parameter_count(size: str) -> int:

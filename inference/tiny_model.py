@@ -136,14 +136,19 @@ def reachable_vocabulary_init(model, trained: int, margin: float = REACHABLE_MAR
         decoder.norm.weight[0] = gain
 
 
+def shape_of(size: str) -> dict:
+    """A copy of SHAPES[size], or the error naming the sizes there are."""
+    if size not in SHAPES:
+        raise ValueError(f"size {size!r}: use one of {', '.join(SHAPES)}")
+    return dict(SHAPES[size])
+
+
 def model_config(size: str, tokenizer, tie_embeddings: bool | None = None):
     """The transformers config and model class of the shape `size` (SHAPES), with `tokenizer`'s
     special ids. `tie_embeddings` None keeps the shape's own (tied for the real shapes)."""
-    if size not in SHAPES:
-        raise ValueError(f"size {size!r}: use one of {', '.join(SHAPES)}")
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    shape = dict(SHAPES[size])
+    shape = shape_of(size)
     architecture = shape.pop("architecture", "qwen2")
     shape.setdefault("vocab_size", VOCAB_SIZE)
     shape.setdefault("dtype", "float32")
@@ -169,14 +174,13 @@ def build_tiny_model(
 
     `tie_embeddings` None keeps the shape's own (tied for the real shapes, untied for the small ones).
     """
-    if size not in SHAPES:
-        raise ValueError(f"size {size!r}: use one of {', '.join(SHAPES)}")
+    vocab_size = shape_of(size).get("vocab_size", VOCAB_SIZE)
     import torch
     from transformers import GenerationConfig
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(out, seed, SHAPES[size].get("vocab_size", VOCAB_SIZE))
+    tokenizer = build_tokenizer(out, seed, vocab_size)
     config, model_class = model_config(size, tokenizer, tie_embeddings)
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)

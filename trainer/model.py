@@ -51,24 +51,26 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             f"gradient_checkpointing: {type(model).__name__} does not support it in transformers; set it false"
         )
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
-    for layer in layers:
-        layer.training = True
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module.training = True
 
 
 def _picked_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax(logits / temperature)[targets] and the entropy of that distribution (no
-    gradient), in fp32 or wider: logits [..., vocab], targets and a tensor temperature [...]."""
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor, entropy: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log_softmax(logits / temperature)[targets] and, with `entropy`, the entropy of that
+    distribution (no gradient; else None), in fp32 or wider: logits [..., vocab], targets and a
+    tensor temperature [...]."""
     if isinstance(temperature, torch.Tensor):
         temperature = temperature[..., None]
     scaled = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     normalizer = torch.logsumexp(scaled, dim=-1)
     picked = scaled.gather(-1, targets[..., None]).squeeze(-1) - normalizer
+    if not entropy:
+        return picked, None
     with torch.no_grad():
-        entropy = normalizer - (scaled.softmax(-1) * scaled).sum(-1)
-    return picked, entropy
+        return picked, normalizer - (scaled.softmax(-1) * scaled).sum(-1)
 
 
 def _predictions(
@@ -116,7 +118,7 @@ def token_logprobs(
         )
     by, targets, temperature = _predictions(input_ids, temperature, predictors)
     rows = torch.arange(logits.shape[0], device=logits.device)[:, None]
-    predicted, _ = _picked_logprobs(logits[rows, by], targets, temperature)
+    predicted, _ = _picked_logprobs(logits[rows, by], targets, temperature, entropy=False)
     return torch.nn.functional.pad(predicted, (1, 0), value=0.0)
 
 
@@ -159,8 +161,8 @@ def hidden_logprobs(
         logprobs.append(picked)
         entropies.append(entropy)
     shape = input_ids.shape[0], input_ids.shape[1] - 1
-    padded = [torch.nn.functional.pad(torch.cat(parts).view(shape), (1, 0), value=0.0) for parts in (logprobs, entropies)]
-    return padded[0], padded[1]
+    logprob, entropy = (torch.nn.functional.pad(torch.cat(parts).view(shape), (1, 0), value=0.0) for parts in (logprobs, entropies))
+    return logprob, entropy
 
 
 def packed_logprobs(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.checkpoints import checkpoint_url, fetch_checkpoint, published_steps, read_checkpoint, step_directories, step_name
+from storage.weight_delta import WEIGHTS_FILE
 from storage.filesystem import list_files, relative, resolve
 from storage.index import id_at, index_shards, list_entries
 from storage.layout import ROLLOUTS, is_hidden, join, parse_shard_name, split_run_url
@@ -228,11 +229,15 @@ def copy_shards(run_url: str, replay_run_url: str) -> int:
 
 
 def checkpoint_weights(run_url: str, step: int):
-    from safetensors.torch import load
+    """Step N's weights (a delta step's rebuilt from its chain)."""
+    import tempfile
+
+    from safetensors.torch import load_file
 
     root, run = split_run_url(run_url)
-    fs, path = resolve(join(checkpoint_url(root, run, step), "model.safetensors"))
-    return load(fs.cat_file(path))
+    with tempfile.TemporaryDirectory(prefix="clotho-weights-") as cache:
+        local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, run, step)), cache)
+        return load_file(local / WEIGHTS_FILE)
 
 
 @dataclass

@@ -1,6 +1,8 @@
 """The checkpoint layout contract (trainer -> inference): publish, find and fetch HF checkpoints.
 
-    {root}/{run}/checkpoints/step-{N:08d}/   Hugging Face files (safetensors, config, tokenizer)
+    {root}/{run}/checkpoints/step-{N:08d}/   Hugging Face files (safetensors, config, tokenizer), or
+                                             the same with model.safetensors.delta in place of the
+                                             weights: a delta against the previous publish
     {root}/{run}/checkpoints/step-{N:08d}/STABLE   JSON manifest, written after every file
     {root}/{run}/checkpoints/LATEST                 'step-{N:08d}', updated after STABLE
     {root}/{run}/checkpoints/BEST                   JSON {step, reward}: the best evaluated step
@@ -10,6 +12,11 @@ size, so a half-uploaded checkpoint is never loaded; STABLE itself appears whole
 hard link of a finished file on local disks, where a full disk could otherwise leave it empty). Every
 request is retried while an object store fails transiently (storage.filesystem.retrying): uploads
 overwrite, so a publish that failed clearly can simply run again. The policy version of step N is N.
+
+A delta step (storage.weight_delta) names in its STABLE `delta: {"chain": [K, ..., N-1]}` the full
+step K it builds on and every delta between; fetch_checkpoint rebuilds its weights from them (from
+the newest of them already rebuilt in the cache), and retention keeps a chain as long as any step
+that needs it.
 
 Retention (`apply_retention`, run by the trainer after each publish) keeps the last K published
 steps, every N-th one, the one LATEST names, the one BEST names (`mark_best`, by the run's
@@ -24,6 +31,7 @@ deletion left without STABLE.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -35,6 +43,7 @@ from typing import Any
 from storage.filesystem import download_whole, is_local, publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 from storage.progress import PROGRESS, read_json, replace_json
+from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, DeltaError, apply
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +51,7 @@ CHECKPOINTS = "checkpoints"
 STABLE = "STABLE"
 LATEST = "LATEST"
 BEST = "BEST"
-CHECKPOINT_LAYOUT_VERSION = 1
+CHECKPOINT_LAYOUT_VERSION = 2  # 2: delta steps
 _STEP = re.compile(r"step-(\d{8})")
 
 
@@ -61,6 +70,12 @@ class CheckpointInfo:
     @property
     def policy_version(self) -> int:
         return self.step
+
+    @property
+    def chain(self) -> list[int]:
+        """The steps this one's weights are built from, oldest (a full checkpoint) first; [] for a
+        full checkpoint."""
+        return [int(step) for step in (self.manifest.get("delta") or {}).get("chain", [])]
 
 
 def checkpoints_url(root: str, run: str) -> str:
@@ -290,10 +305,12 @@ def apply_retention(
         keep.update(step for step in published if step > keep_after)
     if match := _STEP.fullmatch(pointer):
         keep.add(int(match.group(1)))
+    keep |= _chains(fs, path, keep)
 
-    def protected() -> set[int]:  # what servers pin and what the evaluator marked best
+    def protected() -> set[int]:  # what servers pin and what the evaluator marked best, with their chains
         best = read_best(root, run, storage_options=storage_options)
-        return pinned_steps(root, run, storage_options=storage_options) | ({int(best["step"])} if best else set())
+        steps = pinned_steps(root, run, storage_options=storage_options) | ({int(best["step"])} if best else set())
+        return steps | _chains(fs, path, steps)
 
     held = protected()
     deleted = []
@@ -319,18 +336,63 @@ def apply_retention(
     return deleted
 
 
+def _chains(fs: Any, checkpoints_path: str, steps: set[int]) -> set[int]:
+    """The steps the delta steps among `steps` are built from (their STABLE manifests say)."""
+    needed: set[int] = set()
+    for step in steps:
+        stable = join(checkpoints_path, step_name(step), STABLE)
+        try:
+            manifest = json.loads(retrying(fs, stable, fs.cat_file, stable))
+        except (FileNotFoundError, ValueError):
+            continue  # not published (any more): nothing of it is read
+        needed.update(int(s) for s in (manifest.get("delta") or {}).get("chain", []))
+    return needed
+
+
 def _ranges(steps: list[int]) -> str:
     return ", ".join(str(s) for s in steps) if len(steps) <= 6 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
 
 
 def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_options: dict[str, Any] | None = None) -> Path:
-    """A local directory holding the checkpoint: the path itself on local disk, else a cached copy."""
+    """A local directory holding the checkpoint, loadable as it is by vLLM and transformers: the path
+    itself for a full checkpoint on local disk, else a copy in `cache_dir`, a delta step's weights
+    rebuilt there from its chain (raises CheckpointError when a step of the chain is gone or the
+    rebuilt weights fail their checksums: nothing is left in the cache then)."""
     fs, path = resolve(info.url, storage_options)
-    if is_local(fs):
-        return Path(path)
     target = Path(cache_dir) / step_name(info.step)
+    if not info.chain and is_local(fs):
+        return Path(path)
     if (target / STABLE).exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    download_whole(info.url, fs, path, info.manifest["files"], target, written_last={STABLE: json.dumps(info.manifest).encode()})
+    build = None
+    if info.chain:
+        names = [name for name in info.manifest["files"] if name != DELTA_FILE]
+        build = functools.partial(_rebuild, info, Path(cache_dir), storage_options)
+    else:
+        names = list(info.manifest["files"])
+    download_whole(info.url, fs, path, names, target, written_last={STABLE: json.dumps(info.manifest).encode()}, build=build)
     return target
+
+
+def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, Any] | None, directory: Path) -> None:
+    """The weights of delta step `info` into `directory`: from the newest step of its chain already
+    in `cache_dir` (else its full step, fetched), with the deltas after it applied."""
+    siblings = info.url.rstrip("/").rsplit("/", 1)[0]
+    chain = info.chain
+    start = next((i for i in range(len(chain) - 1, 0, -1) if (cache_dir / step_name(chain[i]) / STABLE).exists()), 0)
+    try:
+        base = read_checkpoint(join(siblings, step_name(chain[start])), storage_options=storage_options)
+        deltas = [read_checkpoint(join(siblings, step_name(step)), storage_options=storage_options) for step in chain[start + 1 :]]
+    except CheckpointError as error:
+        raise CheckpointError(f"{info.url} is a delta on steps {chain}, and one of them is gone: {error}") from None
+    base_dir = fetch_checkpoint(base, cache_dir, storage_options=storage_options)
+    bodies = []
+    for step_info in [*deltas, info]:
+        fs, path = resolve(step_info.url, storage_options)
+        with storage_errors(step_info.url):
+            bodies.append((step_info.step, retrying(fs, join(path, DELTA_FILE), fs.cat_file, join(path, DELTA_FILE))))
+    try:
+        apply(base_dir / WEIGHTS_FILE, bodies, directory / WEIGHTS_FILE)
+    except DeltaError as error:
+        raise CheckpointError(f"{info.url}: {error}") from None

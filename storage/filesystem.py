@@ -344,11 +344,12 @@ def relative(path: str, base: str) -> str:
 
 
 def download_whole(url: str, fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str], target: Path, *,
-                   written_last: dict[str, bytes] | None = None) -> None:  # fmt: skip
+                   written_last: dict[str, bytes] | None = None, build: Callable[[Path], None] | None = None) -> None:  # fmt: skip
     """The files `names` under `root` (the storage path of `url`) into the local directory `target`,
-    whole or not at all: downloaded into a hidden directory beside it, `written_last` (marker files,
-    name -> bytes) written there after them, then renamed into place. Where another process put a
-    copy there first (several on one host, or hosts sharing a disk), that one is kept."""
+    whole or not at all: downloaded into a hidden directory beside it, `build` run on that directory
+    (files made from the downloaded ones), `written_last` (marker files, name -> bytes) written there
+    after them, then renamed into place. Where another process put a copy there first (several on
+    one host, or hosts sharing a disk), that one is kept."""
     import shutil
 
     aside = target.parent / f".{target.name}.partial-{os.getpid()}"
@@ -358,6 +359,12 @@ def download_whole(url: str, fs: fsspec.AbstractFileSystem, root: str, names: It
             (aside / name).parent.mkdir(parents=True, exist_ok=True)
             retrying(fs, f"{root.rstrip('/')}/{name}", fs.get_file, f"{root.rstrip('/')}/{name}", str(aside / name))
     aside.mkdir(parents=True, exist_ok=True)
+    try:
+        if build is not None:
+            build(aside)
+    except BaseException:
+        shutil.rmtree(aside, ignore_errors=True)
+        raise
     for name, body in (written_last or {}).items():
         (aside / name).write_bytes(body)
     try:

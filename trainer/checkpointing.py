@@ -2,7 +2,8 @@
 
 Two things with two lifetimes:
 - the published checkpoint `{root}/{run}/checkpoints/step-{N:08d}/` (storage.checkpoints): HF
-  safetensors, config, generation config and tokenizer, read by vLLM and transformers;
+  safetensors, config, generation config and tokenizer, read by vLLM and transformers; every
+  `full_every`-th publish in full, the ones between as deltas on the one before (DeltaPublisher);
 - the resume state `{work_dir}/state/step-{N:08d}/` (local disk): DeepSpeed's model, optimizer and
   scheduler state plus the trainer's own (step, shard ledger, RNG of every rank). The last
   KEEP_STATES are kept. With `state_in_storage` (by default when the run's storage is remote) it is
@@ -23,6 +24,7 @@ import random
 import shutil
 import socket
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import torch
 
 from inference.parity import PARITY_REFERENCE, parse_parity_reference, reference_logprobs, write_parity_reference
 from inference.parity_guard import worst_difference
+from storage import weight_delta
 from storage.checkpoints import (
     CheckpointError,
     checkpoint_url,
@@ -40,6 +43,7 @@ from storage.checkpoints import (
 )
 from storage.filesystem import resolve, retrying
 from storage.layout import join
+from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE
 from trainer.distributed import broadcast_object, gather_objects
 from trainer.state_store import StateStore
 
@@ -77,35 +81,40 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
     return default_prompt_ids(base_tokenizer(tokenizer_source))
 
 
-def save_hf_checkpoint(
-    module: torch.nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    tokenizer_source: str,
-    out: Path,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """Write `module`'s config and generation config, `state_dict` as one safetensors file in `dtype`
-    (None: as it is) and the tokenizer of `tokenizer_source` (the base model) to `out`: a directory
-    vLLM and transformers load, its config naming the weights' dtype.
+def published_tensors(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous.
 
-    With tied embeddings the file holds `lm_head.weight` too, a copy of `model.embed_tokens.weight`:
+    With tied embeddings they include `lm_head.weight`, a copy of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
-    weights. The tensors are written once, as they are, without a second pass over the file.
-    """
-    import copy
-
-    from safetensors.torch import save_file
-
-    tensors = {name: tensor.to(dtype) if dtype is not None else tensor for name, tensor in state_dict.items()}
+    weights."""
+    tensors = {name: (tensor.to(dtype) if dtype is not None else tensor).contiguous() for name, tensor in state_dict.items()}
     if module.config.tie_word_embeddings:
         embedding = "model.embed_tokens.weight"
         if embedding not in tensors:
             raise ValueError(
-                f"the state dict has no {embedding}; save_hf_checkpoint knows the Qwen2/Llama naming of tied "
+                f"the state dict has no {embedding}; published_tensors knows the Qwen2/Llama naming of tied "
                 "embeddings only, extend it for this architecture"
             )
         tensors["lm_head.weight"] = tensors[embedding].clone()  # its own storage: safetensors refuses shared ones
+    return tensors
+
+
+def save_hf_checkpoint(
+    module: torch.nn.Module,
+    tensors: dict[str, torch.Tensor] | None,
+    tokenizer_source: str,
+    out: Path,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """Write `module`'s config (naming `dtype`, when given) and generation config, `tensors`
+    (published_tensors) as one safetensors file, and the tokenizer of `tokenizer_source` (the base
+    model) to `out`: a directory vLLM and transformers load. `tensors` None writes everything but
+    the weights (a delta step's)."""
+    import copy
+
+    from safetensors.torch import save_file
+
     config = copy.deepcopy(module.config)
     if dtype is not None:
         config.dtype = dtype
@@ -113,8 +122,54 @@ def save_hf_checkpoint(
     config.save_pretrained(out)
     if getattr(module, "generation_config", None) is not None:
         module.generation_config.save_pretrained(out)
-    save_file({name: tensor.contiguous() for name, tensor in tensors.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    if tensors is not None:
+        save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     base_tokenizer(tokenizer_source).save_pretrained(out)
+
+
+@dataclass
+class DeltaPublisher:
+    """What the next publish's delta is taken against: the previous publish's tensors (their bytes,
+    on rank 0) and the chain it was built from. A full checkpoint every `full_every` publishes, the
+    ones between as deltas (storage.weight_delta); a delta that would not save half the bytes of a
+    full checkpoint (weights that all move, in fp32) is published full instead."""
+
+    full_every: int
+    step: int | None = None
+    chain: list[int] = field(default_factory=list)  # of the previous publish
+    tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+
+    def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[int]] | None:
+        """The delta of `tensors` against the previous publish and the chain it extends; None when a
+        full checkpoint is due."""
+        chain = [*self.chain, self.step]
+        if self.step is None or len(chain) >= self.full_every:
+            return None
+        current = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()}
+        try:
+            delta = weight_delta.encode(current, self.tensors, self.step)
+        except weight_delta.DeltaError as error:
+            log.info("publishing in full: %s", error)
+            return None
+        full = sum(data.nbytes for *_, data in current.values())
+        if len(delta) > full / 2:
+            log.info("publishing in full: a delta would be %.0f%% of the weights' bytes", 100 * len(delta) / full)
+            return None
+        return delta, chain
+
+    def published(self, step: int, tensors: dict[str, torch.Tensor], chain: list[int]) -> None:
+        if self.full_every > 1:
+            self.step, self.chain = step, chain
+            self.tensors = {name: raw_bytes(tensor) for name, tensor in tensors.items()}
+
+    def forget(self) -> None:
+        """After a step it did not publish itself: the next publish is full."""
+        self.step, self.chain, self.tensors = None, [], {}
+
+
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor's bytes as a uint8 array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def publish_step(
@@ -129,9 +184,10 @@ def publish_step(
     storage_options: dict[str, Any] | None = None,
     staging_dir: Path | None = None,
     dtype: str | None = None,
+    deltas: DeltaPublisher | None = None,
 ) -> str | None:
     """Publish the engine's weights as checkpoint step N (rank 0 writes; call on every rank), in
-    `dtype` (None: the weights' own).
+    `dtype` (None: the weights' own), as a delta on the previous publish where `deltas` says so.
 
     Returns the checkpoint URL on rank 0, None on other ranks. A step already published (STABLE)
     is left alone: it was written by an earlier run of the same steps that died before saving its
@@ -149,6 +205,8 @@ def publish_step(
     except CheckpointError:
         pass
     else:
+        if deltas is not None:
+            deltas.forget()
         difference = replay_difference(engine.module, url, zero_stage, storage_options)
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
@@ -162,8 +220,14 @@ def publish_step(
                 "on from the weights trained now", url, difference,
             )  # fmt: skip
         return url
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    tensors = published_tensors(engine.module, state_dict, torch_dtype)
+    encoded = deltas.encode(tensors) if deltas is not None else None
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
-        save_hf_checkpoint(engine.module, state_dict, base_model, Path(temporary), getattr(torch, dtype) if dtype else None)
+        save_hf_checkpoint(engine.module, None if encoded else tensors, base_model, Path(temporary), torch_dtype)
+        if encoded:
+            (Path(temporary) / DELTA_FILE).write_bytes(encoded[0])
+            extra = {**extra, "delta": {"chain": encoded[1]}}
         if zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters()):
             # The weights' own logprobs, which servers that load them must give (inference.parity):
             # one short forward here spares every reload a load and forward of the whole model.
@@ -171,6 +235,12 @@ def publish_step(
         publish_checkpoint(
             temporary, storage, run, step, extra=extra, storage_options=storage_options
         )
+    if deltas is not None:
+        # The next delta is taken against these bytes: a tensor that is the engine's own parameter
+        # (published in its own dtype, on CPU) is copied, or the next optimizer step would change it.
+        kept = {name: tensor.clone() if name in state_dict and tensor.data_ptr() == state_dict[name].data_ptr() else tensor
+                for name, tensor in tensors.items()}  # fmt: skip
+        deltas.published(step, kept, encoded[1] if encoded else [])
     return url
 
 

@@ -291,6 +291,13 @@ class TrainerConfig(BaseModel):
         description="The dtype of the published weights: the one the servers serve (clotho run sets it from "
         "servers.dtype), half the bytes to write and reload in bf16; None: the training dtype.",
     )
+    full_every: int = Field(
+        default=10, ge=1,
+        description="Publish the weights in full every this many checkpoints and, between, as deltas on the one "
+        "before (the changed bytes, XOR'd and compressed: a few percent of the full weights for a bf16 publish "
+        "at a small learning rate); 1: always in full. Rank 0 keeps the previous publish's bytes in memory "
+        "(2 bytes a parameter in bf16) and publishes in full where a delta would not halve the bytes.",
+    )  # fmt: skip
     state_every: int | None = Field(
         default=None, gt=0,
         description="Save the resume state (weights, optimizer, data position) every this many steps, a "

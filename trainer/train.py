@@ -27,7 +27,7 @@ from storage.layout import run_url
 from storage.ledger import Ledger
 from storage.progress import TrainerPosition, write_step_metrics, write_trainer_position
 from storage.reader import ShardReader
-from trainer.checkpointing import clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
+from trainer.checkpointing import DeltaPublisher, clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
@@ -96,6 +96,7 @@ class TrainingRun:
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
+        self.deltas = DeltaPublisher(config.full_every)  # a fresh trainer's first publish is full
 
     @classmethod
     def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
@@ -210,7 +211,7 @@ class TrainingRun:
         url = publish_step(
             self.engine, zero_stage=config.zero_stage, base_model=config.model, storage=self.storage, run=self.run,
             step=step, storage_options=self.storage_options, staging_dir=self.staging_dir, dtype=config.publish_dtype,
-            extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
+            deltas=self.deltas, extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
         )  # fmt: skip
         costs = {"publish_s": time.monotonic() - publish_started}  # what a step pays beside its update
         self.policy_version = step

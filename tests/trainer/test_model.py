@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import cached_tiny_model
-from trainer.checkpointing import save_hf_checkpoint
+from trainer.checkpointing import published_tensors, save_hf_checkpoint
 from trainer.config import LossConfig
 from trainer.model import (
     NO_LOGITS,
@@ -100,7 +100,7 @@ def test_tied_checkpoint_stores_lm_head_and_loads_in_transformers(tmp_path):
     model = load_policy(str(source))
     with torch.no_grad():  # a trained-looking change, so the test cannot pass on the base files
         model.model.embed_tokens.weight.mul_(1.5)
-    save_hf_checkpoint(model, model.state_dict(), str(source), tmp_path)
+    save_hf_checkpoint(model, published_tensors(model, model.state_dict(), None), str(source), tmp_path)
 
     tensors = load_file(tmp_path / "model.safetensors")
     torch.testing.assert_close(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
@@ -190,7 +190,7 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
 
     source = cached_tiny_model(tie_embeddings=True)
     model = load_policy(str(source))
-    save_hf_checkpoint(model, model.state_dict(), str(source), tmp_path, torch.bfloat16)
+    save_hf_checkpoint(model, published_tensors(model, model.state_dict(), torch.bfloat16), str(source), tmp_path, torch.bfloat16)
     tensors = load_file(tmp_path / "model.safetensors")
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"

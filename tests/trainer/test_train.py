@@ -16,10 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from core.scored_group import ScoredGroup, ScoredSequence, new_group_id
-from storage.checkpoints import latest_checkpoint, published_steps
+from storage.checkpoints import checkpoint_url, fetch_checkpoint, latest_checkpoint, published_steps, read_checkpoint
 from storage.ledger import Ledger
 from storage.progress import SamplerPosition, read_sampler_positions, read_trainer_position, write_sampler_position
 from storage.shard_file import find_shards
+from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE
 from tests.trainer.rollouts import sampled_groups, write_shards
 from trainer.metrics import read_metrics
 
@@ -50,8 +51,33 @@ def run_trainer(args: list[str], launcher: list[str] | None = None, timeout: flo
     return output
 
 
-def weights(checkpoint_url: str) -> dict[str, torch.Tensor]:
-    return load_file(Path(checkpoint_url) / "model.safetensors")
+def weights(checkpoint_url: str, cache: Path | None = None) -> dict[str, torch.Tensor]:
+    """A published step's weights (a delta step's rebuilt from its chain)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="clotho-weights-") as scratch:
+        local = fetch_checkpoint(read_checkpoint(checkpoint_url), cache or Path(scratch))
+        return load_file(local / WEIGHTS_FILE)
+
+
+def test_deltas_between_full_checkpoints_publish_the_same_weights_in_a_few_percent_of_the_bytes(tmp_path, tiny_model_dir):
+    """bf16 at lr 1e-6: a full checkpoint every 3, deltas between; every step fetched is, byte for
+    byte, what a run publishing in full wrote, and a delta is under 10% of a full step's weights."""
+    root = str(tmp_path)
+    groups = sampled_groups(tiny_model_dir, 8, seed=31)
+    settings = ("save_every=1", "lr=1e-6", "publish_dtype=bfloat16", "state_every=4", "max_staleness=8")
+    for run, full_every in (("deltas", 3), ("full", 1)):
+        write_shards(root, run, groups, groups_per_shard=2)
+        run_trainer(trainer_args(root, run, tiny_model_dir, 4, *settings, f"full_every={full_every}"))
+    chains = {step: read_checkpoint(checkpoint_url(root, "deltas", step)).chain for step in range(1, 5)}
+    assert chains == {1: [], 2: [1], 3: [1, 2], 4: []}
+    for step in range(1, 5):
+        ours = fetch_checkpoint(read_checkpoint(checkpoint_url(root, "deltas", step)), tmp_path / "cache")
+        theirs = Path(checkpoint_url(root, "full", step))
+        assert (ours / WEIGHTS_FILE).read_bytes() == (theirs / WEIGHTS_FILE).read_bytes(), step
+    full_bytes = read_checkpoint(checkpoint_url(root, "full", 2)).manifest["files"][WEIGHTS_FILE]
+    delta_bytes = read_checkpoint(checkpoint_url(root, "deltas", 2)).manifest["files"][DELTA_FILE]
+    assert delta_bytes < 0.1 * full_bytes, (delta_bytes, full_bytes)
 
 
 def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
@@ -89,7 +115,9 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     assert list((tmp_path / "run" / "trainer" / "tensorboard").glob("events.out.tfevents.*"))
 
     latest = latest_checkpoint(root, "run")
-    assert latest.step == 2 and published_steps(root, "run") == [2]  # keep_last=1 deleted step 1
+    # At lr 1e-3 every fp32 weight moves: no delta halves the bytes, so step 2 is full, and
+    # keep_last=1 deleted step 1.
+    assert latest.step == 2 and latest.chain == [] and published_steps(root, "run") == [2]
     assert (tmp_path / "run" / "checkpoints" / "LATEST").read_text() == "step-00000002"
     assert len(latest.manifest["ledger"]["consumed"]) == 3 and not latest.manifest["ledger"]["partial"]
     trained, base = weights(latest.url), load_file(tiny_model_dir / "model.safetensors")

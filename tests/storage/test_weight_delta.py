@@ -1,0 +1,124 @@
+"""Weights published as deltas: rebuilt byte for byte from a full step and the deltas after it, on
+every backend; a torn or foreign delta and a missing step of a chain never give weights; retention
+keeps every step a kept one is built from."""
+
+from __future__ import annotations
+
+import json
+
+import fsspec
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from storage.checkpoints import (
+    CheckpointError,
+    apply_retention,
+    checkpoint_url,
+    fetch_checkpoint,
+    pin_steps,
+    publish_checkpoint,
+    published_steps,
+    read_checkpoint,
+)
+from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, DeltaError, apply, encode
+from trainer.checkpointing import raw_bytes
+
+
+def weights_at(step: int) -> dict[str, torch.Tensor]:
+    """bf16 weights that move a little each step, as at a small learning rate: a few values change."""
+    generator = torch.Generator().manual_seed(0)
+    base = {"a.weight": torch.randn(64, 48, generator=generator), "b.bias": torch.randn(7, generator=generator)}
+    moved = {}
+    for name, tensor in base.items():
+        noise = torch.randn(tensor.shape, generator=torch.Generator().manual_seed(step)) * 1e-3 * step
+        moved[name] = (tensor + noise).to(torch.bfloat16).contiguous()
+    return moved
+
+
+def delta(step: int, base: int) -> bytes:
+    now = {name: ("bfloat16", tuple(t.shape), raw_bytes(t)) for name, t in weights_at(step).items()}
+    return encode(now, {name: raw_bytes(t) for name, t in weights_at(base).items()}, base)
+
+
+def full_file(step: int, path) -> bytes:
+    save_file(weights_at(step), path, metadata={"format": "pt"})
+    return path.read_bytes()
+
+
+def test_deltas_rebuild_the_full_file_byte_for_byte(tmp_path) -> None:
+    full_file(1, tmp_path / "base.safetensors")
+    expected = full_file(4, tmp_path / "expected.safetensors")
+    apply(tmp_path / "base.safetensors", [(2, delta(2, 1)), (3, delta(3, 2)), (4, delta(4, 3))], tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == expected
+    assert len(delta(2, 1)) < 0.5 * len(expected)
+
+
+def test_a_delta_on_other_weights_or_corrupt_fails_its_checksum(tmp_path) -> None:
+    full_file(1, tmp_path / "base.safetensors")
+    with pytest.raises(DeltaError, match="checksum"):
+        apply(tmp_path / "base.safetensors", [(3, delta(3, 2))], tmp_path / "out.safetensors")  # step 2 skipped
+    body = bytearray(delta(2, 1))
+    body[-3] ^= 0xFF  # a flipped byte in the last tensor's compressed XOR
+    with pytest.raises(DeltaError, match="b.bias"):
+        apply(tmp_path / "base.safetensors", [(2, bytes(body))], tmp_path / "out.safetensors")
+    with pytest.raises(DeltaError, match="not a weight delta"):
+        apply(tmp_path / "base.safetensors", [(2, b"junk")], tmp_path / "out.safetensors")
+
+
+def publish_chain(root: str, tmp_path, fulls: set[int], steps: range) -> None:
+    """Steps published as the trainer does: full ones in `fulls`, the others deltas on the one before."""
+    chain: list[int] = []
+    for step in steps:
+        source = tmp_path / f"source-{step}"
+        source.mkdir(parents=True)
+        (source / "config.json").write_text("{}")
+        extra = {}
+        if step in fulls:
+            full_file(step, source / WEIGHTS_FILE)
+            chain = [step]
+        else:
+            (source / DELTA_FILE).write_bytes(delta(step, chain[-1]))
+            extra = {"delta": {"chain": list(chain)}}
+            chain.append(step)
+        publish_checkpoint(source, root, "run", step, extra=extra)
+
+
+def test_a_delta_step_is_fetched_as_full_weights_from_its_chain(root: str, tmp_path) -> None:
+    publish_chain(root, tmp_path, {1}, range(1, 5))
+    cache = tmp_path / "cache"
+    local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 3)), cache)
+    assert local == cache / "step-00000003" and (local / "config.json").exists() and not (local / DELTA_FILE).exists()
+    assert (local / WEIGHTS_FILE).read_bytes() == full_file(3, tmp_path / "expected-3")
+    assert json.loads((local / "STABLE").read_text())["delta"]["chain"] == [1, 2]
+    # Step 4 starts from the rebuilt step 3 in the cache: the full step is not read again.
+    fs, path = fsspec.core.url_to_fs(checkpoint_url(root, "run", 1))
+    fs.rm(f"{path}/{WEIGHTS_FILE}")
+    local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 4)), cache)
+    assert load_file(local / WEIGHTS_FILE)["a.weight"].equal(weights_at(4)["a.weight"])
+
+
+def test_a_torn_delta_or_a_missing_step_of_the_chain_gives_no_weights(root: str, tmp_path) -> None:
+    publish_chain(root, tmp_path, {1}, range(1, 4))
+    fs, path = fsspec.core.url_to_fs(checkpoint_url(root, "run", 3))
+    body = bytearray(fs.cat_file(f"{path}/{DELTA_FILE}"))
+    body[-2] ^= 0x55  # same size: STABLE's sizes cannot tell
+    fs.pipe_file(f"{path}/{DELTA_FILE}", bytes(body))
+    cache = tmp_path / "cache"
+    with pytest.raises(CheckpointError, match="step-00000003.*b.bias"):
+        fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 3)), cache)
+    assert not (cache / "step-00000003").exists()
+    fs, first = fsspec.core.url_to_fs(checkpoint_url(root, "run", 1))
+    fs.rm(first, recursive=True)
+    with pytest.raises(CheckpointError, match=r"a delta on steps \[1, 2\].*gone"):
+        fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 3)), tmp_path / "other-cache")
+
+
+def test_retention_keeps_the_chain_of_every_step_it_keeps(root: str, tmp_path) -> None:
+    publish_chain(root, tmp_path, {1, 6}, range(1, 9))  # 1 full, 2-5 deltas, 6 full, 7-8 deltas
+    assert apply_retention(root, "run", keep_last=1) == [1, 2, 3, 4, 5]
+    assert published_steps(root, "run") == [6, 7, 8]
+    publish_chain(root, tmp_path / "again", {9, 12}, range(9, 13))
+    pin_steps(root, "run", "http://127.0.0.1:8000", {8})  # a server still serves step 8: its chain stays
+    assert apply_retention(root, "run", keep_last=1) == [9, 10, 11]
+    assert published_steps(root, "run") == [6, 7, 8, 12]

@@ -44,7 +44,7 @@ import yaml  # noqa: E402
 from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
 from bench_scale_memory import MODELS, SIZES, model_dir  # noqa: E402  (the models both scale benches build)
 from results import read_jsonl, write_result  # noqa: E402
-from storage.checkpoints import checkpoint_url  # noqa: E402
+from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from storage.reader import ShardReader  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
@@ -107,7 +107,10 @@ def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = No
     return {
         "run": run_url, "model": str(model_dir(size)), "max_lag": 0,
         "servers": {"dtype": "bfloat16" if real else "float32"},
-        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "gradient_checkpointing": real, "seed": 0, **(trainer or {})},
+        # A checkpoint every step (deltas between full ones every trainer.full_every), the resume
+        # state every 10 minutes (and at the last step), as a run of real size would set them.
+        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "state_every_minutes": 10, "gradient_checkpointing": real,
+                    "seed": 0, **(trainer or {})},
         "phases": [{"name": "rl", "steps": steps, "environments": [{"env": TASK["env"], "config": TASK["env_config"]}],
                     "trainer": {"groups_per_step": PROMPTS_PER_STEP}}],
         "rollout": {"max_concurrent_groups": PROMPTS_PER_STEP, "task_run_s": 5.0},
@@ -146,8 +149,11 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         })  # fmt: skip
     parts = {name: round(statistics.median(r[name] for r in steps_rows), 3) for name in PARTS}
     step_s = sum(parts.values())
-    last = rows[-1]["step"]
-    checkpoint = Path(checkpoint_url(storage, run, last).removeprefix("file://"))
+    # What each step published (a full checkpoint, or a delta on the one before: trainer.full_every).
+    published = [read_checkpoint(checkpoint_url(storage, run, step)) for step in published_steps(storage, run)]
+    written = {info.step: sum(info.manifest["files"].values()) for info in published}
+    full_bytes = max(written[info.step] for info in published if not info.chain)
+    deltas = [written[info.step] for info in published if info.chain]
     states = sorted((work / "state").glob("step-*"))
     return {
         "parts_s": parts, "step_s": round(step_s, 3),
@@ -155,7 +161,11 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         # above can overlap (a reload runs while the trainer saves its state).
         "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
         "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
-        "publish_bytes": directory_bytes(checkpoint), "state_bytes": directory_bytes(states[-1]) if states else None,
+        "publish_bytes": statistics.median(written[row["step"]] for row in rows[1:] if row["step"] in written),
+        "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
+        "state_bytes": directory_bytes(states[-1]) if states else None,
+        # One resume state's save (the steps above may save none: state_every_minutes).
+        "state_save_s": statistics.median([r["save_state_s"] for r in rows if r.get("save_state_s")] or [0.0]),
         "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
         "steps_measured": len(steps_rows), "startup_s": round(rows[0]["time"] - started, 1),
         "tokens_per_step": statistics.median(r["tokens"] for r in rows[1:]),
@@ -237,9 +247,11 @@ def cost_model(entry: dict) -> dict:
 
     update: 8 x parameters x tokens FLOPs (forward, backward and gradient checkpointing's recompute)
     at the FLOP/s measured; sampling: seconds per parameter x sampled token measured (decoding reads
-    every weight per step); publish: the served bf16 weights, 2 bytes a parameter, at the bytes/s
-    measured; resume state: 16 bytes a parameter; reload: the published bytes read back. On the node:
-    the update at its FLOP/s x MFU, sampling at its decode rate, publish, state and reload at its disk.
+    every weight per step); publish and reload: seconds per parameter measured (their casts, XORs,
+    compression and checksums grow with the parameters as their bytes do); resume state: 16 bytes a
+    parameter at the bytes/s measured. On the node: the update at its FLOP/s x MFU, sampling at its
+    decode rate, the state at its disk, publish and reload the bytes a step wrote here (a full
+    checkpoint or a delta: trainer.full_every), as a share of the bf16 weights, at its disk.
     """
     clotho = entry["clotho"]
     parameters, parts = entry["parameters"], clotho["parts_s"]
@@ -247,26 +259,29 @@ def cost_model(entry: dict) -> dict:
     rates = {
         "update_flops_per_s": 8 * parameters * tokens / parts["update_s"],
         "sampling_s_per_parameter_token": parts["sampling_s"] / (parameters * sampled),
-        "publish_bytes_per_s": clotho["publish_bytes"] / parts["publish_s"],
-        "state_bytes_per_s": clotho["state_bytes"] / parts["save_state_s"],
-        "reload_bytes_per_s": clotho["publish_bytes"] / parts["reload_s"],
+        # A publish and a reload cost compute (cast, XOR, compression, checksums) and bytes: both
+        # grow with the parameters, so they scale by them, as written here (full and delta steps).
+        "publish_s_per_parameter": parts["publish_s"] / parameters,
+        "state_bytes_per_s": clotho["state_bytes"] / clotho["state_save_s"],
+        "reload_s_per_parameter": parts["reload_s"] / parameters,
     }
+    published_fraction = clotho["publish_bytes"] / clotho["full_bytes"]  # of the bf16 weights, per step
     big = QWEN25_7B["parameters"]
     step_tokens = QWEN25_7B["sequences"] * QWEN25_7B["tokens"]
     step_sampled = QWEN25_7B["sequences"] * QWEN25_7B["sampled"]
     here = {
         "sampling_s": rates["sampling_s_per_parameter_token"] * big * step_sampled,
         "update_s": 8 * big * step_tokens / rates["update_flops_per_s"],
-        "publish_s": 2 * big / rates["publish_bytes_per_s"],
+        "publish_s": rates["publish_s_per_parameter"] * big,
         "save_state_s": 16 * big / rates["state_bytes_per_s"],
-        "reload_s": 2 * big / rates["reload_bytes_per_s"],
+        "reload_s": rates["reload_s_per_parameter"] * big,
     }
     node = {
         "sampling_s": step_sampled / (NODE["decode_tokens_per_s_per_gpu"] * NODE["sampling_gpus"]),
         "update_s": 8 * big * step_tokens / (NODE["gpus"] * NODE["peak_flops_per_gpu"] * NODE["mfu"]),
-        "publish_s": 2 * big / NODE["disk_bytes_per_s"],
+        "publish_s": 2 * big * published_fraction / NODE["disk_bytes_per_s"],
         "save_state_s": 16 * big / NODE["disk_bytes_per_s"],
-        "reload_s": 2 * big / NODE["disk_bytes_per_s"],
+        "reload_s": 2 * big * published_fraction / NODE["disk_bytes_per_s"],
     }
 
     def table(seconds: dict) -> dict:

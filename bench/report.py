@@ -298,10 +298,13 @@ def scale_loop_text() -> str:
         f"The repeat task, {r['prompts_per_step']} prompts x {r['task']['env_config']['group_size']} samples of up to "
         f"{r['task']['env_config']['max_tokens']} tokens a step, {r['steps']} steps, lr {r['lr']} ({_measured(record)}). "
         "Medians over the steps after the first: wall seconds from one step's end to the next's (both sides), "
-        "and clotho's parts, whose sum is in brackets (a reload may overlap the resume state's save); shares are of that sum.",
+        "and clotho's parts, whose sum is in brackets (a reload may overlap the resume state's save); shares are of that sum. "
+        "clotho publishes every step (in full every trainer.full_every, 10, and as deltas between: delta / full bytes) "
+        "and saves its resume state every 10 minutes and at the last step: its seconds are those of one save, its share "
+        "what it costs the steps measured.",
         "",
-        "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | delta / full bytes | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in r["sizes"]:
         clotho, trl = entry.get("clotho", {}), entry.get("trl", {})
@@ -311,10 +314,10 @@ def scale_loop_text() -> str:
             state_mb = f"{clotho['state_bytes'] / 1e6:,.0f}" if clotho.get("state_bytes") else "-"
             cells = [f"{clotho['wall_step_s']:.2f} ({clotho['step_s']:.2f})", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
                      f"{parts['update_s']:.2f} ({shares['update_s']:.0%})", f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",
-                     f"{parts['save_state_s']:.2f} ({state_mb})", f"{parts['reload_s']:.2f}", f"{overhead:.0%}",
+                     f"{clotho['delta_fraction']:.1%}" if clotho.get("delta_fraction") else "-", f"{clotho.get('state_save_s', parts['save_state_s']):.2f} ({state_mb})", f"{parts['reload_s']:.2f}", f"{overhead:.0%}",
                      f"{clotho['trainer_peak_rss_gib']:.2f}"]  # fmt: skip
         else:
-            cells = [clotho.get("error", "not run")[:60]] + ["-"] * 7
+            cells = [clotho.get("error", "not run")[:60]] + ["-"] * 8
         cells.append(f"{trl['step_s']:.2f}" if "step_s" in trl else trl.get("error", "not run")[:60])
         cells.append(f"{entry['ratio']:.3f}" if "ratio" in entry else "-")
         lines.append(f"| {entry['size']} | {entry['vocab']:,} | " + " | ".join(cells) + " |")
@@ -335,8 +338,9 @@ def cost_model_text() -> str:
         f"Each term extrapolated to Qwen2.5-7B ({target['parameters'] / 1e9:.2f}B parameters) at a step of {target['sequences']} "
         f"sequences of ~{target['tokens']} tokens ({target['sampled']} sampled), from the rates clotho measured at the "
         f"{model['from_size']} shape: update {rates['update_flops_per_s'] / 1e9:.0f} GFLOP/s (8 x parameters x tokens), "
-        f"publish {rates['publish_bytes_per_s'] / 1e6:.0f} MB/s, resume state {rates['state_bytes_per_s'] / 1e6:.0f} MB/s, "
-        f"reload {rates['reload_bytes_per_s'] / 1e6:.0f} MB/s. The node column assumes (no GPU here) {node['gpus']} GPUs of "
+        f"publish {rates['publish_s_per_parameter'] * 1e9:.2f} s per billion parameters, resume state "
+        f"{rates['state_bytes_per_s'] / 1e6:.0f} MB/s, reload {rates['reload_s_per_parameter'] * 1e9:.2f} s per billion "
+        "parameters (publish and reload as a step did them: a full checkpoint every trainer.full_every, deltas between). The node column assumes (no GPU here) {node['gpus']} GPUs of "
         f"{node['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s bf16 at {node['mfu']:.0%} MFU, {node['sampling_gpus']} of them sampling "
         f"{node['decode_tokens_per_s_per_gpu']:,.0f} tokens/s each, and {node['disk_bytes_per_s'] / 1e9:.0f} GB/s of disk.",
         "",

@@ -50,7 +50,8 @@ class ReloadOutcome:
     detail: str
     swap_s: float | None = None
     parity_s: float | None = None
-    total_s: float | None = None
+    total_s: float | None = None  # the checkpoint's fetch (a delta step's rebuild) to the announcement
+    fetch_s: float | None = None
 
 
 class ReloadWatcher:
@@ -176,13 +177,15 @@ class ReloadWatcher:
                 log.info("checkpoint %d went away before its reload (%s); taking the newest next poll", info.step, error)
                 behind = []
         checkpoint_dir: Path | Exception | None = None
+        fetch_started = time.perf_counter()
         if behind:
             try:  # fetched once for every server
                 checkpoint_dir = self._newest = await self.local_copy(info)
             except Exception as error:  # noqa: BLE001 - reported per server, retried next poll
                 checkpoint_dir = error
+        fetch_s = time.perf_counter() - fetch_started
         jobs = [self._restore(target) for target in unhealthy]
-        jobs += [self._reload(target, info.step, checkpoint_dir) for target in behind]
+        jobs += [self._reload(target, info.step, checkpoint_dir, fetch_s) for target in behind]
         outcomes = list(await asyncio.gather(*jobs))
         for target in behind + unhealthy:
             self._back_off_if_down(target)
@@ -208,7 +211,7 @@ class ReloadWatcher:
             return ReloadOutcome(target.base_url, target.version, "failed", f"{type(error).__name__}: {error}")
         return ReloadOutcome(target.base_url, target.version, "restored", how)
 
-    async def _reload(self, target: ServedPolicy, version: int, checkpoint_dir: Path | Exception) -> ReloadOutcome:
+    async def _reload(self, target: ServedPolicy, version: int, checkpoint_dir: Path | Exception, fetch_s: float) -> ReloadOutcome:
         url = target.base_url
         try:
             if isinstance(checkpoint_dir, Exception):
@@ -223,7 +226,7 @@ class ReloadWatcher:
             log.error("FAILED %s: %s (retrying next poll)", url, error)
             return ReloadOutcome(url, target.version, "failed", f"{type(error).__name__}: {error}")
         return ReloadOutcome(url, report.version, "reloaded", f"parity max |diff| {report.parity.max_difference:.2g}",
-                             report.swap_s, report.parity.seconds, report.total_s)  # fmt: skip
+                             report.swap_s, report.parity.seconds, fetch_s + report.total_s, fetch_s)  # fmt: skip
 
     def prune_cache(self) -> None:
         """Deletes fetched copies and reload directories that no server serves (big models are GBs)."""

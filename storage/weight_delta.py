@@ -21,9 +21,12 @@ written: the base's safetensors header with every tensor's new bytes.
 from __future__ import annotations
 
 import json
+import os
 import struct
+import threading
 import zlib
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +35,7 @@ WEIGHTS_FILE = "model.safetensors"
 DELTA_FILE = "model.safetensors.delta"
 FORMAT = "clotho-xor-zstd-1"
 LEVEL = 1  # zstd level: XORs of nearby weights are mostly zeros, which level 1 already packs tightly
+WORKERS = min(4, os.cpu_count() or 1)
 
 
 class DeltaError(ValueError):
@@ -58,6 +62,27 @@ def checksum(data: np.ndarray) -> int:
     return zlib.crc32(memoryview(data))
 
 
+class _Scratch(threading.local):
+    """A buffer per thread, reused from tensor to tensor and call to call: a fresh one per tensor
+    would fault in every page of hundreds of MB again (an embedding over a real vocabulary)."""
+
+    buffer = np.empty(0, dtype=np.uint8)
+
+    def take(self, size: int) -> np.ndarray:
+        if self.buffer.size < size:
+            self.buffer = np.empty(size, dtype=np.uint8)
+        return self.buffer[:size]
+
+
+_scratch = _Scratch()
+
+
+def _each(function, items):
+    """`function` over `items` on a few threads (zstd, CRC-32 and numpy let go of the GIL), in order."""
+    with ThreadPoolExecutor(WORKERS) as pool:
+        return list(pool.map(function, items))
+
+
 def encode(
     tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]],
     previous: Mapping[str, np.ndarray],
@@ -68,22 +93,25 @@ def encode(
     byte sizes (a full checkpoint is then due)."""
     if tensors.keys() != previous.keys():
         raise DeltaError(f"tensors differ from step {base}'s: {sorted(tensors.keys() ^ previous.keys())[:5]}")
-    codec = _codec()
-    header: dict[str, dict] = {}
-    blobs: list[bytes] = []
-    start = 0
-    for name, (dtype, shape, data) in tensors.items():
+    for name, (_, _, data) in tensors.items():
         if data.nbytes != previous[name].nbytes:
             raise DeltaError(f"{name} has {data.nbytes} bytes, {previous[name].nbytes} at step {base}")
-        difference = data.copy()
-        xor_into(difference, previous[name])
-        blob = codec.compress(difference, asbytes=True)
+
+    def one(name: str) -> tuple[bytes, int]:
+        data = tensors[name][2]
+        difference = _scratch.take(data.nbytes)
+        np.bitwise_xor(_words(data), _words(previous[name]), out=_words(difference))
+        return _codec().compress(difference, asbytes=True), checksum(data)
+
+    header: dict[str, dict] = {}
+    start = 0
+    blobs = _each(one, list(tensors))
+    for (name, (dtype, shape, data)), (blob, crc) in zip(tensors.items(), blobs):
         header[name] = {"dtype": dtype, "shape": list(shape), "size": int(data.nbytes), "start": start,
-                        "length": len(blob), "crc32": checksum(data)}  # fmt: skip
-        blobs.append(blob)
+                        "length": len(blob), "crc32": crc}  # fmt: skip
         start += len(blob)
     head = json.dumps({"format": FORMAT, "base": base, "tensors": header}, separators=(",", ":")).encode()
-    return b"".join([struct.pack("<Q", len(head)), head, *blobs])
+    return b"".join([struct.pack("<Q", len(head)), head, *(blob for blob, _ in blobs)])
 
 
 def read_delta(data: bytes, where: str) -> tuple[dict, memoryview]:
@@ -124,28 +152,36 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> No
         if header["tensors"].keys() != tensors.keys():
             missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
             raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
-    codec = _codec()
-    with open(base_file, "rb") as source, open(out, "wb") as target:
-        target.write(raw_header)
-        for name, entry in sorted(tensors.items(), key=lambda item: item[1]["data_offsets"][0]):
-            begin, end = entry["data_offsets"]
-            source.seek(len(raw_header) + begin)
-            data = np.frombuffer(bytearray(source.read(end - begin)), dtype=np.uint8)
-            if data.size != end - begin:
-                raise DeltaError(f"{base_file} is truncated in {name}")
-            for step, header, blobs in read:
-                spec = header["tensors"][name]
-                if spec["size"] != data.size:
-                    raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {data.size}")
-                blob = blobs[spec["start"] : spec["start"] + spec["length"]]
-                try:
-                    difference = codec.decompress(blob, decompressed_size=spec["size"], asbytes=True)
-                except OSError as error:
-                    raise DeltaError(f"the delta of step {step} is corrupt in {name}: {error}") from None
-                xor_into(data, np.frombuffer(difference, dtype=np.uint8))
-                if checksum(data) != spec["crc32"]:
-                    raise DeltaError(
-                        f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
-                        "weights than it was applied to, or a file is corrupt"
-                    )
-            target.write(memoryview(data))
+    end = len(raw_header) + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
+    if base_file.stat().st_size < end:
+        raise DeltaError(f"{base_file} is truncated: {base_file.stat().st_size} bytes, its header says {end}")
+    source = np.memmap(base_file, dtype=np.uint8, mode="r")
+
+    def one(name: str) -> None:
+        begin, end = (len(raw_header) + offset for offset in tensors[name]["data_offsets"])
+        data = _scratch.take(end - begin)
+        np.copyto(data, source[begin:end])
+        for step, header, blobs in read:
+            spec = header["tensors"][name]
+            if spec["size"] != data.size:
+                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {data.size}")
+            blob = blobs[spec["start"] : spec["start"] + spec["length"]]
+            try:
+                difference = _codec().decompress(blob, decompressed_size=spec["size"])
+            except OSError as error:
+                raise DeltaError(f"the delta of step {step} is corrupt in {name}: {error}") from None
+            xor_into(data, np.frombuffer(difference, dtype=np.uint8))
+            if checksum(data) != spec["crc32"]:
+                raise DeltaError(
+                    f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
+                    "weights than it was applied to, or a file is corrupt"
+                )
+        os.pwrite(descriptor, memoryview(data), begin)
+
+    descriptor = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(descriptor, raw_header, 0)
+        _each(one, list(tensors))
+    finally:
+        os.close(descriptor)
+        del source

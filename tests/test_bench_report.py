@@ -93,15 +93,20 @@ def test_the_scale_cost_model_extrapolates_each_term_by_its_own_rate():
     spec.loader.exec_module(bench)
     parts = {"sampling_s": 4.0, "update_s": 40.0, "publish_s": 10.0, "save_state_s": 20.0, "reload_s": 5.0}
     entry = {"size": "qwen2.5-0.5b", "parameters": 5e8, "clotho": {
-        "parts_s": parts, "publish_bytes": 1e9, "state_bytes": 8e9, "tokens_per_step": 2000, "sampled_tokens_per_step": 1000}}
+        "parts_s": parts, "publish_bytes": 1e8, "full_bytes": 1e9, "state_bytes": 8e9, "state_save_s": 20.0, "tokens_per_step": 2000,
+        "sampled_tokens_per_step": 1000}}
     model = bench.cost_model(entry)
     big, target = bench.QWEN25_7B["parameters"], bench.QWEN25_7B
     here = model["this_machine"]["parts_s"]
-    # Each term at its own measured rate: 8 P T FLOPs, P x sampled tokens, bf16 bytes, 16 bytes a parameter.
+    # Each term at its own measured rate: 8 P T FLOPs, P x sampled tokens, publish and reload by the
+    # parameters, 16 bytes a parameter.
     assert here["update_s"] == round(40.0 * (big * target["sequences"] * target["tokens"]) / (5e8 * 2000), 3)
     assert here["sampling_s"] == round(4.0 * (big * target["sequences"] * target["sampled"]) / (5e8 * 1000), 3)
-    assert here["publish_s"] == round(2 * big / (1e9 / 10.0), 3) and here["save_state_s"] == round(16 * big / (8e9 / 20.0), 3)
-    assert here["reload_s"] == round(2 * big / (1e9 / 5.0), 3)
+    assert here["publish_s"] == round(10.0 * big / 5e8, 3) and here["save_state_s"] == round(16 * big / (8e9 / 20.0), 3)
+    assert here["reload_s"] == round(5.0 * big / 5e8, 3)
+    # On the node, publish and reload move the share of the bf16 weights a step wrote here (a tenth).
+    disk = bench.NODE["disk_bytes_per_s"]
+    assert model["node"]["parts_s"]["publish_s"] == round(2 * big * 0.1 / disk, 3) == model["node"]["parts_s"]["reload_s"]
     for column in ("this_machine", "node"):
         shares = model[column]["shares"]
         assert abs(sum(shares.values()) - 1) < 0.01 and model[column]["dominant"] == max(shares, key=shares.get)

@@ -3,6 +3,7 @@
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -17,6 +18,7 @@ from inference.weights import prepare_reload_dir
 from inference.server import free_port
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import publish_checkpoint
+from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, encode
 from tests.inference.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
 
 pytestmark = pytest.mark.integration
@@ -388,3 +390,44 @@ async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_v
         weights, version = (old_weights, old_version) if turn == 0 else (checkpoint, step)
         assert completion.versions == [version] * len(completion.token_ids)
         assert max_abs_difference(completion.logprobs, reference_logprobs(weights, prompt, completion.token_ids)) < 1e-4
+
+
+def publish_as_delta(checkpoint, previous, root: str, step: int, chain: list[int], work) -> None:
+    """Publish `checkpoint` as the trainer does between full checkpoints: its weights as a delta on
+    `previous` (the step before it, whose chain is `chain`)."""
+    from safetensors.torch import load_file
+
+    from trainer.checkpointing import raw_bytes
+
+    now, before = load_file(checkpoint / WEIGHTS_FILE), load_file(previous / WEIGHTS_FILE)
+    tensors = {name: (str(t.dtype), tuple(t.shape), raw_bytes(t.contiguous())) for name, t in now.items()}
+    shutil.copytree(checkpoint, work, ignore=shutil.ignore_patterns(WEIGHTS_FILE, "STABLE"))
+    (work / DELTA_FILE).write_bytes(encode(tensors, {name: raw_bytes(t.contiguous()) for name, t in before.items()}, chain[-1]))
+    publish_checkpoint(work, root, "run", step, extra={"delta": {"chain": chain}})
+
+
+async def test_a_delta_step_is_rebuilt_and_reloaded_and_a_torn_one_never_reaches_the_server(untied_policy, guard, tmp_path):
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    step = next_step(policy)
+    full = perturbed_checkpoint(policy.weights_dir, tmp_path / "full", seed=41)
+    publish_checkpoint(full, root, "run", step)
+    after = perturbed_checkpoint(full, tmp_path / "after", seed=42, scale=0.01)
+    publish_as_delta(after, full, root, step + 1, [step], tmp_path / "delta")
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    [outcome] = await watcher.poll_once()  # the newest step, rebuilt from the full one and its delta
+    assert outcome.status == "reloaded" and outcome.version == step + 1, outcome.detail
+    assert outcome.fetch_s > 0 and outcome.total_s > outcome.fetch_s
+    assert (policy.weights_dir / WEIGHTS_FILE).read_bytes() == (after / WEIGHTS_FILE).read_bytes()
+    assert await served_matches(policy, after) < 1e-4
+
+    # A delta whose bytes were damaged after its upload (same size, so STABLE's sizes cannot tell).
+    later = perturbed_checkpoint(full, tmp_path / "later", seed=43, scale=0.01)
+    publish_as_delta(later, after, root, step + 2, [step, step + 1], tmp_path / "torn")
+    published = tmp_path / "store" / "run" / "checkpoints" / f"step-{step + 2:08d}" / DELTA_FILE
+    body = bytearray(published.read_bytes())
+    body[-5] ^= 0x40
+    published.write_bytes(bytes(body))
+    [outcome] = await watcher.poll_once()
+    assert outcome.status == "failed" and "checksum" in outcome.detail, outcome.detail
+    assert await announced(policy) == step + 1 and await served_matches(policy, after) < 1e-4
+    assert not list((tmp_path / "cache").rglob(f"step-{step + 2:08d}"))

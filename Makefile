@@ -89,6 +89,7 @@ bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_trainer.py
 	$(VENV)/bin/python bench/bench_scale_memory.py
 	$(VENV)/bin/python bench/bench_scale.py
+	$(VENV)/bin/python bench/bench_attention.py
 	$(VENV)/bin/python bench/bench_rollout.py
 	$(VENV)/bin/python bench/bench_reload.py
 	$(VENV)/bin/python bench/bench_inflight.py

@@ -74,6 +74,10 @@ def whole_logits_logprobs(model, batch, hooks=None, device="cpu"):
     if batch.needs_mask(hooks):
         inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask(hooks).to(device))
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
+    elif batch.shares_rows():  # as packed_logprobs: variable-length attention over the sequences' bounds
+        bounds, longest = batch.sequence_bounds()
+        inputs.update(position_ids=batch.position_ids.to(device), cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                      max_length_q=longest, max_length_k=longest)  # fmt: skip
     logprobs = token_logprobs(model(**inputs).logits, input_ids, temperature, predictors=predictors)
     return logprobs, torch.zeros_like(logprobs.detach())
 

@@ -6,6 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from trainer import attention
 from trainer.config import LossConfig
 from trainer.losses import dpo, policy_loss, sft
 from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
@@ -18,15 +19,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
-    """A causal LM from a directory or hub name, with sdpa attention (it takes the packed 4D mask).
+    """A causal LM from a directory or hub name, with the trainer's attention (trainer.attention:
+    sdpa, or variable-length attention over packed rows).
 
     Weights load in `dtype`; under bf16 DeepSpeed keeps its own fp32 master copy.
     """
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(
-        model, dtype=DTYPES[dtype], attn_implementation="sdpa"
-    )
+    attention.register()
+    return AutoModelForCausalLM.from_pretrained(model, dtype=DTYPES[dtype], attn_implementation=attention.NAME)
 
 
 # The most fp32 logits one chunk of positions materialises (hidden_logprobs): 64 MiB is 110 positions
@@ -175,18 +176,23 @@ def packed_logprobs(
     temperature (batch.temperatures), and each position's entropy: [rows, L] float32 each (see
     token_logprobs, hidden_logprobs).
 
-    Sequences are kept apart by restarting position_ids and by the block-diagonal boolean mask
-    [rows, 1, L, L] (hooks applied per sequence); transformers passes a 4D mask to sdpa as it is.
-    Rows of one sequence each with plain causal attention run with neither (PackedBatch.needs_mask).
-    The model runs without its LM head; hidden_logprobs applies it in chunks.
+    Sequences are kept apart by restarting position_ids and (trainer.attention) by their boundaries
+    for variable-length attention, or by the block-diagonal boolean mask [rows, 1, L, L] where a hook
+    or a shared prefix changes a sequence's block (PackedBatch.needs_mask). Rows of one sequence each
+    with plain causal attention need neither (sdpa's causal kernel). The model runs without its LM
+    head; hidden_logprobs applies it in chunks.
     """
     input_ids = batch.input_ids.to(device)
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
     inputs = dict(input_ids=input_ids, use_cache=False, logits_to_keep=NO_LOGITS, output_hidden_states=True)
     predictors = None
-    if batch.needs_mask(hooks):  # else one sequence a row, plain causal: sdpa's causal kernel
+    if batch.needs_mask(hooks):
         inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask(hooks).to(device))
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
+    elif batch.shares_rows():
+        bounds, longest = batch.sequence_bounds()
+        inputs.update(position_ids=batch.position_ids.to(device), cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
+                      max_length_q=longest, max_length_k=longest)  # fmt: skip
     hidden = model(**inputs).hidden_states[-1]
     head = getattr(model, "module", model).get_output_embeddings()
     return hidden_logprobs(hidden, head, input_ids, temperature, predictors=predictors)

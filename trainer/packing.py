@@ -81,9 +81,9 @@ class PackedBatch:
     its end (trainer.packing.pack_micro_batches).
 
     input_ids, position_ids, sequence_ids, mask, old_logprobs, advantages: [rows, row length].
-    position_ids restart at 0 for every sequence, so a model with varlen attention (flash attention
-    reads sequence starts from them) treats the sequences separately; `attention_mask` gives the
-    same separation as a block-diagonal mask per row for eager or sdpa attention. sequence_ids is
+    position_ids restart at 0 for every sequence; the sequences are kept apart by their boundaries
+    (`sequence_bounds`, for variable-length attention) or, where hooks or shared prefixes change
+    their blocks, by `attention_mask`, block-diagonal per row (trainer.attention). sequence_ids is
     0..n-1 by sequence over the rows in order and -1 on padding. mask is True on trained tokens
     only: never on padding and never on the first token of a sequence, which has no prediction
     (see losses.token_logprobs).
@@ -155,17 +155,33 @@ class PackedBatch:
         return bool(needed.any())
 
     def needs_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> bool:
-        """False when plain causal attention over each row is exactly `attention_mask`: every row
-        holds one sequence from its first slot and no hook changes that sequence's causal block.
-        The model then runs without a mask or position ids (sdpa's causal kernel: no dense mask,
-        no keys past the query); the padding at a row's end is never attended by its sequence."""
-        rows = self.input_ids.shape[0]
-        if self.predictors is not None or len(self.sequence_lengths) != rows or not torch.equal(self.sequence_ids[:, 0], torch.arange(rows)):
+        """Whether attention needs `attention_mask`, the dense one: a sequence continues a shared
+        prefix or a hook changes some sequence's causal block. Else each sequence attends causally
+        within itself, which needs no mask (trainer.attention)."""
+        if self.predictors is not None:
             return True
         return any(
             hooked_block(size, extras, hooks)[1]
             for size, extras in zip(self.sequence_lengths, self.sequence_extras, strict=True)
         )
+
+    def shares_rows(self) -> bool:
+        """Whether some row holds more than one sequence (or one not from its first slot): plain
+        causal attention over the rows would then cross sequences, and sequence_bounds keeps them
+        apart. False: one sequence a row from slot 0, whose padding at the row's end it never sees."""
+        rows = self.input_ids.shape[0]
+        return len(self.sequence_lengths) != rows or not torch.equal(self.sequence_ids[:, 0], torch.arange(rows))
+
+    def sequence_bounds(self) -> tuple[torch.Tensor, int]:
+        """The sequences' boundaries over the rows flattened end to end, int32 [n + 1] from 0 to
+        rows x L (each row's padding a segment of its own), and the longest segment: what
+        variable-length attention (trainer.attention) takes instead of a mask."""
+        ids = self.sequence_ids
+        rows, length = ids.shape
+        starts = torch.ones_like(ids, dtype=torch.bool)
+        starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * length])]).to(torch.int32)
+        return bounds, int((bounds[1:] - bounds[:-1]).max())
 
     def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
         """Block-diagonal causal mask [rows, 1, L, L] bool, True where a query may attend to a key.
@@ -230,11 +246,9 @@ def pack_micro_batches(
     only within itself; rows fill micro-batches in order.
 
     The row length: a multiple of `row_multiple` at least the longest unit's (a dpo pair side by
-    side; any other sequence alone), the one that costs least (choose_row_length). Longer rows
-    waste fewer slots on padding; shorter rows cost less attention, which a dense mask pays in full
-    over a row's length squared. A bounded set of row lengths keeps kernel autotuning and compile
-    caches warm. With `padded_rows`, when no sequence must share its row (no dpo pair), the plain
-    padded batch competes too (choose_row_length).
+    side; any other sequence alone), the one that costs least (choose_row_length: the least
+    padding, since each sequence attends within itself in any row). With `padded_rows`, when no
+    sequence must share its row (no dpo pair), the plain padded batch competes too.
     """
     for sequence in sequences:
         if len(sequence.tokens) > token_budget:
@@ -258,7 +272,10 @@ def pack_micro_batches(
     if not members:
         return []
     padded = padded_rows and all(len(unit) == 1 for unit in members)
-    row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work, padded)
+    # Rows that need the dense mask (a shared prompt, a hook that changes a block) pay for it.
+    dense = any(s.prefix or s.position_offset or (s.extras and hooked_block(len(s.tokens), s.extras, DEFAULT_HOOKS)[1])
+                for s in sequences)  # fmt: skip
+    row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work, padded, dense)
     rows = [sorted(i for u in units_in_row for i in members[u]) for units_in_row in plan]
     # As few micro-batches as the budget allows, the rows shared evenly (124 + 4 rows would pay a
     # whole forward and backward for the last four).
@@ -267,29 +284,43 @@ def pack_micro_batches(
     return [_pack(sequences, rows[start:end], row_length) for start, end in zip(bounds, bounds[1:])]
 
 
+# What keeping a row's sequences apart by their bounds costs beyond their slots, as a share of a
+# slot's work: on CPU each layer gathers the sequences' queries, keys and values into padded buckets
+# and puts the outputs back (trainer.attention.bucketed). Measured at the demo's shape (128 answers of
+# 31 and 33 tokens, forward and backward, 2 cores): in 64 rows of 64 kept apart by their bounds
+# 0.111 s (tiny model) and 0.537 s (small), one a row 0.099 and 0.496 s, with 3% more slots. CUDA's flash
+# variable-length kernel reads the rows in place; the same margin there only favours the plain
+# padded batch where lengths are alike, where the two cost about the same.
+SHARED_ROW_OVERHEAD = 0.2
+
+
 def row_cost(length: int, token_work: int, causal_kernel: bool = False) -> float:
-    """The modelled cost of a row of `length` slots (choose_row_length): each slot token_work plus
-    the keys it attends, the whole row under a dense mask, half of it under sdpa's causal kernel."""
+    """The modelled cost of a row of `length` slots under a dense mask (each slot token_work plus
+    every key of the row) or, with `causal_kernel`, of one sequence alone (half the keys)."""
     return length * (token_work + (length / 2 if causal_kernel else length))
 
 
 def choose_row_length(
-    lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int, padded: bool = False
+    lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int, padded: bool = False,
+    dense: bool = False,
 ) -> tuple[int, list[list[int]]]:
-    """(row length, rows of indices into `lengths`) of least modelled cost, slots x (token_work + L).
+    """(row length, rows of indices into `lengths`) of least modelled cost.
 
-    Per token, a transformer layer does ~24 d^2 multiply-adds outside attention and ~4 d L inside
-    it over a row of L slots (a dense mask pays for every key), so a slot costs ~6 d + L in units
-    of one key's attention: token_work is 6 x the hidden size (0: attention alone, the shortest rows).
-    Candidates, each a multiple of `row_multiple` within the budget: from the longest length up to
-    twice it in (at most 32) even steps, where two sequences start to share a row (one of 31 and one
-    of 33 fill a row of 64 where rows of 40 would pad each by a fifth), then steps of 1.25x.
+    Per token, a transformer layer does ~24 d^2 multiply-adds outside attention and ~4 d n inside
+    it, n the keys it attends, so a slot costs ~6 d (token_work) plus a key per key it attends.
+    Rows that several sequences share keep them apart by their bounds (trainer.attention): each
+    sequence attends causally within itself whatever row it is in, so rows differ only by their
+    slots, padding included (plus SHARED_ROW_OVERHEAD a slot), and the least padding wins. With `dense` (a shared prompt or a hook
+    needs the dense mask) every slot attends its whole row: longer rows waste less padding,
+    shorter ones less attention. Candidates, each a multiple of
+    `row_multiple` within the budget: from the longest length up to twice it in (at most 32) even
+    steps (one of 31 and one of 33 fill a row of 64 where rows of 40 would pad each by a fifth),
+    then steps of 1.25x; of equal slots, the shortest rows (a bounded set of row lengths keeps
+    kernel autotuning and compile caches warm).
 
     With `padded`, the plain padded batch is a candidate too: one sequence a row at the longest
-    length exactly, which needs no mask (PackedBatch.needs_mask) and runs sdpa's causal kernel, which
-    skips the keys after each query, so a slot costs token_work + L / 2. It wins where lengths are
-    alike (the demo's 128 answers of 33 tokens: 0.51 s forward + backward against 0.60 s in rows of
-    three with a dense mask, 2 cores).
+    length exactly, which runs sdpa's causal kernel, in one call, its padding attending itself:
+    each slot attends half the row. It wins where lengths are alike (answers of one length).
     """
     def rounded(length: float) -> int:
         return min(math.ceil(length / row_multiple) * row_multiple, token_budget)
@@ -302,16 +333,17 @@ def choose_row_length(
         candidates.add(rounded(target))
         target *= 1.25
     candidates.add(rounded(min(target, token_budget)))
+    attention = sum(length * length / 2 for length in lengths)  # each sequence within itself, in any row
     best: tuple[float, int, list[list[int]]] | None = None
     for row_length in sorted(candidates):
         rows = plan_micro_batches(lengths, row_length)
-        cost = len(rows) * row_cost(row_length, token_work)
+        cost = len(rows) * row_cost(row_length, token_work) if dense else len(rows) * row_length * (token_work + 1) * (1 + SHARED_ROW_OVERHEAD) + attention
         if best is None or cost < best[0]:
             best = (cost, row_length, rows)
     assert best is not None
     if padded:
         longest = max(lengths)
-        if len(lengths) * row_cost(longest, token_work, causal_kernel=True) < best[0]:
+        if len(lengths) * longest * (token_work + 1 + longest / 2) < best[0]:
             return longest, [[index] for index in range(len(lengths))]
     return best[1], best[2]
 

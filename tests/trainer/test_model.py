@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -51,13 +52,13 @@ def check_each_scores_as_alone(model, batch, sequences: list[TrainingSequence]) 
 
 
 def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
-    # Three sequences, the middle one with a sliding window, in rows of 40 (two share a row): each
-    # must score exactly as it does alone, so neither positions nor attention leak across packed
-    # boundaries or rows.
+    # Three sequences, the middle one with a sliding window, sharing rows (the window brings the
+    # dense mask): each must score exactly as it does alone, so neither positions nor attention
+    # leak across packed boundaries or rows.
     model = load_policy(str(tiny_model_dir)).eval()
     sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
     (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=False)
-    assert tuple(batch.input_ids.shape) == (2, 40)
+    assert batch.shares_rows() and batch.needs_mask()
     packed = check_each_scores_as_alone(model, batch, sequences)
     # The window changes the scores: without the hook the middle sequence would score differently.
     with torch.no_grad():
@@ -67,12 +68,14 @@ def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
 
 
 def test_rows_of_one_sequence_run_without_a_mask_and_score_as_each_sequence_alone(tiny_model_dir):
-    # One sequence a row, padded at the end: no mask, no position ids (sdpa's causal kernel). A
-    # window hook on one sequence brings the mask back for its micro-batch.
+    # One sequence a row, padded at the end (where slots cost the most, the padded batch of alike
+    # lengths saves the rows' padding): no mask, no position ids (sdpa's causal kernel). A window
+    # hook on one sequence brings the mask back for its micro-batch.
     model = load_policy(str(tiny_model_dir)).eval()
-    for sequences in ([sequence(30, 0), sequence(33, 1), sequence(31, 2)], [sequence(20, 0), sequence(33, 1, WINDOW)]):
-        (batch,) = pack_micro_batches(sequences, token_budget=128)
-        assert batch.input_ids.shape == (len(sequences), 33) and batch.needs_mask() == any(s.extras for s in sequences)
+    for sequences in ([sequence(33, 0), sequence(33, 1), sequence(33, 2)], [sequence(33, 0), sequence(33, 1, WINDOW)]):
+        (batch,) = pack_micro_batches(sequences, token_budget=128, token_work=6 * 64)
+        assert batch.input_ids.shape == (len(sequences), 33) and not batch.shares_rows()
+        assert batch.needs_mask() == any(s.extras for s in sequences)
         check_each_scores_as_alone(model, batch, sequences)
 
 
@@ -200,3 +203,32 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
     assert model.dtype == torch.float32 and model.config.dtype == torch.float32  # the trainer's own copy untouched
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.dtype == torch.bfloat16
+
+
+def test_rows_shared_by_sequences_attend_by_their_bounds_without_a_mask(tiny_model_dir, monkeypatch):
+    """Several sequences a row, no hook: variable-length attention over their boundaries (each
+    row's padding a segment of its own), no dense mask built; the same logprobs as each sequence
+    alone and the same gradients as the dense mask."""
+    from trainer.packing import PackedBatch
+
+    model = load_policy(str(tiny_model_dir)).eval()
+    sequences = [sequence(20, 0), sequence(13, 1), sequence(7, 2), sequence(30, 3)]
+    (batch,) = pack_micro_batches(sequences, token_budget=96, padded_rows=False)
+    assert batch.shares_rows() and not batch.needs_mask()
+    bounds, longest = batch.sequence_bounds()
+    rows, length = batch.input_ids.shape
+    assert bounds[0] == 0 and bounds[-1] == rows * length and longest == 30
+    assert len(bounds) - 1 == len(sequences) + int((batch.sequence_ids == -1).any(dim=1).sum())
+    dense = batch.attention_mask()
+    monkeypatch.setattr(PackedBatch, "attention_mask", lambda *a, **k: pytest.fail("built the dense mask"))
+    check_each_scores_as_alone(model, batch, sequences)
+
+    def gradients(**inputs) -> list[torch.Tensor]:
+        model.zero_grad()
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False, **inputs).logits
+        (token_logprobs(logits, batch.input_ids) * batch.mask).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    by_bounds = gradients(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    for ours, theirs in zip(by_bounds, gradients(attention_mask=dense), strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)

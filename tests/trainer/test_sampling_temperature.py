@@ -43,12 +43,12 @@ def sequence(length: int, seed: int, temperature: float) -> TrainingSequence:
 
 @pytest.mark.parametrize("padded_rows", [True, False])
 def test_packed_rows_score_each_sequence_at_its_own_temperature(tiny_model_dir, padded_rows):
-    # Sequences at 0.7, 1.25 and 1 side by side in rows (padded_rows=False: two share a row, under
-    # the block mask) or one a row (sdpa's causal kernel): each scores as it does alone at its own.
+    # Sequences at 0.7, 1.25 and 1 side by side in rows (padded_rows=False: two share a row, kept
+    # apart by their bounds) or one a row (sdpa's causal kernel): each scores as it does alone at its own.
     model = load_policy(str(tiny_model_dir)).eval()
-    sequences = [sequence(20, 0, 0.7), sequence(33, 1, 1.25), sequence(7, 2, 1.0)]
-    (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=padded_rows)
-    assert batch.temperatures is not None and batch.needs_mask() != padded_rows
+    sequences = [sequence(33, 0, 0.7), sequence(33, 1, 1.25), sequence(30, 2, 1.0)]
+    (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=padded_rows, token_work=6 * 64)
+    assert batch.temperatures is not None and batch.shares_rows() != padded_rows and not batch.needs_mask()
     with torch.no_grad():
         packed, _ = packed_logprobs(model, batch)
     for index, s in enumerate(sequences):
@@ -56,7 +56,7 @@ def test_packed_rows_score_each_sequence_at_its_own_temperature(tiny_model_dir, 
                                    atol=2e-6, rtol=0)  # fmt: skip
     # Untempered, the same rows give other values: the temperature is what made them equal.
     untempered = [dataclasses.replace(s, temperature=1.0) for s in sequences]
-    (plain,) = pack_micro_batches(untempered, token_budget=128, padded_rows=padded_rows)
+    (plain,) = pack_micro_batches(untempered, token_budget=128, padded_rows=padded_rows, token_work=6 * 64)
     assert plain.temperatures is None
     with torch.no_grad():
         assert not torch.allclose(packed_logprobs(model, plain)[0][plain.mask], packed[batch.mask], atol=1e-3)

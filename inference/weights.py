@@ -6,8 +6,9 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 from pathlib import Path
+
+from storage.weight_delta import safetensors_header
 
 INDEX_FILE = "model.safetensors.index.json"
 TIED_HEAD_FILE = "clotho-tied-lm-head.safetensors"
@@ -51,19 +52,7 @@ def weight_files(model_dir: str | Path) -> list[Path]:
 
 def read_header(path: Path) -> dict[str, dict]:
     """A safetensors file's header (name -> dtype, shape, offsets), read without loading any tensor."""
-    with open(path, "rb") as file:
-        raw = file.read(8)
-        if len(raw) != 8:
-            raise IncompatibleCheckpoint(f"{path} is not a safetensors file (shorter than its 8-byte header size)")
-        (size,) = struct.unpack("<Q", raw)
-        if size > os.path.getsize(path):
-            raise IncompatibleCheckpoint(f"{path} is truncated or not a safetensors file (header of {size} bytes)")
-        try:
-            header = json.loads(file.read(size))
-        except ValueError as error:
-            raise IncompatibleCheckpoint(f"{path} has an unreadable safetensors header: {error}") from None
-    header.pop("__metadata__", None)
-    return header
+    return safetensors_header(path, IncompatibleCheckpoint)[1]
 
 
 def tensor_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:

@@ -35,6 +35,7 @@ import functools
 import json
 import logging
 import re
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -362,8 +363,10 @@ def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_opt
     target = Path(cache_dir) / step_name(info.step)
     if not info.chain and is_local(fs):
         return Path(path)
-    if (target / STABLE).exists():
+    if _cached(target, info):
         return target
+    if target.exists():  # another run's step N, or an older publish of this one: not these weights
+        shutil.rmtree(target, ignore_errors=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     build = None
     if info.chain:
@@ -375,17 +378,26 @@ def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_opt
     return target
 
 
+def _cached(target: Path, info: CheckpointInfo) -> bool:
+    """Whether `target` holds the copy of `info`: its STABLE is the published one (a cache shared by
+    runs, or a step published again after a deletion, must not give other weights)."""
+    try:
+        return json.loads((target / STABLE).read_text()) == info.manifest
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, Any] | None, directory: Path) -> None:
     """The weights of delta step `info` into `directory`: from the newest step of its chain already
     in `cache_dir` (else its full step, fetched), with the deltas after it applied."""
     siblings = info.url.rstrip("/").rsplit("/", 1)[0]
     chain = info.chain
-    start = next((i for i in range(len(chain) - 1, 0, -1) if (cache_dir / step_name(chain[i]) / STABLE).exists()), 0)
     try:
-        base = read_checkpoint(join(siblings, step_name(chain[start])), storage_options=storage_options)
-        deltas = [read_checkpoint(join(siblings, step_name(step)), storage_options=storage_options) for step in chain[start + 1 :]]
+        steps = [read_checkpoint(join(siblings, step_name(step)), storage_options=storage_options) for step in chain]
     except CheckpointError as error:
         raise CheckpointError(f"{info.url} is a delta on steps {chain}, and one of them is gone: {error}") from None
+    start = next((i for i in range(len(chain) - 1, 0, -1) if _cached(cache_dir / step_name(chain[i]), steps[i])), 0)
+    base, deltas = steps[start], steps[start + 1 :]
     base_dir = fetch_checkpoint(base, cache_dir, storage_options=storage_options)
     bodies = []
     for step_info in [*deltas, info]:

@@ -126,18 +126,21 @@ def read_delta(data: bytes, where: str) -> tuple[dict, memoryview]:
     return header, memoryview(data)[8 + size :]
 
 
-def safetensors_header(path: Path) -> tuple[bytes, dict]:
-    """A safetensors file's header, raw (8-byte size included) and parsed."""
+def safetensors_header(path: Path, error: type[Exception] = DeltaError) -> tuple[bytes, dict]:
+    """A safetensors file's header, raw (8-byte size included) and parsed (name -> dtype, shape,
+    offsets; without its metadata), read without loading any tensor; `error` when it has none."""
     with open(path, "rb") as file:
         raw_size = file.read(8)
         if len(raw_size) != 8:
-            raise DeltaError(f"{path} is not a safetensors file")
+            raise error(f"{path} is not a safetensors file (shorter than its 8-byte header size)")
         (size,) = struct.unpack("<Q", raw_size)
+        if size > os.path.getsize(path):
+            raise error(f"{path} is truncated or not a safetensors file (header of {size} bytes)")
         head = file.read(size)
     try:
         parsed = json.loads(head)
-    except ValueError as error:
-        raise DeltaError(f"{path} has an unreadable safetensors header: {error}") from None
+    except ValueError as problem:
+        raise error(f"{path} has an unreadable safetensors header: {problem}") from None
     parsed.pop("__metadata__", None)
     return raw_size + head, parsed
 

@@ -54,18 +54,24 @@ def bucketed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds
     many short sequences would pay over and over) nor a dense mask over whole rows."""
     starts, lengths = bounds[:-1], [end - start for start, end in zip(bounds, bounds[1:])]
     total = query.shape[0]
-    output = query.new_empty(query.shape)
+    padded = [torch.cat([t, t.new_zeros(1, *t.shape[1:])]) for t in (query, key, value)]  # row `total`: padding
+    pieces, places = [], []
     for run in buckets(lengths):
-        longest = lengths[run[0]]
-        offsets = torch.arange(longest)
+        offsets = torch.arange(lengths[run[0]])
         begin = torch.tensor([starts[index] for index in run])[:, None]
-        size = torch.tensor([lengths[index] for index in run])[:, None]
-        valid = offsets[None, :] < size
-        index = torch.where(valid, begin + offsets, total).to(query.device)  # padding: the zero row past the end
-        q, k, v = (torch.cat([t, t.new_zeros(1, *t.shape[1:])])[index].transpose(1, 2) for t in (query, key, value))
+        valid = offsets[None, :] < torch.tensor([lengths[index] for index in run])[:, None]
+        index = torch.where(valid, begin + offsets, total).to(query.device)
+        q, k, v = (t[index].transpose(1, 2) for t in padded)
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True).transpose(1, 2)
-        output = output.index_put((index[valid.to(query.device)],), attended[valid.to(query.device)])
-    return output
+        valid = valid.to(query.device)
+        pieces.append(attended[valid])
+        places.append(index[valid])
+    # Every slot is in exactly one segment (a row's padding is one too): the pieces, in bucket
+    # order, are a permutation of the slots, put back with one gather.
+    places = torch.cat(places)
+    inverse = torch.empty_like(places)
+    inverse[places] = torch.arange(total, device=places.device)
+    return torch.cat(pieces)[inverse]
 
 
 def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int,

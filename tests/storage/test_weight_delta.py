@@ -66,22 +66,23 @@ def test_a_delta_on_other_weights_or_corrupt_fails_its_checksum(tmp_path) -> Non
         apply(tmp_path / "base.safetensors", [(2, b"junk")], tmp_path / "out.safetensors")
 
 
-def publish_chain(root: str, tmp_path, fulls: set[int], steps: range) -> None:
-    """Steps published as the trainer does: full ones in `fulls`, the others deltas on the one before."""
+def publish_chain(root: str, tmp_path, fulls: set[int], steps: range, run: str = "run", shift: int = 0) -> None:
+    """Steps published as the trainer does: full ones in `fulls`, the others deltas on the one before
+    (step N holds weights_at(N + shift))."""
     chain: list[int] = []
     for step in steps:
-        source = tmp_path / f"source-{step}"
+        source = tmp_path / f"{run}-source-{step}"
         source.mkdir(parents=True)
         (source / "config.json").write_text("{}")
         extra = {}
         if step in fulls:
-            full_file(step, source / WEIGHTS_FILE)
+            full_file(step + shift, source / WEIGHTS_FILE)
             chain = [step]
         else:
-            (source / DELTA_FILE).write_bytes(delta(step, chain[-1]))
+            (source / DELTA_FILE).write_bytes(delta(step + shift, chain[-1] + shift))
             extra = {"delta": {"chain": list(chain)}}
             chain.append(step)
-        publish_checkpoint(source, root, "run", step, extra=extra)
+        publish_checkpoint(source, root, run, step, extra=extra)
 
 
 def test_a_delta_step_is_fetched_as_full_weights_from_its_chain(root: str, tmp_path) -> None:
@@ -122,3 +123,13 @@ def test_retention_keeps_the_chain_of_every_step_it_keeps(root: str, tmp_path) -
     pin_steps(root, "run", "http://127.0.0.1:8000", {8})  # a server still serves step 8: its chain stays
     assert apply_retention(root, "run", keep_last=1) == [9, 10, 11]
     assert published_steps(root, "run") == [6, 7, 8, 12]
+
+
+def test_a_cache_shared_by_two_runs_gives_each_its_own_weights(root: str, tmp_path) -> None:
+    # Cached copies are named by step: run b's step 3 must not be run a's, nor built on it.
+    publish_chain(root, tmp_path, {1}, range(1, 4), run="a")
+    publish_chain(root, tmp_path, {1}, range(1, 4), run="b", shift=50)
+    cache = tmp_path / "cache"
+    for run, shift in (("a", 0), ("b", 50), ("a", 0)):
+        local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, run, 3)), cache)
+        assert (local / WEIGHTS_FILE).read_bytes() == full_file(3 + shift, tmp_path / f"expected-{run}")

@@ -393,11 +393,15 @@ def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, A
     siblings = info.url.rstrip("/").rsplit("/", 1)[0]
     chain = info.chain
     try:
-        steps = [read_checkpoint(join(siblings, step_name(step)), storage_options=storage_options) for step in chain]
+        # From the newest step of the chain whose copy is in the cache (the steps before it are not read).
+        steps: list[CheckpointInfo] = []
+        for step in reversed(chain):
+            steps.insert(0, read_checkpoint(join(siblings, step_name(step)), storage_options=storage_options))
+            if _cached(cache_dir / step_name(step), steps[0]):
+                break
     except CheckpointError as error:
         raise CheckpointError(f"{info.url} is a delta on steps {chain}, and one of them is gone: {error}") from None
-    start = next((i for i in range(len(chain) - 1, 0, -1) if _cached(cache_dir / step_name(chain[i]), steps[i])), 0)
-    base, deltas = steps[start], steps[start + 1 :]
+    base, deltas = steps[0], steps[1:]
     base_dir = fetch_checkpoint(base, cache_dir, storage_options=storage_options)
     bodies = []
     for step_info in [*deltas, info]:

@@ -257,7 +257,10 @@ async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(unt
             publish_checkpoint(checkpoints[step % 2], root, "run", step)
             [outcome] = await watcher.poll_once()
             reloads.append(outcome.status)
-            await asyncio.sleep(0.05)  # a few engine steps between reloads
+            # Engine steps between reloads: 6 lanes of 96-token requests answer ~3 a second on 2
+            # cores, so 50 reloads at 0.05 s apart left 42-55 answers, run to run; at 0.2 s apart
+            # more than 50 are answered through them on a loaded machine too.
+            await asyncio.sleep(0.2)
     finally:
         stop.set()
         await asyncio.gather(*lanes)

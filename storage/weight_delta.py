@@ -63,8 +63,9 @@ def checksum(data: np.ndarray) -> int:
 
 
 class _Scratch(threading.local):
-    """A buffer per thread, reused from tensor to tensor and call to call: a fresh one per tensor
-    would fault in every page of hundreds of MB again (an embedding over a real vocabulary)."""
+    """A buffer per thread, reused from tensor to tensor within a call (each call's pool threads end
+    with it, and their buffers too, so nothing stays held between publishes): a fresh one per
+    tensor would fault in every page of hundreds of MB again (an embedding over a real vocabulary)."""
 
     buffer = np.empty(0, dtype=np.uint8)
 

@@ -257,20 +257,26 @@ async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(unt
             publish_checkpoint(checkpoints[step % 2], root, "run", step)
             [outcome] = await watcher.poll_once()
             reloads.append(outcome.status)
-            # Engine steps between reloads: 6 lanes of 96-token requests answer ~3 a second on 2
-            # cores, so 50 reloads at 0.05 s apart left 42-55 answers, run to run; at 0.2 s apart
-            # more than 50 are answered through them on a loaded machine too.
+            # Engine steps between reloads, and the server keeps answering through them: one more
+            # request is answered every fifth reload (how many a fixed pause lets through depends on
+            # the machine's load: 42-55 at 0.2 s apart; the six lanes' answers come in waves).
             await asyncio.sleep(0.2)
+            count, deadline = len(answered), time.monotonic() + 60
+            while len(reloads) % 5 == 0 and len(answered) == count and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert len(answered) > count or len(reloads) % 5, f"none answered in 60 s after reload {len(reloads)}"
     finally:
         stop.set()
         await asyncio.gather(*lanes)
     assert reloads == ["reloaded"] * 50
-    assert len(answered) > 50 and set(answered) == {("length", 96, 96)}, set(answered)
+    assert len(answered) >= 10 and set(answered) == {("length", 96, 96)}, set(answered)
     assert await announced(policy) == first + 49 and not await is_paused(policy)
     # Every token says which version sampled it: never older than the request's first, never newer
     # than the last loaded, and some requests spanned a swap.
     assert all(v == sorted(v) and before <= v[0] and v[-1] <= first + 49 for v in versions)
-    assert any(v[0] != v[-1] for v in versions)
+    spanned = sum(v[0] != v[-1] for v in versions)
+    print(f"{len(answered)} answered through 50 reloads, {spanned} of them across a swap")
+    assert spanned >= 10
 
 
 async def test_each_server_is_reloaded_and_a_dead_one_is_reported_and_retried(untied_policy, guard, tmp_path):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ import yaml  # noqa: E402
 
 from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
 from bench_scale_memory import MODELS, SIZES, model_dir  # noqa: E402  (the models both scale benches build)
-from results import read_jsonl, write_result  # noqa: E402
+from results import current_commit, read_jsonl, write_result  # noqa: E402
 from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from storage.reader import ShardReader  # noqa: E402
@@ -56,6 +57,7 @@ TASK = {"env": "repeat", "env_config": {"digits": 16, "group_size": 8, "max_toke
 PROMPTS_PER_STEP = 4
 LR = 1e-6
 PARTS = ("sampling_s", "update_s", "publish_s", "save_state_s", "reload_s")
+STATE_EVERY_MINUTES = 10  # the trainer's resume state (trainer.state_every_minutes), here and in the cost model
 
 
 def parameter_count(size: str) -> int:
@@ -109,7 +111,7 @@ def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = No
         "servers": {"dtype": "bfloat16" if real else "float32"},
         # A checkpoint every step (deltas between full ones every trainer.full_every), the resume
         # state every 10 minutes (and at the last step), as a run of real size would set them.
-        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "state_every_minutes": 10, "gradient_checkpointing": real,
+        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "state_every_minutes": STATE_EVERY_MINUTES, "gradient_checkpointing": real,
                     "seed": 0, **(trainer or {})},
         "phases": [{"name": "rl", "steps": steps, "environments": [{"env": TASK["env"], "config": TASK["env_config"]}],
                     "trainer": {"groups_per_step": PROMPTS_PER_STEP}}],
@@ -136,6 +138,9 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     served_at = {0: min(e["time"] for e in events)}
     served_at |= {e["version"]: e["time"] for e in events if e["event"] == "reload"}
     reload_s = {e["version"]: e["reload_s"] for e in events if e["event"] == "reload"}  # parity included
+    # A reload's parts: the fetch (a delta step rebuilt from the one served), the swap, the parity check.
+    reload_parts = {name: round(statistics.median(e[name] for e in events if e["event"] == "reload" and e["version"] > 1), 3)
+                    for name in ("fetch_s", "swap_s", "parity_s")}  # fmt: skip
     sampled_until: dict[int, float] = {}
     for group in ShardReader(storage, run).groups():
         sampled_until[group.policy_version] = max(sampled_until.get(group.policy_version, 0.0), group.created_at)
@@ -161,6 +166,7 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         # above can overlap (a reload runs while the trainer saves its state).
         "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
         "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
+        "reload_parts_s": reload_parts,
         "publish_bytes": statistics.median(written[row["step"]] for row in rows[1:] if row["step"] in written),
         "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
         "state_bytes": directory_bytes(states[-1]) if states else None,
@@ -249,7 +255,9 @@ def cost_model(entry: dict) -> dict:
     at the FLOP/s measured; sampling: seconds per parameter x sampled token measured (decoding reads
     every weight per step); publish and reload: seconds per parameter measured (their casts, XORs,
     compression and checksums grow with the parameters as their bytes do); resume state: 16 bytes a
-    parameter at the bytes/s measured. On the node: the update at its FLOP/s x MFU, sampling at its
+    parameter at the bytes/s measured, once every STATE_EVERY_MINUTES: a step's share is one state's
+    seconds over the steps between two (an upload to remote storage runs beside the steps:
+    trainer.state_store.StateUpload). On the node: the update at its FLOP/s x MFU, sampling at its
     decode rate, the state at its disk, publish and reload the bytes a step wrote here (a full
     checkpoint or a delta: trainer.full_every), as a share of the bf16 weights, at its disk.
     """
@@ -273,24 +281,26 @@ def cost_model(entry: dict) -> dict:
         "sampling_s": rates["sampling_s_per_parameter_token"] * big * step_sampled,
         "update_s": 8 * big * step_tokens / rates["update_flops_per_s"],
         "publish_s": rates["publish_s_per_parameter"] * big,
-        "save_state_s": 16 * big / rates["state_bytes_per_s"],
         "reload_s": rates["reload_s_per_parameter"] * big,
     }
     node = {
         "sampling_s": step_sampled / (NODE["decode_tokens_per_s_per_gpu"] * NODE["sampling_gpus"]),
         "update_s": 8 * big * step_tokens / (NODE["gpus"] * NODE["peak_flops_per_gpu"] * NODE["mfu"]),
         "publish_s": 2 * big * published_fraction / NODE["disk_bytes_per_s"],
-        "save_state_s": 16 * big / NODE["disk_bytes_per_s"],
         "reload_s": 2 * big * published_fraction / NODE["disk_bytes_per_s"],
     }
+    states = {"this_machine": 16 * big / rates["state_bytes_per_s"], "node": 16 * big / NODE["disk_bytes_per_s"]}
 
-    def table(seconds: dict) -> dict:
+    def table(seconds: dict, state_s: float) -> dict:
+        steps_per_state = max(1, math.ceil(STATE_EVERY_MINUTES * 60 / sum(seconds.values())))
+        seconds = {**seconds, "save_state_s": state_s / steps_per_state}
         total = sum(seconds.values())
         return {"step_s": round(total, 2), "parts_s": {k: round(v, 3) for k, v in seconds.items()},
-                "shares": {k: round(v / total, 3) for k, v in seconds.items()}, "dominant": max(seconds, key=seconds.get)}  # fmt: skip
+                "shares": {k: round(v / total, 3) for k, v in seconds.items()}, "dominant": max(seconds, key=seconds.get),
+                "state": {"one_s": round(state_s, 1), "steps_per_state": steps_per_state}}  # fmt: skip
 
     return {"from_size": entry["size"], "rates": {k: float(f"{v:.4g}") for k, v in rates.items()},
-            "target": {"model": "Qwen2.5-7B", **QWEN25_7B}, "this_machine": table(here), "node": table(node),
+            "target": {"model": "Qwen2.5-7B", **QWEN25_7B}, "state_every_minutes": STATE_EVERY_MINUTES, "this_machine": table(here, states["this_machine"]), "node": table(node, states["node"]),
             "node_assumptions": NODE}  # fmt: skip
 
 
@@ -304,7 +314,16 @@ def main() -> None:
     parser.add_argument("--trainer", type=json.loads, default={}, help="clotho's trainer settings over the bench's, as JSON.")
     parser.add_argument("--result", default="scale", help="bench/results/NAME.json (scale: the table docs/benchmarks.md shows).")
     parser.add_argument("--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip).")
+    parser.add_argument("--cost-model-only", action="store_true",
+                        help="Recompute the 7B cost model from the stored result's measurements (a changed model, no new run).")
     args = parser.parse_args()
+    if args.cost_model_only:
+        path = REPO / "bench" / "results" / f"{args.result}.json"
+        record = json.loads(path.read_text())
+        measured = [entry for entry in record["result"]["sizes"] if "step_s" in entry.get("clotho", {})]
+        record["result"]["cost_model_7b"] = {**cost_model(measured[-1]), "recomputed": {"commit": current_commit(), "measurements_of": record["commit"]}}
+        path.write_text(json.dumps(record, indent=1) + "\n")
+        return
     sides = args.sides.split(",")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO / ".clotho") as temporary:

@@ -352,6 +352,11 @@ def cost_model_text() -> str:
         lines.append(f"| {name} | {here['parts_s'][key]:,.1f} | {here['shares'][key]:.0%} | {gpu['parts_s'][key]:,.1f} | {gpu['shares'][key]:.0%} |")
     lines.append(f"| **step** | {here['step_s']:,.0f} | dominant: {names[here['dominant']]} | {gpu['step_s']:,.1f} | "
                  f"dominant: {names[gpu['dominant']]} |")  # fmt: skip
+    if "state" in gpu:
+        lines += ["", f"The resume state is written once every {model.get('state_every_minutes', 10):g} minutes (trainer.state_every_minutes): "
+                  f"one takes {here['state']['one_s']:,.0f} s here and {gpu['state']['one_s']:,.0f} s on the node's disk, shared by the "
+                  f"{here['state']['steps_per_state']} and {gpu['state']['steps_per_state']} steps between two; its upload to remote "
+                  "storage runs beside the steps."]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from typing import Any
@@ -58,21 +57,6 @@ def resolve_import_path(name_or_path: str) -> str:
     return matches[0].import_path
 
 
-def moved_bundled_path(import_path: str) -> str:
-    """A bundled environment's import path from before it moved to environments/bundled/
-    ('environments.arithmetic:Arithmetic', as configs and deployments already registered hold it)
-    as it is now, with a warning that names the new path; any other path as given."""
-    module_name, _, class_name = import_path.partition(":")
-    package, _, leaf = module_name.rpartition(".")
-    if package != "environments" or importlib.util.find_spec(module_name) is not None:
-        return import_path
-    if importlib.util.find_spec(f"{BUNDLED}.{leaf}") is None:
-        return import_path
-    moved = f"{BUNDLED}.{leaf}:{class_name}"
-    warnings.warn(f"environment {import_path!r} moved to {moved!r}; use that path or its name {leaf!r}", FutureWarning, stacklevel=3)
-    return moved
-
-
 def load_environment_class(name_or_path: str) -> type[Environment]:
     """The Environment subclass for an installed name, 'module.path:ClassName' (or
     'path/to/file.py:ClassName') or the URL of a
@@ -81,8 +65,16 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
         from environments.remote import remote_environment_class
 
         return remote_environment_class(name_or_path)
-    import_path = moved_bundled_path(resolve_import_path(name_or_path))
-    cls = load_attribute(import_path, "environment", EnvironmentLoadError)
+    import_path = resolve_import_path(name_or_path)
+    try:
+        cls = load_attribute(import_path, "environment", EnvironmentLoadError)
+    except EnvironmentLoadError as error:
+        module_name, _, class_name = import_path.partition(":")
+        package, _, leaf = module_name.rpartition(".")
+        if package == "environments" and importlib.util.find_spec(f"{BUNDLED}.{leaf}") is not None:
+            raise EnvironmentLoadError(f"{error}; the bundled environments are in {BUNDLED}: use "
+                                       f"'{BUNDLED}.{leaf}:{class_name}' or the name {leaf!r}") from None  # fmt: skip
+        raise
     class_name = import_path.rpartition(":")[2]
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise EnvironmentLoadError(

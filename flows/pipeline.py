@@ -104,6 +104,7 @@ async def start_services(
     watcher = reload_watcher(config, model, servers, api_key)
     if watcher is not None:
         stop_watching = asyncio.Event()
+        stack.callback(watcher.discard_cache)  # after the watcher stops (the stack closes in reverse)
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
         stack.push_async_callback(finish, watching, stop_watching)
     else:

@@ -144,7 +144,7 @@ class PipelineLog:
                 seconds = max(self.reload_s.get(outcome.version, 0.0), outcome.total_s)
                 self.reload_s[outcome.version] = seconds
                 row = {"event": "reload", "version": outcome.version, "server": outcome.base_url, "reload_s": outcome.total_s,
-                       "swap_s": outcome.swap_s, "parity_s": outcome.parity_s}  # fmt: skip
+                       "fetch_s": outcome.fetch_s, "swap_s": outcome.swap_s, "parity_s": outcome.parity_s}  # fmt: skip
                 self._write(row, {"pipeline/reload_s": seconds}, outcome.version)
 
     def phase(self, name: str, end_step: int) -> None:

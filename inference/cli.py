@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from inference.server import PolicyServer
     from inference.watcher import ReloadOutcome
 
-DEFAULT_CACHE = Path(".clotho/reload-cache")
+DEFAULT_CACHE = Path(".clotho/reload-cache")  # inference.watcher.DEFAULT_CACHE, without importing it here
 
 
 def _log_to_stderr() -> None:

@@ -37,6 +37,7 @@ from storage.layout import split_run_url
 
 log = logging.getLogger(__name__)
 
+DEFAULT_CACHE = Path(".clotho/reload-cache")  # in the working directory
 HEALTH_S = 2.0  # seconds between asking each server which version it announces
 
 
@@ -52,6 +53,13 @@ class ReloadOutcome:
     parity_s: float | None = None
     total_s: float | None = None  # the checkpoint's fetch (a delta step's rebuild) to the announcement
     fetch_s: float | None = None
+
+
+def run_cache_dir(run_url: str, cache_dir: str | Path = DEFAULT_CACHE) -> Path:
+    """Where a watcher of `run_url` keeps its copies: fetched copies are named by step only, so
+    each run gets its own directory."""
+    root, run = split_run_url(run_url)
+    return Path(cache_dir) / f"{run}-{hashlib.sha1(f'{root}/{run}'.encode()).hexdigest()[:10]}"
 
 
 class ReloadWatcher:
@@ -74,7 +82,7 @@ class ReloadWatcher:
         servers: list[ServedPolicy],
         guard: ParityGuard,
         *,
-        cache_dir: str | Path = ".clotho/reload-cache",
+        cache_dir: str | Path = DEFAULT_CACHE,
         poll_s: float = 2.0,
         health_s: float = HEALTH_S,
         storage_options: dict[str, Any] | None = None,
@@ -84,9 +92,7 @@ class ReloadWatcher:
         self.root, self.run_name = split_run_url(run_url)
         self.servers = servers
         self.guard = guard
-        # Fetched copies are named by step only, so each run gets its own cache directory.
-        run_key = hashlib.sha1(f"{self.root}/{self.run_name}".encode()).hexdigest()[:10]
-        self.cache_dir = Path(cache_dir) / f"{self.run_name}-{run_key}"
+        self.cache_dir = run_cache_dir(run_url, cache_dir)
         self.checkpoints_dir = self.cache_dir / "checkpoints"
         self.reload_root = self.cache_dir / "reload"
         self.poll_s = poll_s
@@ -239,6 +245,11 @@ class ReloadWatcher:
                 for entry in directory.iterdir():
                     if entry.resolve() not in kept and entry not in kept:
                         shutil.rmtree(entry, ignore_errors=True)
+
+    def discard_cache(self) -> None:
+        """Deletes this run's copies (its checkpoints stay in the run's storage): once the servers
+        are done with the run, a copy of a 7B model is 15 GB of disk that no one reads again."""
+        shutil.rmtree(self.cache_dir, ignore_errors=True)
 
     async def run(
         self,

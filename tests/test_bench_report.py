@@ -4,6 +4,7 @@ are never typed into the README or the docs by hand."""
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -102,7 +103,14 @@ def test_the_scale_cost_model_extrapolates_each_term_by_its_own_rate():
     # parameters, 16 bytes a parameter.
     assert here["update_s"] == round(40.0 * (big * target["sequences"] * target["tokens"]) / (5e8 * 2000), 3)
     assert here["sampling_s"] == round(4.0 * (big * target["sequences"] * target["sampled"]) / (5e8 * 1000), 3)
-    assert here["publish_s"] == round(10.0 * big / 5e8, 3) and here["save_state_s"] == round(16 * big / (8e9 / 20.0), 3)
+    # The state once every STATE_EVERY_MINUTES: one state's seconds over the steps between two.
+    one_state = 16 * big / (8e9 / 20.0)
+    steps_per_state = model["this_machine"]["state"]["steps_per_state"]
+    other = sum(v for k, v in here.items() if k != "save_state_s")
+    assert steps_per_state == max(1, math.ceil(bench.STATE_EVERY_MINUTES * 60 / other))
+    node = model["node"]
+    assert node["state"]["steps_per_state"] > 1 and node["parts_s"]["save_state_s"] < node["state"]["one_s"] / 2
+    assert here["publish_s"] == round(10.0 * big / 5e8, 3) and abs(here["save_state_s"] - one_state / steps_per_state) < 1e-3
     assert here["reload_s"] == round(5.0 * big / 5e8, 3)
     # On the node, publish and reload move the share of the bf16 weights a step wrote here (a tenth).
     disk = bench.NODE["disk_bytes_per_s"]

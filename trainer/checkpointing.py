@@ -45,7 +45,7 @@ from storage.filesystem import resolve, retrying
 from storage.layout import join
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE
 from trainer.distributed import broadcast_object, gather_objects
-from trainer.state_store import StateStore
+from trainer.state_store import StateStore, StateUpload
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +138,17 @@ class DeltaPublisher:
     step: int | None = None
     chain: list[int] = field(default_factory=list)  # of the previous publish
     tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    skip: int = 0  # publishes left that go full without trying a delta, after one that was too big
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[int]] | None:
         """The delta of `tensors` against the previous publish and the chain it extends; None when a
-        full checkpoint is due."""
+        full checkpoint is due. After a delta too big to be worth it (the learning rate and dtype
+        that made it hold for the steps after), the next full_every - 1 publishes go full untried."""
         chain = [*self.chain, self.step]
         if self.step is None or len(chain) >= self.full_every:
+            return None
+        if self.skip:
+            self.skip -= 1
             return None
         current = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()}
         try:
@@ -153,7 +158,9 @@ class DeltaPublisher:
             return None
         full = sum(data.nbytes for *_, data in current.values())
         if len(delta) > full / 2:
-            log.info("publishing in full: a delta would be %.0f%% of the weights' bytes", 100 * len(delta) / full)
+            self.skip = self.full_every - 1
+            log.info("publishing in full: a delta would be %.0f%% of the weights' bytes (the next %d publishes too)",
+                     100 * len(delta) / full, self.skip)  # fmt: skip
             return None
         return delta, chain
 
@@ -294,22 +301,41 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_resume_state(
     engine, state_dir: Path, step: int, trainer_state: dict[str, Any], rng_states: list[Any], store: StateStore | None = None
-) -> None:
+) -> StateUpload | None:
     """DeepSpeed checkpoint of step N with `trainer_state` and every rank's RNG (call on every
-    rank), copied to `store` when given (each rank its own files, then rank 0 marks it complete);
-    then drop all but the newest KEEP_STATES on rank 0."""
+    rank), then all but the newest KEEP_STATES dropped on rank 0. With a `store`, returns this
+    rank's upload of its files, under way on a thread (commit_resume_state makes it count); the
+    caller settles an earlier one first."""
     client_state = {"format": STATE_FORMAT, "trainer": trainer_state, "rng": rng_states}
     engine.save_checkpoint(str(state_dir), tag=step_name(step), client_state=client_state)
-    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if store is not None:
-        uploaded = gather_objects(store.upload(state_dir / step_name(step), rank), world_size)
-        if rank == 0:
-            store.commit(step_name(step), {name: size for files in uploaded for name, size in files.items()}, keep=KEEP_STATES)
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         tags = sorted(p for p in state_dir.glob("step-*") if p.is_dir())
         for old in tags[:-KEEP_STATES]:
             shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
+    return StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step) if store is not None else None
+
+
+def commit_resume_state(upload: StateUpload, wait: bool) -> bool:
+    """Once every rank's upload of a resume state is done, rank 0 marks it complete in the store
+    (call on every rank, at the same point of the same step). Returns whether it was committed;
+    without `wait`, False while any rank's is still under way. An upload's error is raised here."""
+    world_size = torch.distributed.get_world_size()
+    if not all(gather_objects(wait or upload.done(), world_size)):
+        return False
+    try:
+        files, error = upload.result(), None
+    except Exception as raised:  # every rank hears of it, or the others would wait for this one
+        files, error = {}, raised
+    uploaded = gather_objects((files, None if error is None else str(error)), world_size)
+    if error is not None:
+        raise error
+    if failed := [f"rank {rank}: {why}" for rank, (_, why) in enumerate(uploaded) if why is not None]:
+        raise RuntimeError(f"resume state {step_name(upload.step)} not uploaded to {upload.store.url}: {'; '.join(failed)}")
+    if torch.distributed.get_rank() == 0:
+        upload.store.commit(step_name(upload.step), {name: size for files, _ in uploaded for name, size in files.items()}, keep=KEEP_STATES)
+    torch.distributed.barrier()
+    return True
 
 
 def fetch_resume_state(state_dir: Path, store: StateStore) -> str | None:

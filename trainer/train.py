@@ -27,15 +27,23 @@ from storage.layout import run_url
 from storage.ledger import Ledger
 from storage.progress import TrainerPosition, write_step_metrics, write_trainer_position
 from storage.reader import ShardReader
-from trainer.checkpointing import DeltaPublisher, clear_staging, load_resume_state, publish_step, rng_state, save_resume_state
+from trainer.checkpointing import (
+    DeltaPublisher,
+    clear_staging,
+    commit_resume_state,
+    load_resume_state,
+    publish_step,
+    rng_state,
+    save_resume_state,
+)
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
-from trainer.state_store import StateStore
+from trainer.state_store import StateStore, StateUpload
 from trainer.model import enable_gradient_checkpointing, gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.step import StepBatch, build_step
-from trainer.stopping import step_in_progress, stop_if_asked
+from trainer.stopping import StopRequested, step_in_progress, stop_if_asked
 from trainer.trackers import open_trackers
 
 log = logging.getLogger(__name__)
@@ -73,8 +81,13 @@ def train(
                 metrics = trainer.update(groups, stale, rejected, waited_s=time.monotonic() - waited_from)
                 if trainer.step % config.save_every == 0 or trainer.step == config.steps:
                     metrics |= trainer.save()
+                metrics |= trainer.settle_state(wait=False)
                 trainer.record(metrics)
             yield {"step": trainer.step, **metrics}
+        trainer.settle_state(wait=True)  # the last state counts before the trainer ends
+    except StopRequested:
+        trainer.settle_state(wait=True)  # one on its way to storage too (asked again, it stops at once)
+        raise
     finally:
         trainer.close()  # the process group stays up: it belongs to the process (see trainer.cli)
 
@@ -97,6 +110,7 @@ class TrainingRun:
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
         self.deltas = DeltaPublisher(config.full_every)  # a fresh trainer's first publish is full
+        self.upload: StateUpload | None = None  # the newest resume state, on its way to the run's storage
 
     @classmethod
     def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
@@ -223,15 +237,30 @@ class TrainingRun:
         if due:
             trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals}
             state_started = time.monotonic()
-            save_resume_state(self.engine, self.state_dir, step, trainer_state, gather_objects(rng_state(), self.world_size), self.state_store)
+            costs |= self.settle_state(wait=True)  # one upload at a time
+            self.upload = save_resume_state(self.engine, self.state_dir, step, trainer_state,
+                                            gather_objects(rng_state(), self.world_size), self.state_store)  # fmt: skip
             costs["save_state_s"] = time.monotonic() - state_started
-            self.state_step, self.state_saved_at = step, time.monotonic()
+            self.state_saved_at = time.monotonic()
+            if self.upload is None:
+                self.state_step = step
         if url is not None:
             log.info("step %d: published %s", step, url)
             if config.keep_last is not None:
                 apply_retention(self.storage, self.run, keep_last=config.keep_last, keep_every=config.keep_every,
                                 keep_after=self.state_step, storage_options=self.storage_options)  # fmt: skip
         return costs
+
+    def settle_state(self, wait: bool) -> dict[str, float]:
+        """Commit the resume state on its way to the run's storage once every rank's copy is up
+        (call on every rank at the same point); with `wait`, wait for it. Returns its upload's
+        seconds when it was committed now."""
+        if self.upload is None or not commit_resume_state(self.upload, wait):
+            return {}
+        upload, self.upload = self.upload, None
+        self.state_step = upload.step
+        log.info("resume state of step %d in %s (%.1f s beside the steps)", upload.step, upload.store.url, upload.seconds)
+        return {"state_upload_s": upload.seconds}
 
     def record(self, metrics: dict[str, float]) -> None:
         if self.metrics_log is not None:

@@ -78,21 +78,13 @@ def test_capitals_hands_out_the_training_countries_and_evaluates_the_held_out_on
     assert env.reward(item, [{"role": "assistant", "content": "Springfield"}]) == 0.0
 
 
-def test_a_bundled_environment_s_import_path_from_before_it_moved_still_loads() -> None:
-    """Configs and registered deployments hold 'environments.NAME:Class' from before the bundled
-    environments moved to environments/bundled/: they load, with a warning naming the new path."""
-    import warnings
-
+def test_a_bundled_environment_s_path_outside_bundled_names_where_it_is() -> None:
     from environments.bundled.capitals import Capitals
-    from environments.loading import load_environment_class
+    from environments.loading import EnvironmentLoadError, load_environment_class
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert load_environment_class("environments.capitals:Capitals") is Capitals
-        assert load_environment_class("capitals") is Capitals
-    assert [str(w.message) for w in caught] == [
-        "environment 'environments.capitals:Capitals' moved to 'environments.bundled.capitals:Capitals'; use that path or its name 'capitals'"
-    ]
+    assert load_environment_class("capitals") is Capitals
+    with pytest.raises(EnvironmentLoadError, match="use 'environments.bundled.capitals:Capitals' or the name 'capitals'"):
+        load_environment_class("environments.capitals:Capitals")
     with pytest.raises(Exception, match="cannot import environments.nothing_here"):
         load_environment_class("environments.nothing_here:Thing")
 

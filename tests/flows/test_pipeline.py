@@ -19,6 +19,7 @@ import psutil
 import pytest
 import yaml
 
+from inference.watcher import DEFAULT_CACHE, run_cache_dir
 from storage.checkpoints import checkpoints_url
 from storage.inspection import verify
 from storage.reader import ShardReader
@@ -139,6 +140,8 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
     assert all(not check.problems for check in verify(f"file://{root}/run"))
     assert f"evaluation at version {stopped_at}" in output
     assert left_behind(str(tmp_path)) == []
+    # The watcher's copies (delta steps rebuilt, reload dirs) go with the run; the checkpoints stay in storage.
+    assert not run_cache_dir(f"file://{root}/run", REPO / DEFAULT_CACHE).exists()
 
     # What the pipeline measures itself: each reload's time (JSONL, TensorBoard, the table), the
     # staleness histogram and sample utilization (groups trained / groups the samplers committed).

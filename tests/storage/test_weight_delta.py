@@ -133,3 +133,25 @@ def test_a_cache_shared_by_two_runs_gives_each_its_own_weights(root: str, tmp_pa
     for run, shift in (("a", 0), ("b", 50), ("a", 0)):
         local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, run, 3)), cache)
         assert (local / WEIGHTS_FILE).read_bytes() == full_file(3 + shift, tmp_path / f"expected-{run}")
+
+
+def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch) -> None:
+    """Weights that all move (fp32 at a large learning rate) make a delta as big as the weights: the
+    trainer publishes that step full and does not spend an XOR and a compression on the next
+    full_every - 1 either; then it tries again."""
+    from storage import weight_delta
+    from trainer.checkpointing import DeltaPublisher
+
+    tried = []
+    monkeypatch.setattr(weight_delta, "encode", lambda *args: tried.append(args[2]) or encode(*args))
+    publisher = DeltaPublisher(full_every=4)
+    publisher.published(1, weights_at(1), [])
+    noisy = {name: torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16) for name, t in weights_at(2).items()}
+    assert publisher.encode(noisy) is None and tried == [1]  # too big: step 2 goes full
+    publisher.published(2, noisy, [])
+    for step in (3, 4, 5):
+        assert publisher.encode(weights_at(step)) is None  # full, untried
+        publisher.published(step, weights_at(step), [])
+    assert tried == [1]
+    encoded, chain = publisher.encode(weights_at(6))  # tried again: a small move is a delta
+    assert tried == [1, 5] and chain == [5]

@@ -12,10 +12,14 @@ never reaches a server. The rebuilt file is byte for byte the full checkpoint th
 written: the base's safetensors header with every tensor's new bytes.
 
     delta file = [8 bytes: header length, little endian][header JSON][compressed blobs]
-    header     = {"format", "base": step it XORs against,
-                  "tensors": {name: {"dtype", "shape", "size", "start", "length", "crc32"}}}
+    header     = {"format", "base": step it XORs against, "chunk": bytes a chunk of a tensor holds,
+                  "tensors": {name: {"dtype", "shape", "size", "start", "chunks": [[length, crc32], ...]}}}
 
-`start` and `length` place a tensor's compressed XOR among the blobs; `size` is its raw byte count.
+A tensor's bytes are taken CHUNK at a time (the last chunk shorter): each chunk's XOR is compressed
+on its own, its blobs follow one another from `start`, and each has the CRC-32 of the chunk of the
+tensor it must give. Both sides work a chunk at a time on a few threads, so every buffer they touch
+is a chunk's, reused: neither holds or faults in a copy of a whole tensor (an embedding over a real
+vocabulary is hundreds of MB; on a VM, memory touched for the first time costs seconds a GB).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import numpy as np
 
 WEIGHTS_FILE = "model.safetensors"
 DELTA_FILE = "model.safetensors.delta"
-FORMAT = "clotho-xor-zstd-1"
+FORMAT = "clotho-xor-zstd-2"
+CHUNK = 4 * 2**20
 LEVEL = 1  # zstd level: XORs of nearby weights are mostly zeros, which level 1 already packs tightly
 WORKERS = min(4, os.cpu_count() or 1)
 
@@ -63,9 +68,7 @@ def checksum(data: np.ndarray) -> int:
 
 
 class _Scratch(threading.local):
-    """A buffer per thread, reused from tensor to tensor within a call (each call's pool threads end
-    with it, and their buffers too, so nothing stays held between publishes): a fresh one per
-    tensor would fault in every page of hundreds of MB again (an embedding over a real vocabulary)."""
+    """A chunk-sized buffer per thread, reused from chunk to chunk."""
 
     buffer = np.empty(0, dtype=np.uint8)
 
@@ -84,6 +87,10 @@ def _each(function, items):
         return list(pool.map(function, items))
 
 
+def _chunks(size: int) -> list[slice]:
+    return [slice(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)] or [slice(0, 0)]
+
+
 def encode(
     tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]],
     previous: Mapping[str, np.ndarray],
@@ -97,22 +104,26 @@ def encode(
     for name, (_, _, data) in tensors.items():
         if data.nbytes != previous[name].nbytes:
             raise DeltaError(f"{name} has {data.nbytes} bytes, {previous[name].nbytes} at step {base}")
+    pieces = [(name, part) for name, (_, _, data) in tensors.items() for part in _chunks(data.nbytes)]
 
-    def one(name: str) -> tuple[bytes, int]:
-        data = tensors[name][2]
+    def one(piece: tuple[str, slice]) -> tuple[bytes, int]:
+        name, part = piece
+        data = tensors[name][2][part]
         difference = _scratch.take(data.nbytes)
-        np.bitwise_xor(_words(data), _words(previous[name]), out=_words(difference))
+        np.bitwise_xor(_words(data), _words(previous[name][part]), out=_words(difference))
         return _codec().compress(difference, asbytes=True), checksum(data)
 
+    blobs = iter(_each(one, pieces))
     header: dict[str, dict] = {}
-    start = 0
-    blobs = _each(one, list(tensors))
-    for (name, (dtype, shape, data)), (blob, crc) in zip(tensors.items(), blobs):
+    written, start = [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        chunks = [next(blobs) for _ in _chunks(data.nbytes)]
         header[name] = {"dtype": dtype, "shape": list(shape), "size": int(data.nbytes), "start": start,
-                        "length": len(blob), "crc32": crc}  # fmt: skip
-        start += len(blob)
-    head = json.dumps({"format": FORMAT, "base": base, "tensors": header}, separators=(",", ":")).encode()
-    return b"".join([struct.pack("<Q", len(head)), head, *(blob for blob, _ in blobs)])
+                        "chunks": [[len(blob), crc] for blob, crc in chunks]}  # fmt: skip
+        start += sum(len(blob) for blob, _ in chunks)
+        written += [blob for blob, _ in chunks]
+    head = json.dumps({"format": FORMAT, "base": base, "chunk": CHUNK, "tensors": header}, separators=(",", ":")).encode()
+    return b"".join([struct.pack("<Q", len(head)), head, *written])
 
 
 def read_delta(data: bytes, where: str) -> tuple[dict, memoryview]:
@@ -148,34 +159,43 @@ def safetensors_header(path: Path, error: type[Exception] = DeltaError) -> tuple
 
 def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> None:
     """Write to `out` the weights of `base_file` with the `deltas` ((step, delta file bytes), oldest
-    first, each against the one before it, the first against `base_file`) applied, a tensor at a
-    time; raises DeltaError on a delta for other tensors or any tensor whose bytes fail its checksum."""
+    first, each against the one before it, the first against `base_file`) applied, a chunk at a
+    time; raises DeltaError on a delta for other tensors or any chunk whose bytes fail its checksum."""
     raw_header, tensors = safetensors_header(base_file)
     read = [(step, *read_delta(data, f"the delta of step {step}")) for step, data in deltas]
     for step, header, _ in read:
         if header["tensors"].keys() != tensors.keys():
             missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
             raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
+        for name, spec in header["tensors"].items():
+            size = tensors[name]["data_offsets"][1] - tensors[name]["data_offsets"][0]
+            if header.get("chunk") != CHUNK or spec["size"] != size or len(spec["chunks"]) != len(_chunks(size)):
+                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name} in other chunks, the base {size}")
     end = len(raw_header) + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
     if base_file.stat().st_size < end:
         raise DeltaError(f"{base_file} is truncated: {base_file.stat().st_size} bytes, its header says {end}")
-    source = np.memmap(base_file, dtype=np.uint8, mode="r")
+    # Where each chunk's blob starts, per delta.
+    places = [{name: np.cumsum([spec["start"]] + [length for length, _ in spec["chunks"]]).tolist()
+               for name, spec in header["tensors"].items()} for _, header, _ in read]  # fmt: skip
+    pieces = [(name, index, part) for name, entry in tensors.items()
+              for index, part in enumerate(_chunks(entry["data_offsets"][1] - entry["data_offsets"][0]))]  # fmt: skip
+    source = os.open(base_file, os.O_RDONLY)
 
-    def one(name: str) -> None:
-        begin, end = (len(raw_header) + offset for offset in tensors[name]["data_offsets"])
-        data = _scratch.take(end - begin)
-        np.copyto(data, source[begin:end])
-        for step, header, blobs in read:
-            spec = header["tensors"][name]
-            if spec["size"] != data.size:
-                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {data.size}")
-            blob = blobs[spec["start"] : spec["start"] + spec["length"]]
+    def one(piece: tuple[str, int, slice]) -> None:
+        name, index, part = piece
+        begin = len(raw_header) + tensors[name]["data_offsets"][0] + part.start
+        data = _scratch.take(part.stop - part.start)
+        if os.preadv(source, [memoryview(data)], begin) != data.size:
+            raise DeltaError(f"{base_file} is truncated in {name}")
+        for (step, header, blobs), place in zip(read, places):
+            length, crc = header["tensors"][name]["chunks"][index]
+            blob = blobs[place[name][index] : place[name][index] + length]
             try:
-                difference = _codec().decompress(blob, decompressed_size=spec["size"])
+                difference = _codec().decompress(blob, decompressed_size=data.size)
             except OSError as error:
                 raise DeltaError(f"the delta of step {step} is corrupt in {name}: {error}") from None
             xor_into(data, np.frombuffer(difference, dtype=np.uint8))
-            if checksum(data) != spec["crc32"]:
+            if checksum(data) != crc:
                 raise DeltaError(
                     f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
                     "weights than it was applied to, or a file is corrupt"
@@ -185,7 +205,7 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> No
     descriptor = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.pwrite(descriptor, raw_header, 0)
-        _each(one, list(tensors))
+        _each(one, pieces)
     finally:
         os.close(descriptor)
-        del source
+        os.close(source)

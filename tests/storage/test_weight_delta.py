@@ -155,3 +155,21 @@ def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch) -
     assert tried == [1]
     encoded, chain = publisher.encode(weights_at(6))  # tried again: a small move is a delta
     assert tried == [1, 5] and chain == [5]
+
+
+def test_tensors_of_many_chunks_rebuild_and_a_wrong_chunk_is_named(tmp_path, monkeypatch) -> None:
+    """A tensor is XORed, compressed and checked a chunk at a time (CHUNK bytes; 4 MiB in use):
+    tensors of several chunks, a last one shorter, rebuild byte for byte, and a chunk applied to
+    other bytes fails its own checksum."""
+    from storage import weight_delta
+
+    monkeypatch.setattr(weight_delta, "CHUNK", 1000)  # a.weight's 6144 bytes: 7 chunks, the last of 144
+    full_file(1, tmp_path / "base.safetensors")
+    expected = full_file(3, tmp_path / "expected.safetensors")
+    two, three = delta(2, 1), delta(3, 2)
+    header = json.loads(two[8 : 8 + int.from_bytes(two[:8], "little")])
+    assert len(header["tensors"]["a.weight"]["chunks"]) == 7 and header["chunk"] == 1000
+    apply(tmp_path / "base.safetensors", [(2, two), (3, three)], tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == expected
+    with pytest.raises(DeltaError, match="a.weight rebuilt for step 3 fails its checksum"):
+        apply(tmp_path / "base.safetensors", [(3, three)], tmp_path / "out.safetensors")

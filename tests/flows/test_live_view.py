@@ -10,6 +10,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.artifacts import Card
 from flows.live_view import live_markdown, rounded, text_chart
+from inference.watcher import ReloadOutcome
 
 
 def step_rows(count: int) -> list[dict]:
@@ -103,12 +104,12 @@ def test_the_card_shows_a_new_served_version_at_once_and_otherwise_waits_its_int
             content()  # what Card.show builds when it sends
 
     view.live.show = show
-    outcome = type("Outcome", (), {"status": "reloaded", "total_s": 0.2, "version": 1, "base_url": "u", "swap_s": 0.1, "parity_s": 0.1})
+    outcome = ReloadOutcome("u", 1, "reloaded", "", swap_s=0.1, parity_s=0.1, total_s=0.2, fetch_s=0.0)
 
     async def scenario() -> None:
         await view.show_live()  # the first card: nothing served yet
         await view.show_live()
-        await view.measured.reloads([outcome()])
+        await view.measured.reloads([outcome])
         await view.show_live()  # v1 served: at once
         await view.show_live()  # nothing new: the interval decides
         await view.show_live(finished=True)

@@ -167,10 +167,12 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> No
         if header["tensors"].keys() != tensors.keys():
             missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
             raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
+        if header.get("chunk") != CHUNK:
+            raise DeltaError(f"the delta of step {step} is in chunks of {header.get('chunk')} bytes, this reader's are {CHUNK}")
         for name, spec in header["tensors"].items():
             size = tensors[name]["data_offsets"][1] - tensors[name]["data_offsets"][0]
-            if header.get("chunk") != CHUNK or spec["size"] != size or len(spec["chunks"]) != len(_chunks(size)):
-                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name} in other chunks, the base {size}")
+            if spec["size"] != size or len(spec["chunks"]) != len(_chunks(size)):
+                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {size}")
     end = len(raw_header) + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
     if base_file.stat().st_size < end:
         raise DeltaError(f"{base_file} is truncated: {base_file.stat().st_size} bytes, its header says {end}")

@@ -321,7 +321,7 @@ def commit_resume_state(upload: StateUpload, wait: bool) -> bool:
     (call on every rank, at the same point of the same step). Returns whether it was committed;
     without `wait`, False while any rank's is still under way. An upload's error is raised here."""
     world_size = torch.distributed.get_world_size()
-    if not all(gather_objects(wait or upload.done(), world_size)):
+    if not wait and not all(gather_objects(upload.done(), world_size)):  # every rank passes the same `wait`
         return False
     try:
         files, error = upload.result(), None

@@ -68,13 +68,15 @@ async def pipeline(
     await view.open(config_path, overrides)
     # Resolved with the evaluated version when the last phase's stop rule is met.
     stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    # Resolved with the reason when every server rejected a checkpoint: the run cannot go on.
+    served_failed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     async with contextlib.AsyncExitStack() as stack:
         # Servers, the reload watcher and the evaluator run for the whole pipeline.
-        urls = await start_services(stack, config, api_key, view, stop_rule_met, log)
+        urls = await start_services(stack, config, api_key, view, stop_rule_met, served_failed, log)
         end_step = 0
         for phase in config.phases:
             end_step += phase.steps
-            await run_phase(config, phase, end_step, urls, view, stop_rule_met, log)
+            await run_phase(config, phase, end_step, urls, view, stop_rule_met, served_failed, log)
         if not stop_rule_met.done():
             # The last checkpoint is served (and evaluated) before the pipeline stops.
             await wait_until_served(urls, api_key, end_step, timeout_s=120)
@@ -89,10 +91,11 @@ async def pipeline(
 
 async def start_services(
     stack: contextlib.AsyncExitStack, config: PipelineConfig, api_key: str | None, view: RunView,
-    stop_rule_met: asyncio.Future[int], log,
+    stop_rule_met: asyncio.Future[int], served_failed: asyncio.Future[str], log,
 ) -> list[str]:  # fmt: skip
     """The policy servers, the reload watcher and the evaluator, each stopped when `stack` closes;
-    returns the servers' URLs (the pipeline's own first)."""
+    returns the servers' URLs (the pipeline's own first). `served_failed` gets the reason when every
+    server rejected a checkpoint."""
     stack.callback(view.measured.close)
     # The model here, for what loads it here (servers, the watcher's parity check, the evaluator);
     # the trainer and rollout flows, maybe on other hosts, each fetch a model URL themselves.
@@ -105,7 +108,19 @@ async def start_services(
     if watcher is not None:
         stop_watching = asyncio.Event()
         stack.callback(watcher.discard_cache)  # after the watcher stops (the stack closes in reverse)
-        watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=view.measured.reloads))
+
+        async def on_outcomes(outcomes) -> None:
+            await view.measured.reloads(outcomes)
+            blocked = watcher.blocked_by_rejection(config.max_lag)
+            if blocked is not None and not served_failed.done():
+                served_failed.set_result(
+                    f"checkpoint {blocked[0]} was rejected by every server, which serve versions more than max_lag "
+                    f"({config.max_lag}) older: the trainer would wait for ever for groups it can take ({blocked[1]}). "
+                    "A parity failure means the served weights are not the trainer's: check servers.dtype, and the "
+                    "servers' logs"
+                )
+
+        watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=on_outcomes))
         stack.push_async_callback(finish, watching, stop_watching)
     else:
         log.info("no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls))
@@ -118,8 +133,9 @@ async def start_services(
 
 
 async def run_phase(
-    config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], view: RunView, stop_rule_met: asyncio.Future[int], log
-) -> None:
+    config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], view: RunView, stop_rule_met: asyncio.Future[int],
+    served_failed: asyncio.Future[str], log,
+) -> None:  # fmt: skip
     """One phase up to `end_step`: its trainer and rollout flows, watched every second, until the
     trainer ends (or the stop rule stops it); skipped when the run is already past it."""
     storage, run = split_run_url(config.run)
@@ -149,6 +165,8 @@ async def run_phase(
             failed = [task for task in rollouts if task.done() and task.exception() is not None]
             if failed:
                 raise RuntimeError(f"phase {phase.name}: a rollout flow failed: {failed[0].exception()}")
+            if served_failed.done():
+                raise RuntimeError(f"phase {phase.name}: {served_failed.result()}")
         if stop_rule_met.done():
             log.info("phase %s: %s at version %d; stopping (%s)", phase.name, phase.stop.describe(), stop_rule_met.result(),
                      view.curve.describe_best())  # fmt: skip

@@ -146,6 +146,9 @@ class PipelineLog:
                 row = {"event": "reload", "version": outcome.version, "server": outcome.base_url, "reload_s": outcome.total_s,
                        "fetch_s": outcome.fetch_s, "swap_s": outcome.swap_s, "parity_s": outcome.parity_s}  # fmt: skip
                 self._write(row, {"pipeline/reload_s": seconds}, outcome.version)
+            elif outcome.status == "rejected":
+                self._write({"event": "reload_rejected", "server": outcome.base_url, "serving": outcome.version,
+                             "reason": outcome.detail})  # fmt: skip
 
     def phase(self, name: str, end_step: int) -> None:
         """A phase begins: its trainer and rollout flows start now."""

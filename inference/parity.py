@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 # A checkpoint's own logprobs of fixed token sequences, written beside its weights by the trainer
@@ -41,19 +42,79 @@ def max_abs_difference(a: list[float], b: list[float]) -> float:
     return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
 
 
-def write_parity_reference(model, sequences: list[list[int]], out_dir: str | Path) -> None:
+@contextmanager
+def running_on(model, weights: dict | None):
+    """`model`'s forward passes run on `weights` (name -> tensor, the state dict's names: the weights
+    as published, e.g. rounded to bf16) instead of its own parameters, upcast to their dtype. Each
+    submodule's own parameters are swapped while that submodule runs and restored after it, so the
+    copy held is one submodule's, not a second model. Yields the names of the parameters swapped so
+    far: a forward that read a parameter outside its module's own forward left it out.
+    None: the model as it is."""
+    swapped: set[str] = set()
+    if weights is None:
+        yield None
+        return
+    handles = []
+    for prefix, module in model.named_modules():
+        own = [(f"{prefix}.{name}" if prefix else name, parameter) for name, parameter in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        missing = [name for name, _ in own if name not in weights]
+        if missing:
+            raise ValueError(f"the published weights have no {missing[0]}")
+        saved: list = []
+
+        def swap(module, args, own=own, saved=saved) -> None:
+            for name, parameter in own:
+                saved.append((parameter, parameter.data))
+                parameter.data = weights[name].to(parameter.dtype)
+                swapped.add(name)
+
+        def restore(module, args, output, saved=saved) -> None:
+            while saved:
+                parameter, data = saved.pop()
+                parameter.data = data
+
+        handles += [module.register_forward_pre_hook(swap), module.register_forward_hook(restore, always_call=True)]
+    try:
+        yield swapped
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def model_logprobs(model, sequences: list[list[int]], weights: dict | None = None) -> list[list[float]]:
     """`model`'s logprob of every token of each sequence after its first, teacher-forced in one
-    forward pass each (float32 weights: the reference is float32), to out_dir/PARITY_REFERENCE."""
+    forward pass each, in eval mode, on `weights` where given (running_on). Raises ValueError when a
+    parameter was read outside its module's forward, so the weights given were not all used."""
+    # Each module's own flag comes back: a trainer's decoder layers train (gradient checkpointing)
+    # inside a model in eval mode, which model.train(model.training) would undo.
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with running_on(model, weights) as swapped:
+            logprobs = [reference_logprobs(model, sequence[:1], sequence[1:]) for sequence in sequences]
+    finally:
+        for module, mode in modes:
+            module.training = mode
+    if weights is not None:
+        unused = sorted({name for name, _ in model.named_parameters(remove_duplicate=False)} - swapped)
+        if unused:
+            raise ValueError(f"{type(model).__name__} reads {unused[0]} outside its module's forward")
+    return logprobs
+
+
+def write_parity_reference(model, sequences: list[list[int]], out_dir: str | Path, weights: dict | None = None) -> None:
+    """`model_logprobs` of each sequence (float32 weights: the reference is float32) to
+    out_dir/PARITY_REFERENCE. `weights`: the tensors published, when they are not the model's own
+    parameters (rounded to the served dtype): a server must give the logprobs of what it loaded,
+    and an fp32 trainer's small steps mostly vanish in the rounding (at lr 1e-6 a 0.5B model's
+    fp32 logprobs move ~0.1 a step while its bf16 weights barely change)."""
     import torch
 
     if any(parameter.dtype != torch.float32 for parameter in model.parameters()):
         raise ValueError("a parity reference is computed in float32; this model's weights are not")
-    was_training = model.training
-    model.eval()
-    try:
-        logprobs = [reference_logprobs(model, sequence[:1], sequence[1:]) for sequence in sequences]
-    finally:
-        model.train(was_training)
+    logprobs = model_logprobs(model, sequences, weights)
     reference = {"format": PARITY_REFERENCE_FORMAT, "sequences": sequences, "logprobs": logprobs}
     (Path(out_dir) / PARITY_REFERENCE).write_text(json.dumps(reference))
 

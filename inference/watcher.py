@@ -104,6 +104,7 @@ class ReloadWatcher:
         self.storage_options = storage_options
         self.history: list[ReloadOutcome] = []
         self._newest: Path | None = None
+        self.latest: int | None = None  # the run's newest checkpoint at the last poll
         self._retry: dict[str, tuple[int, float]] = {}  # unhealthy server -> (failures, next try)
         self._pins: dict[str, tuple[frozenset[int], float]] = {}  # server -> (pinned steps, when)
 
@@ -168,6 +169,7 @@ class ReloadWatcher:
         """One look at the run: every server behind the newest checkpoint is reloaded, concurrently."""
         options = self.storage_options
         info = await asyncio.to_thread(latest_checkpoint, self.root, self.run_name, storage_options=options)
+        self.latest = info.step if info is not None else None
         due = [t for t in self.servers if self._retry.get(t.base_url, (0, 0.0))[1] <= time.monotonic()]
         behind = [t for t in due if info is not None and info.step > t.version and info.step not in t.rejected]
         if time.monotonic() - self._health_checked >= self.health_s:
@@ -200,6 +202,19 @@ class ReloadWatcher:
         if outcomes:
             await asyncio.to_thread(self.prune_cache)
         return outcomes
+
+    def blocked_by_rejection(self, max_lag: int) -> tuple[int, str] | None:
+        """(version, the last rejection's reason) when the run's newest checkpoint was rejected by
+        every server and every server serves a version more than `max_lag` older: no server moves
+        until a newer checkpoint comes, and a trainer whose next step takes groups at most `max_lag`
+        versions old cannot make one. None otherwise (a newer checkpoint may be taken)."""
+        version = self.latest
+        if version is None or not self.servers or any(version not in target.rejected for target in self.servers):
+            return None
+        if max(target.version for target in self.servers) >= version - max_lag:
+            return None
+        reasons = [outcome.detail for outcome in self.history if outcome.status == "rejected"]
+        return version, reasons[-1] if reasons else "rejected"
 
     def _back_off_if_down(self, target: ServedPolicy) -> None:
         """A server that could not even be restored is retried after 1, 2, 4 ... 60 s, not every poll."""

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.parity import PARITY_REFERENCE, parse_parity_reference, reference_logprobs, write_parity_reference
+from inference.parity import PARITY_REFERENCE, model_logprobs, parse_parity_reference, write_parity_reference
 from inference.parity_guard import worst_difference
 from storage import weight_delta
 from storage.checkpoints import (
@@ -207,6 +207,11 @@ def publish_step(
     if state_dict is None:
         return None
     url = checkpoint_url(storage, run, step)
+    torch_dtype = getattr(torch, dtype) if dtype else None
+    tensors = published_tensors(engine.module, state_dict, torch_dtype)
+    # What a parity reference is computed on: the weights as published where they are not the
+    # parameters themselves (rounded to the served dtype).
+    rounded = tensors if torch_dtype not in (None, torch.float32) else None
     try:
         read_checkpoint(url, storage_options=storage_options)
     except CheckpointError:
@@ -214,7 +219,7 @@ def publish_step(
     else:
         if deltas is not None:
             deltas.forget()
-        difference = replay_difference(engine.module, url, zero_stage, storage_options)
+        difference = replay_difference(engine.module, url, zero_stage, storage_options, rounded)
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
         elif difference <= REPLAY_TOLERANCE:
@@ -227,8 +232,6 @@ def publish_step(
                 "on from the weights trained now", url, difference,
             )  # fmt: skip
         return url
-    torch_dtype = getattr(torch, dtype) if dtype else None
-    tensors = published_tensors(engine.module, state_dict, torch_dtype)
     encoded = deltas.encode(tensors) if deltas is not None else None
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, None if encoded else tensors, base_model, Path(temporary), torch_dtype)
@@ -238,7 +241,7 @@ def publish_step(
         if zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters()):
             # The weights' own logprobs, which servers that load them must give (inference.parity):
             # one short forward here spares every reload a load and forward of the whole model.
-            write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary))
+            write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary), rounded)
         publish_checkpoint(
             temporary, storage, run, step, extra=extra, storage_options=storage_options
         )
@@ -251,9 +254,12 @@ def publish_step(
     return url
 
 
-def replay_difference(module: torch.nn.Module, url: str, zero_stage: int, storage_options: dict[str, Any] | None) -> float | None:
-    """The largest |logprob difference| between `module` and the published checkpoint at `url` on the
-    sequences its parity reference stores; None when it stores none or the module is sharded (ZeRO-3).
+def replay_difference(
+    module: torch.nn.Module, url: str, zero_stage: int, storage_options: dict[str, Any] | None, weights: dict | None = None
+) -> float | None:
+    """The largest |logprob difference| between `module` (run on `weights`, the tensors it would
+    publish, where given) and the published checkpoint at `url` on the sequences its parity
+    reference stores; None when it stores none or the module is sharded (ZeRO-3).
     A trainer resumed from an older state trains the steps since again: this says whether it got the
     same weights, for one forward of a few short sequences instead of reading the checkpoint back."""
     if zero_stage == 3:
@@ -264,8 +270,7 @@ def replay_difference(module: torch.nn.Module, url: str, zero_stage: int, storag
     except FileNotFoundError:
         return None
     sequences, stored = parse_parity_reference(text, f"{url}/{PARITY_REFERENCE}")
-    now = [reference_logprobs(module, sequence[:1], sequence[1:]) for sequence in sequences]
-    return worst_difference(zip(now, stored))
+    return worst_difference(zip(model_logprobs(module, sequences, weights), stored))
 
 
 def clear_staging(staging_dir: Path) -> None:

@@ -179,6 +179,11 @@ async def test_checkpoint_missing_a_tensor_is_rejected_and_old_version_kept(unti
     [outcome] = await watcher.poll_once()
     assert outcome.status == "rejected" and "model.layers.0.mlp.down_proj.weight" in outcome.detail
     assert await watcher.poll_once() == []  # a rejected version is not retried
+    # Every server (the one here) rejected the newest checkpoint: a trainer that takes groups of the
+    # newest version only cannot go on (the pipeline ends the run with the reason); one that takes
+    # groups as old as the version served can.
+    assert watcher.blocked_by_rejection(max_lag=0) == (step, outcome.detail)
+    assert watcher.blocked_by_rejection(max_lag=step - version) is None
     assert await announced(policy) == version and policy.weights_dir == weights
     assert await served_matches(policy, weights) < 1e-4 and not await is_paused(policy)
     # The run moves on: the next good checkpoint is taken.
@@ -186,6 +191,7 @@ async def test_checkpoint_missing_a_tensor_is_rejected_and_old_version_kept(unti
     publish_checkpoint(good, root, "run", step + 1)
     [outcome] = await watcher.poll_once()
     assert outcome.status == "reloaded" and await announced(policy) == step + 1
+    assert watcher.blocked_by_rejection(max_lag=0) is None
 
 
 async def test_parity_failure_falls_back_to_the_previous_version(untied_policy, guard, tmp_path):

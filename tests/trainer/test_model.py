@@ -232,3 +232,35 @@ def test_rows_shared_by_sequences_attend_by_their_bounds_without_a_mask(tiny_mod
     by_bounds = gradients(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
     for ours, theirs in zip(by_bounds, gradients(attention_mask=dense), strict=True):
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+def test_a_bf16_publish_parity_reference_is_of_the_rounded_weights(tmp_path):
+    """The reference a server is checked against is the logprobs of what it loads (the weights
+    rounded to bf16), computed without a second model, and leaves the trainer's model as it was:
+    its fp32 parameters, and its decoder layers' training flag (gradient checkpointing)."""
+    from inference.parity import model_logprobs, read_parity_reference, reference_logprobs, write_parity_reference
+
+    source = cached_tiny_model(tie_embeddings=True)
+    model = load_policy(str(source))
+    enable_gradient_checkpointing(model)
+    # Shift every weight by less than bf16's spacing: fp32 logprobs move, the rounded weights do not.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(parameter.abs() * 2**-10)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    tensors = published_tensors(model, model.state_dict(), torch.bfloat16)
+    save_hf_checkpoint(model, tensors, str(source), tmp_path, torch.bfloat16)
+    sequences = [[5, 9, 17, 33, 2, 8], [7, 7, 100, 3]]
+    write_parity_reference(model, sequences, tmp_path, tensors)
+
+    loaded = load_policy(str(tmp_path))  # the published bf16 weights, upcast as a server's fp32 reference
+    loaded_fp32 = loaded.float()
+    _, stored = read_parity_reference(tmp_path)
+    for sequence, logprobs in zip(sequences, stored):
+        expected = reference_logprobs(loaded_fp32, sequence[:1], sequence[1:])
+        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-5, rtol=0)
+    unrounded = model_logprobs(model, sequences)
+    assert max(abs(a - b) for s, r in zip(unrounded, stored) for a, b in zip(s, r)) > 1e-4  # the shift is seen in fp32
+    for name, parameter in model.named_parameters():
+        assert parameter.dtype == torch.float32 and torch.equal(parameter, before[name]), name
+    assert not model.training and model.model.layers[0].training and not model.model.layers[0].self_attn.training

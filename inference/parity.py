@@ -85,18 +85,27 @@ def running_on(model, weights: dict | None):
 
 def model_logprobs(model, sequences: list[list[int]], weights: dict | None = None) -> list[list[float]]:
     """`model`'s logprob of every token of each sequence after its first, teacher-forced in one
-    forward pass each, in eval mode, on `weights` where given (running_on). Raises ValueError when a
-    parameter was read outside its module's forward, so the weights given were not all used."""
+    forward pass of them all, in eval mode, on `weights` where given (running_on). Raises
+    ValueError when a parameter was read outside its module's forward, so the weights given were
+    not all used."""
+    import torch
+
     # Each module's own flag comes back: a trainer's decoder layers train (gradient checkpointing)
     # inside a model in eval mode, which model.train(model.training) would undo.
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
+    # One forward of the sequences right-padded (a token never attends to the padding after it): a
+    # forward of a big model costs its weights' reads more than its few tokens.
+    longest = max(len(sequence) for sequence in sequences)
+    ids = torch.tensor([list(sequence) + [0] * (longest - len(sequence)) for sequence in sequences])
     try:
-        with running_on(model, weights) as swapped:
-            logprobs = [reference_logprobs(model, sequence[:1], sequence[1:]) for sequence in sequences]
+        with running_on(model, weights) as swapped, torch.no_grad():
+            logits = model(ids).logits.float()
     finally:
         for module, mode in modes:
             module.training = mode
+    picked = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    logprobs = [picked[row, : len(sequence) - 1].tolist() for row, sequence in enumerate(sequences)]
     if weights is not None:
         unused = sorted({name for name, _ in model.named_parameters(remove_duplicate=False)} - swapped)
         if unused:

@@ -27,7 +27,9 @@ from storage.checkpoints import (
     PIN_TTL_S,
     CheckpointError,
     CheckpointInfo,
+    SPARE_WEIGHTS,
     checkpoint_url,
+    drop_cached_copy,
     fetch_checkpoint,
     latest_checkpoint,
     pin_steps,
@@ -250,7 +252,8 @@ class ReloadWatcher:
                              report.swap_s, report.parity.seconds, fetch_s + report.total_s, fetch_s)  # fmt: skip
 
     def prune_cache(self) -> None:
-        """Deletes fetched copies and reload directories that no server serves (big models are GBs)."""
+        """Deletes fetched copies and reload directories that no server serves (big models are GBs),
+        the last weights file deleted kept for the next rebuild to write over (drop_cached_copy)."""
         served = {target.weights_dir.resolve() for target in self.servers}
         if self._newest is not None:  # a server that failed on it retries next poll: keep the copy
             served.add(self._newest.resolve())
@@ -258,7 +261,11 @@ class ReloadWatcher:
         for directory, kept in ((self.checkpoints_dir, served), (self.reload_root, keep)):
             if directory.exists():
                 for entry in directory.iterdir():
-                    if entry.resolve() not in kept and entry not in kept:
+                    if entry.resolve() in kept or entry in kept or entry.name == SPARE_WEIGHTS:
+                        continue
+                    if directory == self.checkpoints_dir:
+                        drop_cached_copy(entry)  # its weights file written over by the next rebuild
+                    else:
                         shutil.rmtree(entry, ignore_errors=True)
 
     def discard_cache(self) -> None:

@@ -34,6 +34,7 @@ import contextlib
 import functools
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -387,6 +388,19 @@ def _cached(target: Path, info: CheckpointInfo) -> bool:
         return False
 
 
+# A weights file of a copy no one serves any more (drop_cached_copy), kept in a fetch_checkpoint cache
+# for the next delta step's rebuild to write over (storage.weight_delta.apply's `reuse`).
+SPARE_WEIGHTS = ".spare.safetensors"
+
+
+def drop_cached_copy(directory: Path) -> None:
+    """Deletes a copy in a fetch_checkpoint cache, keeping its weights file as the cache's spare."""
+    weights = directory / WEIGHTS_FILE
+    if weights.is_file() and not weights.is_symlink():
+        os.replace(weights, directory.parent / SPARE_WEIGHTS)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
 def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, Any] | None, directory: Path) -> None:
     """The weights of delta step `info` into `directory`: from the newest step of its chain already
     in `cache_dir` (else its full step, fetched), with the deltas after it applied."""
@@ -409,6 +423,6 @@ def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, A
         with storage_errors(step_info.url):
             bodies.append((step_info.step, retrying(fs, join(path, DELTA_FILE), fs.cat_file, join(path, DELTA_FILE))))
     try:
-        apply(base_dir / WEIGHTS_FILE, bodies, directory / WEIGHTS_FILE)
+        apply(base_dir / WEIGHTS_FILE, bodies, directory / WEIGHTS_FILE, reuse=cache_dir / SPARE_WEIGHTS)
     except DeltaError as error:
         raise CheckpointError(f"{info.url}: {error}") from None

@@ -157,10 +157,14 @@ def safetensors_header(path: Path, error: type[Exception] = DeltaError) -> tuple
     return raw_size + head, parsed
 
 
-def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> None:
+def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse: Path | None = None) -> None:
     """Write to `out` the weights of `base_file` with the `deltas` ((step, delta file bytes), oldest
     first, each against the one before it, the first against `base_file`) applied, a chunk at a
-    time; raises DeltaError on a delta for other tensors or any chunk whose bytes fail its checksum."""
+    time; raises DeltaError on a delta for other tensors or any chunk whose bytes fail its checksum.
+
+    `reuse`: a file no one reads any more (an older rebuild), moved to `out` and written over where
+    it exists: its pages are in memory already, where a new file's are faulted in on first write
+    (seconds a GB on a VM: 0.6 s against up to 7 s for a 0.5B model's 988 MB here)."""
     raw_header, tensors = safetensors_header(base_file)
     read = [(step, *read_delta(data, f"the delta of step {step}")) for step, data in deltas]
     for step, header, _ in read:
@@ -204,10 +208,24 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path) -> No
                 )
         os.pwrite(descriptor, memoryview(data), begin)
 
-    descriptor = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    descriptor = _recycled(reuse, out)
     try:
         os.pwrite(descriptor, raw_header, 0)
         _each(one, pieces)
+        os.ftruncate(descriptor, end)  # a reused file of another size
     finally:
         os.close(descriptor)
         os.close(source)
+
+
+def _recycled(reuse: Path | None, out: Path) -> int:
+    """A descriptor for writing `out`: `reuse` moved there when it exists (its bytes all written over
+    by apply, its length set), a new empty file otherwise."""
+    if reuse is not None:
+        try:
+            os.replace(reuse, out)
+        except FileNotFoundError:  # none, or another rebuild took it first
+            pass
+        else:
+            return os.open(out, os.O_WRONLY)
+    return os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

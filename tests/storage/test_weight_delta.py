@@ -5,6 +5,7 @@ keeps every step a kept one is built from."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import fsspec
 import pytest
@@ -12,8 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from storage.checkpoints import (
+    SPARE_WEIGHTS,
     CheckpointError,
     apply_retention,
+    drop_cached_copy,
     checkpoint_url,
     fetch_checkpoint,
     pin_steps,
@@ -113,6 +116,27 @@ def test_a_torn_delta_or_a_missing_step_of_the_chain_gives_no_weights(root: str,
     fs.rm(first, recursive=True)
     with pytest.raises(CheckpointError, match=r"a delta on steps \[1, 2\].*gone"):
         fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 3)), tmp_path / "other-cache")
+
+
+def test_a_rebuild_writes_over_the_weights_file_of_a_dropped_copy(root: str, tmp_path) -> None:
+    """A copy no one serves leaves its weights file as the cache's spare; the next rebuild writes
+    its weights into that file (moved, its pages reused), of whatever size it was, byte for byte."""
+    publish_chain(root, tmp_path, {1}, range(1, 5))
+    cache = tmp_path / "cache"
+    for step in (2, 3):
+        fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", step)), cache)
+    with (cache / "step-00000002" / WEIGHTS_FILE).open("ab") as longer:
+        longer.write(b"\0" * 1000)  # a spare longer than the weights: cut to their length
+    inode = (cache / "step-00000002" / WEIGHTS_FILE).stat().st_ino
+    drop_cached_copy(cache / "step-00000002")
+    assert not (cache / "step-00000002").exists() and (cache / SPARE_WEIGHTS).stat().st_ino == inode
+    local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 4)), cache)
+    assert (local / WEIGHTS_FILE).stat().st_ino == inode and not (cache / SPARE_WEIGHTS).exists()
+    assert (local / WEIGHTS_FILE).read_bytes() == full_file(4, tmp_path / "expected-4")
+    # No spare: a new file, the same bytes.
+    shutil.rmtree(local)
+    local = fetch_checkpoint(read_checkpoint(checkpoint_url(root, "run", 4)), cache)
+    assert (local / WEIGHTS_FILE).read_bytes() == full_file(4, tmp_path / "expected-4")
 
 
 def test_retention_keeps_the_chain_of_every_step_it_keeps(root: str, tmp_path) -> None:

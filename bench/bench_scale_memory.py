@@ -84,13 +84,12 @@ def whole_logits_logprobs(model, batch, hooks=None, device="cpu"):
 
 def probe(model: str, tokens: int, logprobs: str, checkpointing: bool, dtype: str, steps: int) -> dict:
     """One case in this process: `steps` optimizer steps of `tokens`-token micro-batches."""
-    import deepspeed
     import torch
 
     import trainer.model
     from core.scored_group import ScoredGroup, ScoredSequence
     from trainer.config import TrainerConfig
-    from trainer.distributed import deepspeed_config, init_distributed
+    from trainer.distributed import build_engine, init_distributed
     from trainer.step import build_step
     from trainer.train import optimizer_step
 
@@ -101,7 +100,7 @@ def probe(model: str, tokens: int, logprobs: str, checkpointing: bool, dtype: st
     policy = trainer.model.load_policy(model, dtype)
     if checkpointing:
         trainer.model.enable_gradient_checkpointing(policy)
-    engine, *_ = deepspeed.initialize(model=policy, model_parameters=policy.parameters(), config=deepspeed_config(config))
+    engine = build_engine(policy, config, world_size)
     if logprobs == "whole":
         trainer.model.packed_logprobs = whole_logits_logprobs
     rng = random.Random(0)

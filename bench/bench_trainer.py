@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.scored_group import ScoredGroup, ScoredSequence
 from trainer.config import TrainerConfig
-from trainer.distributed import deepspeed_config, init_distributed
+from trainer.distributed import build_engine, init_distributed
 from trainer.losses import policy_loss
 from trainer.model import load_policy, token_logprobs
 from trainer.packing import TrainingSequence, padding_waste
@@ -256,12 +256,8 @@ def time_trainer_and_plain(
 ) -> dict:
     """The trainer's step and the plain padded step on the same batches from the same weights,
     taking turns step by step; tokens/s of each, their ratio and how far the weights ended apart."""
-    import deepspeed
-
     trainer_model = load_policy(config.model)
-    engine, *_ = deepspeed.initialize(
-        model=trainer_model, model_parameters=trainer_model.parameters(), config=deepspeed_config(config)
-    )
+    engine = build_engine(trainer_model, config, world_size)
     plain = load_policy(config.model)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=config.lr, weight_decay=0.0)
     spent: dict[str, list[float]] = {"trainer": [], "plain": []}

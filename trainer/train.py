@@ -38,7 +38,7 @@ from trainer.checkpointing import (
 )
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
-from trainer.distributed import broadcast_object, deepspeed_config, gather_objects, init_distributed
+from trainer.distributed import broadcast_object, build_engine, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.state_store import StateStore, StateUpload
 from trainer.model import enable_gradient_checkpointing, gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
@@ -116,8 +116,6 @@ class TrainingRun:
     def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
               storage_options: dict[str, Any] | None = None) -> TrainingRun:  # fmt: skip
         """Setup: the process group, the engine, the resume state, the shard reader (rank 0)."""
-        import deepspeed
-
         self = cls(config, storage, run, Path(work_dir) if work_dir is not None else default_work_dir(storage, run), storage_options)
         torch.manual_seed(config.seed)
         # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
@@ -125,7 +123,7 @@ class TrainingRun:
         self.model = load_policy(config.model, config.dtype)
         if config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
-        self.engine, *_ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(), config=deepspeed_config(config))
+        self.engine = build_engine(self.model, config, self.world_size)
         if config.loss.kl_coef > 0:
             self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
         self.state_store = StateStore.for_run(storage, run, config.state_in_storage, storage_options)

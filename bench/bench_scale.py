@@ -160,6 +160,10 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     full_bytes = max(written[info.step] for info in published if not info.chain)
     deltas = [written[info.step] for info in published if info.chain]
     states = sorted((work / "state").glob("step-*"))
+    # One resume state's save (the steps above may save none: state_every_minutes), and its share of
+    # a step once spread over the steps between two states.
+    state_save_s = statistics.median([r["save_state_s"] for r in rows if r.get("save_state_s")] or [0.0])
+    steps_per_state = max(1, round(STATE_EVERY_MINUTES * 60 / step_s))
     return {
         "parts_s": parts, "step_s": round(step_s, 3),
         # Wall seconds per step as TRL's are counted (from one step's end to the next's): the parts
@@ -170,8 +174,8 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         "publish_bytes": statistics.median(written[row["step"]] for row in rows[1:] if row["step"] in written),
         "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
         "state_bytes": directory_bytes(states[-1]) if states else None,
-        # One resume state's save (the steps above may save none: state_every_minutes).
-        "state_save_s": statistics.median([r["save_state_s"] for r in rows if r.get("save_state_s")] or [0.0]),
+        "state_save_s": state_save_s, "steps_per_state": steps_per_state,
+        "overhead_share": round((parts["publish_s"] + parts["reload_s"] + state_save_s / steps_per_state) / step_s, 3),
         "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
         "steps_measured": len(steps_rows), "startup_s": round(rows[0]["time"] - started, 1),
         "tokens_per_step": statistics.median(r["tokens"] for r in rows[1:]),

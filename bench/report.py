@@ -300,8 +300,8 @@ def scale_loop_text() -> str:
         "Medians over the steps after the first: wall seconds from one step's end to the next's (both sides), "
         "and clotho's parts, whose sum is in brackets (a reload may overlap the resume state's save); shares are of that sum. "
         "clotho publishes every step (in full every trainer.full_every, 10, and as deltas between: delta / full bytes) "
-        "and saves its resume state every 10 minutes and at the last step: its seconds are those of one save, its share "
-        "what it costs the steps measured.",
+        "and saves its resume state every 10 minutes and at the last step: its seconds are those of one save; "
+        "publish + state + reload counts one save spread over the steps of 10 minutes.",
         "",
         "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | delta / full bytes | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -310,7 +310,7 @@ def scale_loop_text() -> str:
         clotho, trl = entry.get("clotho", {}), entry.get("trl", {})
         if "step_s" in clotho:
             parts, shares = clotho["parts_s"], clotho["shares"]
-            overhead = shares["publish_s"] + shares["save_state_s"] + shares["reload_s"]
+            overhead = clotho.get("overhead_share", shares["publish_s"] + shares["save_state_s"] + shares["reload_s"])
             state_mb = f"{clotho['state_bytes'] / 1e6:,.0f}" if clotho.get("state_bytes") else "-"
             cells = [f"{clotho['wall_step_s']:.2f} ({clotho['step_s']:.2f})", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
                      f"{parts['update_s']:.2f} ({shares['update_s']:.0%})", f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",

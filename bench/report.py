@@ -340,7 +340,8 @@ def cost_model_text() -> str:
         f"{model['from_size']} shape: update {rates['update_flops_per_s'] / 1e9:.0f} GFLOP/s (8 x parameters x tokens), "
         f"publish {rates['publish_s_per_parameter'] * 1e9:.2f} s per billion parameters, resume state "
         f"{rates['state_bytes_per_s'] / 1e6:.0f} MB/s, reload {rates['reload_s_per_parameter'] * 1e9:.2f} s per billion "
-        "parameters (publish and reload as a step did them: a full checkpoint every trainer.full_every, deltas between). The node column assumes (no GPU here) {node['gpus']} GPUs of "
+        "parameters (publish and reload as a step did them: a full checkpoint every trainer.full_every, deltas between). "
+        f"The node column assumes (no GPU here) {node['gpus']} GPUs of "
         f"{node['peak_flops_per_gpu'] / 1e12:.0f} TFLOP/s bf16 at {node['mfu']:.0%} MFU, {node['sampling_gpus']} of them sampling "
         f"{node['decode_tokens_per_s_per_gpu']:,.0f} tokens/s each, and {node['disk_bytes_per_s'] / 1e9:.0f} GB/s of disk.",
         "",

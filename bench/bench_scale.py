@@ -60,6 +60,12 @@ PARTS = ("sampling_s", "update_s", "publish_s", "save_state_s", "reload_s")
 STATE_EVERY_MINUTES = 10  # the trainer's resume state (trainer.state_every_minutes), here and in the cost model
 
 
+def steps_per_state(step_s: float) -> int:
+    """Steps of `step_s` seconds that share one resume state: the first step to end past
+    STATE_EVERY_MINUTES saves it."""
+    return max(1, math.ceil(STATE_EVERY_MINUTES * 60 / step_s))
+
+
 def parameter_count(size: str) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -163,7 +169,7 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     # One resume state's save (the steps above may save none: state_every_minutes), and its share of
     # a step once spread over the steps between two states.
     state_save_s = statistics.median([r["save_state_s"] for r in rows if r.get("save_state_s")] or [0.0])
-    steps_per_state = max(1, round(STATE_EVERY_MINUTES * 60 / step_s))
+    sharing = steps_per_state(step_s)
     return {
         "parts_s": parts, "step_s": round(step_s, 3),
         # Wall seconds per step as TRL's are counted (from one step's end to the next's): the parts
@@ -174,8 +180,8 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         "publish_bytes": statistics.median(written[row["step"]] for row in rows[1:] if row["step"] in written),
         "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
         "state_bytes": directory_bytes(states[-1]) if states else None,
-        "state_save_s": state_save_s, "steps_per_state": steps_per_state,
-        "overhead_share": round((parts["publish_s"] + parts["reload_s"] + state_save_s / steps_per_state) / step_s, 3),
+        "state_save_s": state_save_s, "steps_per_state": sharing,
+        "overhead_share": round((parts["publish_s"] + parts["reload_s"] + state_save_s / sharing) / step_s, 3),
         "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
         "steps_measured": len(steps_rows), "startup_s": round(rows[0]["time"] - started, 1),
         "tokens_per_step": statistics.median(r["tokens"] for r in rows[1:]),
@@ -296,12 +302,12 @@ def cost_model(entry: dict) -> dict:
     states = {"this_machine": 16 * big / rates["state_bytes_per_s"], "node": 16 * big / NODE["disk_bytes_per_s"]}
 
     def table(seconds: dict, state_s: float) -> dict:
-        steps_per_state = max(1, math.ceil(STATE_EVERY_MINUTES * 60 / sum(seconds.values())))
-        seconds = {**seconds, "save_state_s": state_s / steps_per_state}
+        sharing = steps_per_state(sum(seconds.values()))
+        seconds = {**seconds, "save_state_s": state_s / sharing}
         total = sum(seconds.values())
         return {"step_s": round(total, 2), "parts_s": {k: round(v, 3) for k, v in seconds.items()},
                 "shares": {k: round(v / total, 3) for k, v in seconds.items()}, "dominant": max(seconds, key=seconds.get),
-                "state": {"one_s": round(state_s, 1), "steps_per_state": steps_per_state}}  # fmt: skip
+                "state": {"one_s": round(state_s, 1), "steps_per_state": sharing}}  # fmt: skip
 
     return {"from_size": entry["size"], "rates": {k: float(f"{v:.4g}") for k, v in rates.items()},
             "target": {"model": "Qwen2.5-7B", **QWEN25_7B}, "state_every_minutes": STATE_EVERY_MINUTES, "this_machine": table(here, states["this_machine"]), "node": table(node, states["node"]),

@@ -1,6 +1,6 @@
 """The loop at each model size: where a step's time and memory go, with TRL's GRPOTrainer beside it.
 
-    python bench/bench_scale.py [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 6] [--sides clotho,trl]
+    python bench/bench_scale.py [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 8] [--sides clotho,trl]
 
 Each size is a model `clotho model tiny --size` builds (random weights; the real shapes with their
 vocabulary, in bf16). The workload is the same at every size: the repeat task (rows of 16 digits),
@@ -8,11 +8,13 @@ vocabulary, in bf16). The workload is the same at every size: the repeat task (r
 
 clotho runs it as `clotho run` (one vLLM server in the model's dtype, the rollout flow, the trainer
 in fp32 with gradient checkpointing at the real shapes, a checkpoint published and reloaded every
-step, a resume state every step, max_lag 0 so a step's parts follow one another). Per step, medians
-over the steps after the first: sampling seconds (from the server announcing the version to the
-last group sampled on it), update seconds (step_time_s), publish seconds and bytes (one checkpoint's files),
-resume-state seconds and bytes (one state's files), reload seconds (parity included), each one's
-share of the step, and the trainer's peak RSS.
+step, in full every trainer.full_every and as deltas between, the resume state every 10 minutes,
+max_lag 0 so a step's parts follow one another). Per step, medians over the steps after the first:
+sampling seconds (from the server announcing the version to the last group sampled on it), update
+seconds (step_time_s), publish and reload seconds (parity included) as a run pays them (in_cycle:
+one full in every full_every, deltas between), publish bytes, resume-state seconds and bytes (one
+state's, spread over the steps between two states), each one's share of the step, and the
+trainer's peak RSS.
 
 TRL runs bench/peer_trl.py in .venv-trl on the same task (transformers generate, fp32, gradient
 checkpointing at the real shapes as on clotho's side), its saves taken out of its time as in
@@ -48,6 +50,7 @@ from results import current_commit, read_jsonl, write_result  # noqa: E402
 from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from storage.reader import ShardReader  # noqa: E402
+from trainer.config import TrainerConfig  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
@@ -64,6 +67,20 @@ def steps_per_state(step_s: float) -> int:
     """Steps of `step_s` seconds that share one resume state: the first step to end past
     STATE_EVERY_MINUTES saves it."""
     return max(1, math.ceil(STATE_EVERY_MINUTES * 60 / step_s))
+
+
+def in_cycle(seconds: dict[int, float], full_steps: set[int], full_every: int) -> dict[str, float | None]:
+    """A publish's or reload's seconds (`seconds` by step; steps in `full_steps` full, the others
+    deltas) as a run pays them: a full one in every `full_every`, deltas between. The medians of
+    each kind, the first step's left out where there are others (it pays the warm-up)."""
+    full = [s for step, s in seconds.items() if step in full_steps]
+    full = [s for step, s in seconds.items() if step in full_steps and step != min(seconds)] or full
+    deltas = [s for step, s in seconds.items() if step not in full_steps]
+    if not deltas or full_every == 1:
+        every = [s for step, s in seconds.items() if step != min(seconds)] or list(seconds.values())
+        return {"full_s": round(statistics.median(every), 3), "delta_s": None, "cycle_s": round(statistics.median(every), 3)}
+    full_s, delta_s = statistics.median(full), statistics.median(deltas)
+    return {"full_s": round(full_s, 3), "delta_s": round(delta_s, 3), "cycle_s": round((full_s + (full_every - 1) * delta_s) / full_every, 3)}
 
 
 def parameter_count(size: str) -> int:
@@ -130,7 +147,8 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     workdir.mkdir(parents=True)
     run_url = f"file://{workdir}/store/run"
     config = workdir / "run.yaml"
-    config.write_text(yaml.safe_dump(clotho_config(run_url, size, steps, trainer)))
+    settings = clotho_config(run_url, size, steps, trainer)
+    config.write_text(yaml.safe_dump(settings))
     started = time.time()
     error = run_watched([CLOTHO, "run", str(config)], workdir / "run.log", max_rss, limit_s)
     if error:
@@ -144,27 +162,36 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     served_at = {0: min(e["time"] for e in events)}
     served_at |= {e["version"]: e["time"] for e in events if e["event"] == "reload"}
     reload_s = {e["version"]: e["reload_s"] for e in events if e["event"] == "reload"}  # parity included
-    # A reload's parts: the fetch (a delta step rebuilt from the one served), the swap, the parity check.
-    reload_parts = {name: round(statistics.median(e[name] for e in events if e["event"] == "reload" and e["version"] > 1), 3)
-                    for name in ("fetch_s", "swap_s", "parity_s")}  # fmt: skip
     sampled_until: dict[int, float] = {}
     for group in ShardReader(storage, run).groups():
         sampled_until[group.policy_version] = max(sampled_until.get(group.policy_version, 0.0), group.created_at)
+    # What each step published (a full checkpoint, or a delta on the one before: trainer.full_every).
+    published = [read_checkpoint(checkpoint_url(storage, run, step)) for step in published_steps(storage, run)]
+    written = {info.step: sum(info.manifest["files"].values()) for info in published}
+    full_steps = {info.step for info in published if not info.chain}
     steps_rows = []
     for row in rows[1:]:  # the first step pays the servers' and the trainer's warm-up
         version = row["step"] - 1  # max_lag 0: step N trains groups sampled on version N - 1
         steps_rows.append({
             "sampling_s": sampled_until[version] - served_at[version], "update_s": row["step_time_s"],
-            "publish_s": row.get("publish_s", 0.0), "save_state_s": row.get("save_state_s", 0.0),
-            "reload_s": reload_s.get(version, 0.0),
+            "save_state_s": row.get("save_state_s", 0.0),
         })  # fmt: skip
-    parts = {name: round(statistics.median(r[name] for r in steps_rows), 3) for name in PARTS}
+    parts = {name: round(statistics.median(r[name] for r in steps_rows), 3) for name in PARTS if name in steps_rows[0]}
+    # A publish and a reload as they come in a run: one full checkpoint in every full_every, deltas
+    # between (the first step's full publish counts: in a short run it is the only one).
+    full_every = settings["trainer"].get("full_every", TrainerConfig.model_fields["full_every"].default)
+    publishes = {row["step"]: row.get("publish_s", 0.0) for row in rows}
+    reloads = {version: seconds for version, seconds in reload_s.items() if version < rows[-1]["step"]}  # trained on
+    cycle = {"publish_s": in_cycle(publishes, full_steps, full_every), "reload_s": in_cycle(reloads, full_steps, full_every)}
+    parts |= {name: kinds["cycle_s"] for name, kinds in cycle.items()}
+    # A delta reload's parts: the fetch (the step rebuilt from the one served), the swap, the parity check.
+    delta_reloads = [e for e in events if e["event"] == "reload" and e["version"] in reloads and e["version"] not in full_steps]
+    reload_parts = {name: round(statistics.median(e[name] for e in delta_reloads), 3) if delta_reloads else None
+                    for name in ("fetch_s", "swap_s", "parity_s")}  # fmt: skip
+    full_bytes = max(written[step] for step in full_steps)
+    deltas = [size for step, size in written.items() if step not in full_steps]
+    parts = {name: parts[name] for name in PARTS}
     step_s = sum(parts.values())
-    # What each step published (a full checkpoint, or a delta on the one before: trainer.full_every).
-    published = [read_checkpoint(checkpoint_url(storage, run, step)) for step in published_steps(storage, run)]
-    written = {info.step: sum(info.manifest["files"].values()) for info in published}
-    full_bytes = max(written[info.step] for info in published if not info.chain)
-    deltas = [written[info.step] for info in published if info.chain]
     states = sorted((work / "state").glob("step-*"))
     # One resume state's save (the steps above may save none: state_every_minutes), and its share of
     # a step once spread over the steps between two states.
@@ -176,8 +203,9 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
         # above can overlap (a reload runs while the trainer saves its state).
         "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
         "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
-        "reload_parts_s": reload_parts,
-        "publish_bytes": statistics.median(written[row["step"]] for row in rows[1:] if row["step"] in written),
+        "reload_parts_s": reload_parts, "full_and_delta_s": cycle, "full_every": full_every,
+        # Bytes a step publishes as a run pays them (in_cycle): a full checkpoint in every full_every.
+        "publish_bytes": in_cycle(written, full_steps, full_every)["cycle_s"],
         "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
         "state_bytes": directory_bytes(states[-1]) if states else None,
         "state_save_s": state_save_s, "steps_per_state": sharing,
@@ -318,7 +346,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--sides", default="clotho,trl")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8, help="Steps a side runs (8: the first two delta rebuilds, which find no file to write over, are not the medians).")
     parser.add_argument("--max-rss-gib", type=float, default=20.0, help="Kill a side past this much RSS (all its processes).")
     parser.add_argument("--limit-s", type=float, default=3600.0, help="Kill a side past this many seconds.")
     parser.add_argument("--trainer", type=json.loads, default={}, help="clotho's trainer settings over the bench's, as JSON.")

@@ -121,7 +121,8 @@ def publish_checkpoint(
         fs.makedirs(path, exist_ok=True)
         for file in files:
             target = join(path, file.relative_to(local).as_posix())
-            retrying(fs, target, fs.put_file, str(file), target)
+            if not (is_local(fs) and _linked(file, target)):
+                retrying(fs, target, fs.put_file, str(file), target)
         manifest = {
             "layout_version": CHECKPOINT_LAYOUT_VERSION,
             "step": step,
@@ -134,6 +135,18 @@ def publish_checkpoint(
         latest = join(resolve(checkpoints_url(root, run), storage_options)[1], LATEST)
         retrying(fs, latest, fs.pipe_file, latest, step_name(step).encode())
     return CheckpointInfo(url=url, step=step, manifest=manifest)
+
+
+def _linked(file: Path, target: str) -> bool:
+    """Whether `file` could be hard-linked at `target` (a local publish from staging on the same
+    disk): a full checkpoint's GB are then not copied again, and never written twice to disk."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(target)  # left by a publish killed before its STABLE
+    try:
+        os.link(file, target)
+    except OSError:  # another filesystem, or one without hard links
+        return False
+    return True
 
 
 def read_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

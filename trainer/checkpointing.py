@@ -84,7 +84,7 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
 def published_tensors(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous.
 
-    With tied embeddings they include `lm_head.weight`, a copy of `model.embed_tokens.weight`:
+    With tied embeddings they include `lm_head.weight`, the tensor of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
     weights."""
@@ -96,7 +96,7 @@ def published_tensors(module: torch.nn.Module, state_dict: dict[str, torch.Tenso
                 f"the state dict has no {embedding}; published_tensors knows the Qwen2/Llama naming of tied "
                 "embeddings only, extend it for this architecture"
             )
-        tensors["lm_head.weight"] = tensors[embedding].clone()  # its own storage: safetensors refuses shared ones
+        tensors["lm_head.weight"] = tensors[embedding]
     return tensors
 
 
@@ -113,8 +113,6 @@ def save_hf_checkpoint(
     the weights (a delta step's)."""
     import copy
 
-    from safetensors.torch import save_file
-
     config = copy.deepcopy(module.config)
     if dtype is not None:
         config.dtype = dtype
@@ -123,7 +121,8 @@ def save_hf_checkpoint(
     if getattr(module, "generation_config", None) is not None:
         module.generation_config.save_pretrained(out)
     if tensors is not None:
-        save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+        weights = {name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()}
+        weight_delta.write_safetensors(weights, out / WEIGHTS_FILE, metadata={"format": "pt"})
     base_tokenizer(tokenizer_source).save_pretrained(out)
 
 
@@ -172,6 +171,12 @@ class DeltaPublisher:
     def forget(self) -> None:
         """After a step it did not publish itself: the next publish is full."""
         self.step, self.chain, self.tensors = None, [], {}
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
 
 
 def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -248,8 +253,13 @@ def publish_step(
     if deltas is not None:
         # The next delta is taken against these bytes: a tensor that is the engine's own parameter
         # (published in its own dtype, on CPU) is copied, or the next optimizer step would change it.
-        kept = {name: tensor.clone() if name in state_dict and tensor.data_ptr() == state_dict[name].data_ptr() else tensor
-                for name, tensor in tensors.items()}  # fmt: skip
+        own = {tensor.data_ptr() for tensor in state_dict.values()}
+        copies: dict[int, torch.Tensor] = {}  # by data pointer: tied tensors are copied once
+        kept = {}
+        for name, tensor in tensors.items():
+            if tensor.data_ptr() in own and tensor.data_ptr() not in copies:
+                copies[tensor.data_ptr()] = tensor.clone()
+            kept[name] = copies.get(tensor.data_ptr(), tensor)
         deltas.published(step, kept, encoded[1] if encoded else [])
     return url
 

@@ -197,3 +197,38 @@ def test_tensors_of_many_chunks_rebuild_and_a_wrong_chunk_is_named(tmp_path, mon
     assert (tmp_path / "out.safetensors").read_bytes() == expected
     with pytest.raises(DeltaError, match="a.weight rebuilt for step 3 fails its checksum"):
         apply(tmp_path / "base.safetensors", [(3, three)], tmp_path / "out.safetensors")
+
+
+def test_a_streamed_safetensors_file_loads_as_safetensors_own_with_tied_tensors(tmp_path) -> None:
+    from trainer.checkpointing import SAFETENSORS_DTYPES
+    from storage.weight_delta import safetensors_header, write_safetensors
+
+    tensors = {**weights_at(1), "c.fp32": torch.randn(3, 5), "d.ids": torch.arange(5), "e.mask": torch.tensor([True, False, True])}
+    tensors["tied"] = tensors["a.weight"]  # an lm_head tied to its embedding: written twice, no copy made
+    write_safetensors({n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()},
+                      tmp_path / "w.safetensors", metadata={"format": "pt"})  # fmt: skip
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert loaded.keys() == tensors.keys()
+    assert all(loaded[n].dtype == t.dtype and torch.equal(loaded[n], t) for n, t in tensors.items())
+    raw, _ = safetensors_header(tmp_path / "w.safetensors")
+    assert len(raw) % 8 == 0 and json.loads(raw[8:])["__metadata__"] == {"format": "pt"}  # tensors 8-aligned
+    # Read as a rebuild reads a base (its header and offsets): copied byte for byte.
+    apply(tmp_path / "w.safetensors", [], tmp_path / "copy.safetensors")
+    assert (tmp_path / "copy.safetensors").read_bytes() == (tmp_path / "w.safetensors").read_bytes()
+
+
+def test_a_local_publish_links_the_staged_files_instead_of_copying_them(tmp_path) -> None:
+    staged = tmp_path / "staging" / "step"
+    staged.mkdir(parents=True)
+    (staged / "config.json").write_text("{}")
+    full_file(1, staged / WEIGHTS_FILE)
+    storage = str(tmp_path / "store")
+    leftover = tmp_path / "store" / "run" / "checkpoints" / "step-00000001"
+    leftover.mkdir(parents=True)
+    (leftover / WEIGHTS_FILE).write_bytes(b"torn by a killed publish")
+    info = publish_checkpoint(staged, storage, "run", 1)
+    published = leftover / WEIGHTS_FILE
+    assert published.stat().st_ino == (staged / WEIGHTS_FILE).stat().st_ino  # one file, two names
+    assert info.manifest["files"][WEIGHTS_FILE] == published.stat().st_size
+    shutil.rmtree(tmp_path / "staging")  # the trainer drops its staging copy: the published file stays
+    assert load_file(published).keys() == weights_at(1).keys()

@@ -16,6 +16,7 @@ from typer.core import TyperGroup
 
 from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow, start_local_prefect_server
 from clotho.input_checks import check_model, check_server_url, check_tokenizer
+from clotho.shortfall import SHORTFALL_EXIT, shortfall
 from core.validation import describe_validation_error
 from storage.filesystem import StorageUnavailableError
 from tasks.api_key import API_KEY_VARIABLE
@@ -262,6 +263,11 @@ def rollout(
         typer.echo(f"clotho rollout: stopped by {stopped}; every finished group is stored under {run}", err=True)
         raise typer.Exit(128 + stopped.signum) from None
     typer.echo(f"done: {summary['totals']}")
+    totals = summary["totals"]
+    failed = shortfall("clotho rollout", "groups", totals["groups"], totals["failures_by_reason"], ", ".join(server))
+    if failed:
+        typer.echo(failed, err=True)
+        raise typer.Exit(SHORTFALL_EXIT)
 
 
 from inference.cli import watch_command  # noqa: E402 - typer only, imports nothing heavy

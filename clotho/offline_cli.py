@@ -8,6 +8,7 @@ import os
 
 import typer
 
+from clotho.shortfall import SHORTFALL_EXIT, shortfall
 from tasks.api_key import API_KEY_VARIABLE
 
 
@@ -81,4 +82,11 @@ def evaluate_command(
         raise typer.Exit(2) from None
     finally:
         drain_prefect_reporting()
-    typer.echo(json.dumps({"step": result["step"], "env": result["env"], **result["report"]}))
+    report = result["report"]
+    typer.echo(json.dumps({"step": result["step"], "env": result["env"], **report}))
+    reasons = {key.removeprefix("failures/"): int(count) for key, count in report.items() if key.startswith("failures/")}
+    answered = int(report.get("items", 0))
+    failed = shortfall("clotho evaluate", "items answered", answered, reasons, server or "")
+    if failed:
+        typer.echo(failed, err=True)
+        raise typer.Exit(SHORTFALL_EXIT)

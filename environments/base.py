@@ -38,11 +38,14 @@ def prompt_messages(item: Item) -> Messages:
     return [dict(message) for message in item.prompt]
 
 
-def evaluation_report(scores: list[float], failures: int = 0) -> dict[str, float]:
-    """What `evaluate` reports: items answered, failures, mean score, share of scores above 0."""
+def evaluation_report(scores: list[float], failures: dict[str, int] | None = None) -> dict[str, float]:
+    """What `evaluate` reports: items answered, failures (in all and `failures/REASON` by reason,
+    environments.failures.FAILURE_REASONS), mean score, share of scores above 0."""
+    failures = failures or {}
     return {
         "items": float(len(scores)),
-        "failures": float(failures),
+        "failures": float(sum(failures.values())),
+        **{f"failures/{reason}": float(count) for reason, count in sorted(failures.items())},
         "mean_score": sum(scores) / len(scores) if scores else 0.0,
         "success_rate": sum(s > 0 for s in scores) / len(scores) if scores else 0.0,
     }
@@ -258,14 +261,14 @@ class Environment(ABC):
         twin = type(self)(twin_config, client=self.client, tokenizer=self.tokenizer)
         await twin.setup()
         scores: list[float] = []
-        failures = 0
+        failures: dict[str, int] = {}
         for _ in range(num_items):
             item = await twin.get_eval_item()
             if item is None:
                 break
             result = await twin.collect_group(item)
             if isinstance(result, RolloutFailure):
-                failures += 1
+                failures[result.reason] = failures.get(result.reason, 0) + 1
             else:
                 scores.append(result.sequences[0].score)
         return evaluation_report(scores, failures)

@@ -105,8 +105,9 @@ def is_the_command() -> bool:
 
 def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
     """`prefect server start` on a free loopback port in a session of its own, answering its
-    health check; its API URL and process. PrefectStartError if it does not come up in time."""
-    from core.processes import free_port, wait_answering
+    health check, ended with the command however it ends (core.processes.tethered); its API URL
+    and process. PrefectStartError if it does not come up in time."""
+    from core.processes import free_port, tethered, wait_answering
 
     log_path = home / "clotho-local-server.log"
     started = time.monotonic()
@@ -114,7 +115,7 @@ def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
         port = free_port()
         with open(log_path, "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                tethered([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 env={**os.environ, "PREFECT_HOME": str(home)},
             )  # fmt: skip

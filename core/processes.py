@@ -1,5 +1,5 @@
-"""Child processes, the one way every part handles them: a free port to serve on, waiting until
-one answers, stopping one (SIGTERM, a grace period, SIGKILL)."""
+"""Child processes, the one way every part handles them: tethered to the process that starts them,
+a free port to serve on, waiting until one answers, stopping one (SIGTERM, a grace period, SIGKILL)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,19 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import httpx
+
+
+def tethered(command: list[str]) -> list[str]:
+    """`command` run through core/tether.py: started with start_new_session=True, it and everything
+    it starts end when this process ends, however it ends (SIGKILL included), within about
+    tether.POLL_S + tether.GRACE_S. Its exit code is the command's."""
+    return [sys.executable, str(Path(__file__).with_name("tether.py")), str(os.getpid()), "--", *command]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -32,7 +32,7 @@ from prefect.artifacts import acreate_markdown_artifact
 from flows.pipeline_config import PipelineConfig, Phase
 from flows.live_view import RunView
 from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
-from core.processes import stop_process
+from core.processes import stop_process, tethered
 from flows.rollout import rollout
 from flows.rollout_runs import run_rollout_deployment
 from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
@@ -254,7 +254,7 @@ async def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, wor
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Its own process group: a Ctrl-C meant for the pipeline reaches it only through stop_process.
     with log_path.open("a") as log_file:  # the child holds its own copy
-        process = subprocess.Popen([sys.executable, "-m", "trainer.cli", *arguments], stdout=log_file, stderr=subprocess.STDOUT,
+        process = subprocess.Popen(tethered([sys.executable, "-m", "trainer.cli", *arguments]), stdout=log_file, stderr=subprocess.STDOUT,
                                    env=environment, cwd=REPO, start_new_session=True)  # fmt: skip
     return LocalTrainer(process, log_path)
 

@@ -13,9 +13,7 @@ Cancelling a node's flow run stops its trainer at a step boundary (trainer.stopp
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,7 +25,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 
-from core.processes import stop_process
+from core.processes import stop_process, tethered
 from storage.layout import split_run_url
 from trainer.train import default_work_dir
 
@@ -49,12 +47,6 @@ def trainer_arguments(
     for override in overrides:
         arguments += ["--set", override]
     return arguments
-
-
-def _end_with_parent() -> None:
-    """In the child before it runs: SIGTERM it when this process dies (a flow run killed outright
-    leaves no trainer training for nobody; the trainer stops at a step boundary)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 @flow(name="train-node")
@@ -90,8 +82,8 @@ def train_node(
     with log_path.open("a") as log_file:
         # Its own session: a cancel's signal reaches it once, from here (torchrun passes it to its ranks).
         process = subprocess.Popen(
-            command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
-            start_new_session=True, preexec_fn=_end_with_parent,
+            tethered(command), stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+            start_new_session=True,
         )  # fmt: skip
     try:
         while process.poll() is None:

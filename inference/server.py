@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.processes import free_port, stop_process, wait_answering
+from core.processes import free_port, stop_process, tethered, wait_answering
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VLLM_PLUGINS = Path(__file__).resolve().parent / "vllm_plugins"
@@ -244,7 +244,7 @@ class PolicyServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         self.process = subprocess.Popen(
-            self.command(),
+            tethered(self.command()),  # ends with the process that started it, however that ends
             stdout=log,
             stderr=subprocess.STDOUT,
             env=self.environment(),

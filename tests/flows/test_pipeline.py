@@ -3,6 +3,7 @@ subflows with bounded staleness, the DeepSpeed trainer as a process; then Ctrl-C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -244,6 +245,41 @@ def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_mod
     # Every shard that was committed is whole and readable; the trainer resumes from its state.
     assert all(not check.problems for check in verify(f"file://{tmp_path}/store/run"))
     assert (metrics / "state").exists()
+
+
+def test_a_sigkill_of_the_command_leaves_none_of_its_processes(tmp_path, tiny_model_dir):
+    """As the OOM killer or a CI timeout ends it: SIGKILL to the `clotho run` process alone. Its
+    Prefect server, policy server (with vLLM's engine) and trainer end within the tether's bound
+    (core/tether.py: POLL_S + GRACE_S)."""
+    from core import tether
+
+    config = write_config(tmp_path, tiny_model_dir, steps=1000)
+    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(environment, tmp_path), start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    metrics = tmp_path / "store" / "run" / "trainer"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and len(read_metrics(metrics)) < 2:
+            assert process.poll() is None, process.stdout.read()[-5000:]
+            time.sleep(1)
+        running = left_behind(str(tmp_path))
+        assert any("trainer.cli" in line for line in running) and any("vllm" in line for line in running), running
+        assert any("prefect" in line and "server" in line for line in running), running
+        process.kill()
+        process.wait(10)
+        killed = time.monotonic()
+        bound = tether.POLL_S + tether.GRACE_S + 5.0  # + the time to see them gone on two loaded cores
+        while time.monotonic() - killed < bound and left_behind(str(tmp_path)):
+            time.sleep(0.5)
+        assert left_behind(str(tmp_path)) == [], f"alive {bound:.0f} s after the command's SIGKILL"
+    finally:
+        process.kill()
+        for child in psutil.process_iter():  # never leave them to the next test
+            with contextlib.suppress(psutil.Error):
+                if str(tmp_path) in " ".join(child.environ().values()) and child.pid != os.getpid():
+                    child.kill()
 
 
 def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline(tmp_path, prefect_server, tiny_model_dir):

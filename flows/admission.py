@@ -109,6 +109,7 @@ class Admission:
         self.slot: str | None = None  # claimed at the first refresh
         self.carried = 0  # the committed groups of the slot's earlier holders, carried on in it
         self.adopted = 0  # what the slot held when this sampler claimed it
+        self.generation = 0  # the slot's claim this sampler holds (storage.progress.claim_sampler_slot)
         self.run_end: int | None = None  # the step a pipeline's stop rule ended the run at
         self.refresh_s, self.storage_options, self.log = refresh_s, storage_options, logger
         self.last_step = last_step
@@ -273,17 +274,17 @@ class Admission:
     def _claim(self) -> None:
         claimed = claim_sampler_slot(self.storage, self.run, self.sampler, storage_options=self.storage_options)
         self.slot, self.carried = claimed.sampler, claimed.committed
-        self.adopted = claimed.adopted
+        self.adopted, self.generation = claimed.adopted, claimed.generation
         if claimed.sampler != self.sampler:
             self.log.debug("sampler slot %s taken over with %d committed groups", claimed.sampler, claimed.committed)
 
     async def _taken_over(self, mine: SamplerPosition) -> None:
-        """Another flow took this sampler's slot over (it stopped writing long enough to look dead,
-        or both claimed it at once): it carries on what it read there, `mine.adopted`; the groups
+        """Another flow took this sampler's slot over (it stopped writing long enough to look dead):
+        it carries on what it read there, `mine.adopted`; the groups
         this sampler counted past that go on in a slot of its own."""
         self.log.warning("sampler slot %s was taken over by %s; going on in a new one", self.slot, mine.holder)
         self.slot, self.carried = f"{self.sampler}-{uuid.uuid4().hex[:6]}", self.carried - mine.adopted
-        self.adopted, self.written = 0, None
+        self.adopted, self.generation, self.written = 0, 0, None
         await self._write(force=True)
 
     def _read_positions(self) -> tuple[TrainerPosition | None, list[SamplerPosition], int | None]:
@@ -300,7 +301,7 @@ class Admission:
         if self.slot is None or (not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S):
             return
         position = SamplerPosition(self.slot, committed=counts[0], in_flight=counts[1], closed=closed,
-                                   holder=self.sampler, adopted=self.adopted)  # fmt: skip
+                                   holder=self.sampler, adopted=self.adopted, generation=self.generation)  # fmt: skip
         await asyncio.to_thread(
             write_sampler_position, self.storage, self.run, position, storage_options=self.storage_options
         )

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -254,7 +255,7 @@ def publish(
     Local disks: write a file in `temp_dir` (same file system, outside the dataset), then hard-link it
     to `path`; the link fails if `path` exists, so two writers can never clobber each other.
     Object stores and memory://: one exclusive PUT of the whole object (fsspec's mode="create"; on S3
-    a conditional `If-None-Match: *` write), which is atomic there. Retried while the store fails
+    a conditional `If-None-Match: *` write), which is atomic there (on memory://, under a lock). Retried while the store fails
     transiently; a retry whose earlier try landed unanswered (the connection dropped after the
     store took the object) finds the object there: when it holds exactly `data`, the write is ours
     and done, else it is another writer's and FileExistsError stands.
@@ -275,13 +276,18 @@ def publish(
             if before is not None:
                 before()
             try:
-                retrying(fs, path, fs.pipe_file, path, body, mode="create")
+                with _MEMORY_CREATE if isinstance(fs, MemoryFileSystem) else contextlib.nullcontext():
+                    retrying(fs, path, fs.pipe_file, path, body, mode="create")
             except FileExistsError:
                 if not is_remote(fs) or retrying(fs, path, _stored_bytes, fs, path) != body:
                     raise
                 log.info("%s: a retried write found its own earlier try stored", _url(fs, path))
     except FileExistsError:
         raise FileExistsError(f"{path} already exists; published files are never overwritten") from None
+
+
+# memory://'s exclusive create checks, then stores: two threads could both pass the check.
+_MEMORY_CREATE = threading.Lock()
 
 
 def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:

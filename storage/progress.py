@@ -5,6 +5,7 @@ run early, the step it ended at.
 
     {root}/{run}/progress/trainer.json          the trainer's: as it starts, after every read and publish
     {root}/{run}/progress/samplers/{slot}.json  the rollout flow holding the slot, as its counts change
+    {root}/{run}/progress/claims/{slot}@{N}     who claimed the slot's N-th generation, written once
     {root}/{run}/progress/end.json              the pipeline's (`clotho run`), when its stop rule held
     {root}/{run}/metrics/step-{N:08d}.json      the trainer's metrics of step N (rank 0, after the step)
 
@@ -27,12 +28,13 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from storage.filesystem import is_local, resolve, retrying, storage_errors
+from storage.filesystem import is_local, publish, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 
 PROGRESS = "progress"
 TRAINER_FILE = "trainer.json"
 SAMPLERS = "samplers"
+CLAIMS = "claims"
 END_FILE = "end.json"
 METRICS = "metrics"
 
@@ -72,6 +74,7 @@ class SamplerPosition:
     updated_at: float = field(default_factory=time.time)
     holder: str = ""  # the rollout flow writing the slot ("": the slot's own name, as before slots)
     adopted: int = 0  # of `committed`, what the holder took over from the slot's previous holders
+    generation: int = 0  # claims of the slot so far (claim_sampler_slot): the holder's, in each write
 
     def free(self, now: float) -> bool:
         """Whether a starting sampler may take the slot over: its holder closed, or died."""
@@ -79,7 +82,6 @@ class SamplerPosition:
 
 
 DEAD_AFTER_S = 60.0  # a sampler that has not written its position for this long is dead
-CLAIM_SETTLE_S = 0.5  # a slot claimed is read back after this: two flows that claimed it, one keeps it
 
 
 def trainer_position_url(root: str, run: str) -> str:
@@ -165,23 +167,48 @@ def groups_committed(root: str, run: str, *, storage_options: dict[str, Any] | N
     return live + (trainer.retired_committed if trainer is not None else 0)
 
 
-def claim_sampler_slot(
-    root: str, run: str, holder: str, *, storage_options: dict[str, Any] | None = None, settle_s: float = CLAIM_SETTLE_S
-) -> SamplerPosition:
-    """A slot for the sampler `holder`: the first free one (its committed count carried on), read
-    back after `settle_s` so that of two flows that claimed it at once one keeps it and the other
-    tries the next; a new slot named after the holder when none is free."""
+def claim_url(root: str, run: str, slot: str, generation: int) -> str:
+    return join(run_url(root, run), PROGRESS, CLAIMS, f"{slot}@{generation:08d}")
+
+
+def claim_sampler_slot(root: str, run: str, holder: str, *, storage_options: dict[str, Any] | None = None) -> SamplerPosition:
+    """A slot for the sampler `holder`: the first free one (its committed count carried on), or a
+    new slot named after the holder when none is free.
+
+    A free slot is taken by claiming its next generation: a write of
+    `progress/claims/{slot}@{generation}` that fails when the file exists (storage.filesystem.publish:
+    a hard link on a local disk, `If-None-Match: *` on S3, a lock on memory://). Of flows that race
+    for one slot, one writes the claim and holds the slot; the others try the next one. So two flows
+    never hold one slot, and nothing is repaired afterwards. A claimant that dies between its claim
+    and its first write leaves that slot to no one: its counts stay counted, later flows use others."""
     for slot in sorted((p for p in read_sampler_positions(root, run, storage_options=storage_options) if p.free(time.time())),
                        key=lambda p: p.sampler):  # fmt: skip
-        claimed = SamplerPosition(slot.sampler, slot.committed, 0, holder=holder, adopted=slot.committed)
+        generation = slot.generation + 1
+        if not _claim(root, run, slot.sampler, generation, holder, storage_options):
+            continue  # another flow took it first
+        claimed = SamplerPosition(slot.sampler, slot.committed, 0, holder=holder, adopted=slot.committed, generation=generation)
         write_sampler_position(root, run, claimed, storage_options=storage_options)
-        time.sleep(settle_s)
-        again = read_sampler_position(root, run, slot.sampler, storage_options=storage_options)
-        if again is not None and again.holder == holder:
-            return claimed
+        if slot.generation:  # the claim before this one: nobody races for it any more
+            url = claim_url(root, run, slot.sampler, slot.generation)
+            fs, path = resolve(url, storage_options)
+            with contextlib.suppress(FileNotFoundError), storage_errors(url):
+                retrying(fs, path, fs.rm, path)
+        return claimed
     claimed = SamplerPosition(holder, 0, 0, holder=holder)
     write_sampler_position(root, run, claimed, storage_options=storage_options)
     return claimed
+
+
+def _claim(root: str, run: str, slot: str, generation: int, holder: str, storage_options: dict[str, Any] | None) -> bool:
+    url = claim_url(root, run, slot, generation)
+    fs, path = resolve(url, storage_options)
+    temp_dir = resolve(join(run_url(root, run), "_tmp"), storage_options)[1]
+    with storage_errors(url):
+        try:
+            publish(fs, path, json.dumps({"holder": holder, "at": time.time()}).encode(), temp_dir=temp_dir)
+        except FileExistsError:
+            return False
+    return True
 
 
 def end_url(root: str, run: str) -> str:

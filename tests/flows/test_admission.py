@@ -322,7 +322,6 @@ async def test_a_starting_sampler_takes_over_a_closed_slot_and_its_count(tmp_pat
     """Each slot file has one writer: a flow that ended leaves its slot closed and the next flow
     takes it over, carrying its committed groups on, so the samplers' directory holds as many
     files as flows ran at once and every committed group counts once."""
-    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
     root = str(tmp_path)
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=8))
     ended = sampler(root, "ended")
@@ -343,7 +342,6 @@ async def test_a_holder_taken_for_dead_goes_on_in_a_new_slot_counting_each_group
     """A flow that stopped writing for DEAD_AFTER_S looks dead and a new flow takes its slot over
     with what it read there; when the slow one writes again it sees that and moves its later
     groups to a slot of its own."""
-    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
     root = str(tmp_path)
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=16))
     slow = sampler(root, "slow")
@@ -365,7 +363,6 @@ async def test_a_holder_taken_for_dead_goes_on_in_a_new_slot_counting_each_group
 
 
 async def test_the_heartbeat_writes_while_no_group_starts_and_never_over_a_slot_taken_over(tmp_path, monkeypatch):
-    monkeypatch.setattr("storage.progress.CLAIM_SETTLE_S", 0.0)
     root = str(tmp_path)
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0, groups_per_step=16))
     slow = sampler(root, "slow")

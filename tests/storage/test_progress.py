@@ -16,10 +16,12 @@ from storage.progress import (
     read_sampler_position,
     read_sampler_positions,
     read_trainer_position,
+    sampler_position_url,
     write_sampler_position,
     write_run_end,
     write_trainer_position,
 )
+from storage.filesystem import resolve
 from storage.reader import ShardReader
 
 
@@ -44,18 +46,41 @@ def test_a_bad_sampler_name_is_refused(root: str) -> None:
         write_sampler_position(root, "run", SamplerPosition("a/b", committed=0, in_flight=0))
 
 
-def test_two_flows_claiming_one_free_slot_at_once_get_one_each(root: str) -> None:
-    """Both write their claim, read it back after the settle time: the later writer keeps the
-    slot, the other takes a new one named after itself."""
+def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> None:
+    """8 flows start at once where 4 slots are free, 50 times over: each free slot goes to exactly
+    one of them (a claim written only where none exists), the other 4 make slots of their own, and
+    every committed group counts once."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    write_sampler_position(root, "run", SamplerPosition("old", committed=4, in_flight=0, closed=True))
-    with ThreadPoolExecutor(2) as pool:
-        claims = list(pool.map(lambda holder: claim_sampler_slot(root, "run", holder, settle_s=0.3), ["a", "b"]))
-    assert sorted(c.sampler for c in claims) in (["a", "old"], ["b", "old"])
-    kept = next(c for c in claims if c.sampler == "old")
-    assert kept.committed == kept.adopted == 4 and read_sampler_position(root, "run", "old").holder == kept.holder
-    assert groups_committed(root, "run") == 4
+    flows, free = 8, 4
+    for index in range(free):
+        write_sampler_position(root, "run", SamplerPosition(f"slot{index}", committed=index + 1, in_flight=0, closed=True))
+    total = groups_committed(root, "run")
+    rounds = 50
+    with ThreadPoolExecutor(flows) as pool:
+        for round_ in range(rounds):
+            start = threading.Barrier(flows)
+
+            def claim(holder: str) -> SamplerPosition:
+                start.wait()
+                return claim_sampler_slot(root, "run", holder)
+
+            claims = list(pool.map(claim, [f"r{round_}f{index}" for index in range(flows)]))
+            taken = [c.sampler for c in claims if c.sampler.startswith("slot")]
+            assert sorted(taken) == [f"slot{index}" for index in range(free)], claims  # each free slot once
+            assert all(read_sampler_position(root, "run", c.sampler).holder == c.holder for c in claims)
+            assert groups_committed(root, "run") == total  # carried on once, never twice
+            for c in claims:  # the holders end: their slots are free for the next round; the new ones go
+                if c.sampler.startswith("slot"):
+                    write_sampler_position(root, "run", SamplerPosition(c.sampler, c.committed, 0, closed=True, holder=c.holder,
+                                                                        adopted=c.adopted, generation=c.generation))  # fmt: skip
+                else:
+                    fs, path = resolve(sampler_position_url(root, "run", c.sampler))
+                    fs.rm(path)
+    assert {p.sampler: p.generation for p in read_sampler_positions(root, "run") if p.sampler.startswith("slot")} == {
+        f"slot{index}": rounds for index in range(free)
+    }
 
 
 def test_the_announced_trainer_keeps_the_runs_counts_with_its_own_settings(root: str) -> None:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Coroutine
 
 from environments.config import EnvironmentConfig, Item
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, RolloutFailure, failure_reason
+from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, InfraError, RolloutFailure, failure_reason
 from environments.items import ItemStream, Rows, as_item
 from environments.trajectory import complete_record, version_stamp
 from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
@@ -321,12 +321,13 @@ class Environment(ABC):
         return self.make_group(item, sequences, errors=errors)
 
     async def gather_sequences(self, rollouts: list[Coroutine[Any, Any, ScoredSequence]]) -> tuple[list[ScoredSequence], list[str]]:
-        """Runs rollouts concurrently; a failed one is recorded as an error string, not raised
-        (a broken run, RUN_ERRORS, is raised)."""
+        """Runs rollouts concurrently; a failed one is recorded as an error string, not raised (a
+        broken run, RUN_ERRORS, is raised; so is InfraError, which fails the whole group as `infra`:
+        a group missing the rollouts the machinery failed on would be biased)."""
         results = await asyncio.gather(*rollouts, return_exceptions=True)
         sequences, errors = [], []
         for result in results:
-            if isinstance(result, RUN_ERRORS):
+            if isinstance(result, (*RUN_ERRORS, InfraError)):
                 raise result
             if isinstance(result, BaseException):
                 errors.append(f"{type(result).__name__}: {result}")

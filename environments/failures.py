@@ -6,6 +6,7 @@ import re
 
 from pydantic import BaseModel, Field, ValidationError
 
+from core.retrying import async_attempts, attempts
 from core.scored_group import CONTRACT_REASONS, InvalidGroupError
 from inference.client import PolicyServerUnreachable
 
@@ -20,8 +21,30 @@ class DroppedByEnvironment(Exception):
     failures by reason say whose decision it was."""
 
 
+class InfraError(RuntimeError):
+    """The machinery failed, not the candidate: a sandbox starved of CPU on a loaded host, a judge or
+    scoring service that timed out or answered nonsense. Never a score: raised by the reward where
+    it happens, tried again there (INFRA_TRIES, with backoff: infra_attempts), and when the tries run
+    out the group fails with reason `infra`, counted in the env stats card."""
+
+
+INFRA_TRIES = 3  # a reward's machinery is tried this many times before its group fails as `infra`
+INFRA_FIRST_WAIT_S = 1.0  # then twice as long each time (core.retrying)
+
+
+def infra_attempts(what: str, tries: int = INFRA_TRIES, first_s: float = INFRA_FIRST_WAIT_S):
+    """`for attempt in infra_attempts(...): with attempt: ...`: InfraError tried again with backoff,
+    the last one raised (core.retrying.attempts)."""
+    return attempts(retry_on=lambda error: isinstance(error, InfraError), first_s=first_s, max_s=8 * first_s, what=what, tries=tries)
+
+
+def async_infra_attempts(what: str, tries: int = INFRA_TRIES, first_s: float = INFRA_FIRST_WAIT_S):
+    """infra_attempts for a coroutine: `async for attempt in async_infra_attempts(...)`."""
+    return async_attempts(retry_on=lambda error: isinstance(error, InfraError), first_s=first_s, max_s=8 * first_s, what=what, tries=tries)
+
+
 # Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.
-FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "dropped-by-environment", "exception")
+FAILURE_REASONS = CONTRACT_REASONS + ("timeout", "unreachable", "infra", "dropped-by-environment", "exception")
 
 # A failure keeps this much of its error and traceback: an exception may carry megabytes of text.
 MAX_ERROR_CHARS = 2000
@@ -36,6 +59,8 @@ def failure_reason(error: BaseException) -> str:
         return "timeout"
     if isinstance(error, PolicyServerUnreachable):
         return "unreachable"
+    if isinstance(error, InfraError):
+        return "infra"
     if isinstance(error, DroppedByEnvironment):
         return "dropped-by-environment"
     if isinstance(error, ValidationError):  # a ScoredSequence or ScoredGroup field of the wrong type

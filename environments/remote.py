@@ -6,8 +6,9 @@ YAML, `clotho env check`). The service samples from the policy server itself (th
 URL, key and tokenizer path when it opens a session), stamps the policy version and records failed
 rollouts as data, exactly as collect_group does in process.
 
-What this side adds: a service that cannot be reached, or dies mid-group, fails that group as a
-RolloutFailure naming the URL (the flow keeps the groups it finished and records the failure); the
+What this side adds: a service that cannot be reached, or dies mid-group, is tried again and then
+fails that group as a RolloutFailure with reason `infra` naming the URL (the flow keeps the groups
+it finished and records the failure; never a score); the
 policy server being unreachable on the far side raises here the same exception it would in process,
 so the run waits for it or stops.
 """
@@ -24,6 +25,7 @@ from pydantic import ConfigDict, ValidationError, model_validator
 from core.retrying import async_attempts
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item, RolloutFailure
 from environments.chat import Messages
+from environments.failures import InfraError, async_infra_attempts
 from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import check_env_name
@@ -42,6 +44,12 @@ class RemoteServiceError(RuntimeError):
     """The environment service answered with an error, or could not be reached."""
 
 
+class RemoteServiceUnreachable(RemoteServiceError, InfraError):
+    """The environment service could not be reached or did not answer in time: the machinery, not
+    the candidate. A group is tried again (environments.failures.async_infra_attempts), then fails
+    with reason `infra`; a reward asked of it raises, never a score."""
+
+
 def is_remote(name_or_path: str) -> bool:
     return name_or_path.startswith(("http://", "https://"))
 
@@ -55,8 +63,8 @@ def _answer(url: str, call: str, response: httpx.Response) -> dict[str, Any]:
     return body
 
 
-def _unreachable(url: str, call: str, error: Exception) -> RemoteServiceError:
-    return RemoteServiceError(
+def _unreachable(url: str, call: str, error: Exception) -> RemoteServiceUnreachable:
+    return RemoteServiceUnreachable(
         f"environment service {url}: {call} failed ({type(error).__name__}: {error}); is it running? "
         f"start it with `clotho env serve NAME --port PORT` in the environment's own virtual environment"
     )
@@ -145,8 +153,10 @@ class RemoteEnvironment(Environment):
 
     async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
         try:
-            answer = await self._call("/collect", {"item": item.model_dump(mode="json")})
-        except RemoteServiceError as error:  # the service is gone: this group failed, the run goes on
+            async for attempt in async_infra_attempts(f"{self.url}/collect"):  # a service restarting: again
+                with attempt:
+                    answer = await self._call("/collect", {"item": item.model_dump(mode="json")})
+        except RemoteServiceError as error:  # the service is gone (reason `infra`): this group failed, the run goes on
             return RolloutFailure.of(self.name, item.id, error)
         self._metrics = answer.get("metrics") or {}
         if "failure" in answer:

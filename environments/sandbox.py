@@ -19,7 +19,9 @@ Under every level the program gets: rlimits (address space, CPU seconds, process
 open files, no core) set by `prlimit`, so nothing runs between fork and exec in this process; an
 empty work directory as cwd; env = PATH only; stdin at EOF; stdout and stderr in unlinked files
 bounded by the file-size limit; a wall-clock limit after which its process group is killed (a
-pid namespace dies with it). Run as root, the program is also a fresh unprivileged uid (no
+pid namespace dies with it). The result says the CPU time it used and, when the wall-clock limit
+killed it, whether it was starved (`infra`: it wanted a CPU the loaded machine did not give it,
+STARVED_SHARE), a failure of the machine rather than of the program. Run as root, the program is also a fresh unprivileged uid (no
 capabilities, no_new_privs): RLIMIT_NPROC counts per real uid and root is exempt, and a uid of its
 own keeps one sandbox's fork bomb from using up its siblings' process budget. The fallbacks drop
 the uid only when other users can read the interpreter (a pyenv under /root they cannot).
@@ -81,6 +83,44 @@ class SandboxResult:
     killed: str | None  # why it stopped other than exiting: wall_time, cpu_time, memory or "signal NAME"
     isolation: str
     seconds: float
+    cpu_seconds: float = 0.0  # CPU time the program's processes used (exact at a wall kill, else to SAMPLE_S)
+    waited_seconds: float = 0.0  # time they were ready to run and got no CPU (measured at a wall kill)
+    infra: bool = False  # killed on wall time for want of a CPU, not for what it did (starved)
+
+
+# A program killed on wall time that used less than its CPU budget and spent at least this share
+# of the wall time ready to run without a CPU was starved by the machine (a loaded host), not slow
+# or stuck by itself (a sleep, a wait, a deadlock: those wait on nothing the machine owes them).
+STARVED_SHARE = 0.25
+SAMPLE_S = 0.1  # how often a running program's CPU time is read (~1 ms a read here, /proc of 120 processes)
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_usage(root: int) -> tuple[float, float]:
+    """CPU seconds used by `root` and its descendants (those reaped included, through their
+    parents' counts) and seconds they spent runnable without a CPU (/proc schedstat), read while
+    they run. A sandbox's processes in their own pid namespace are visible here by host pids."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # ended while we looked
+            continue
+        pid = int(stat.parent.name)
+        parents[pid], stats[pid] = int(fields[1]), fields
+    tree, grew = {root}, True
+    while grew:
+        found = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= found
+        grew = bool(found)
+    cpu = waited = 0.0
+    for pid in tree & stats.keys():
+        utime, stime, cutime, cstime = (int(value) for value in stats[pid][11:15])
+        cpu += (utime + stime + cutime + cstime) / _TICKS
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            waited += int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    return cpu, waited
 
 
 def _interpreter_world_readable() -> bool:
@@ -213,11 +253,10 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
             _command(level, limits, uid, fds), cwd=cwd, env={"PATH": PATH}, stdin=subprocess.DEVNULL,
             stdout=stdout, stderr=stderr, start_new_session=True, pass_fds=tuple(fds.values()),
         )  # fmt: skip
-        try:
-            process.wait(timeout=limits.wall_seconds)
-            timed_out = False
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        cpu, waited = _ended(process, limits.wall_seconds)
+        timed_out = cpu is None
+        if cpu is None:
+            cpu, waited = tree_usage(process.pid)  # before the kill: what it got of the CPU, and what it waited for
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)  # a pid namespace dies with its first process
             process.wait()
@@ -230,7 +269,30 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
             _wait_until_gone(uid)
         out, err = _tail(stdout, limits.output_bytes), _tail(stderr, limits.output_bytes)
     code = process.returncode
-    return SandboxResult(code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds)
+    starved = timed_out and cpu < limits.cpu_seconds and waited >= STARVED_SHARE * limits.wall_seconds
+    return SandboxResult(code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds, cpu, waited, starved)
+
+
+def _ended(process: subprocess.Popen, timeout_s: float) -> tuple[float | None, float]:
+    """Waits up to `timeout_s` for `process`. Once it ended: its CPU seconds and the seconds it
+    waited for a CPU (the last of tree_usage, read every SAMPLE_S while it ran: a pid namespace's
+    init does not pass its children's times up to wait4) and its exit code in returncode; (None,
+    0.0) when it is still running."""
+    deadline, pause, sampled_at = time.monotonic() + timeout_s, 0.001, time.monotonic()
+    cpu = waited = 0.0
+    while True:
+        pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        if pid:
+            process.returncode = os.waitstatus_to_exitcode(status)
+            return max(cpu, usage.ru_utime + usage.ru_stime), waited
+        now = time.monotonic()
+        if now >= deadline:
+            return None, 0.0
+        if now - sampled_at >= SAMPLE_S:
+            cpu, waited = tree_usage(process.pid)
+            sampled_at = now
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(pause * 2, 0.02)
 
 
 def _wait_until_gone(uid: int, timeout_s: float = 5.0) -> None:

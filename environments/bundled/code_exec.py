@@ -5,8 +5,11 @@ function in a ```python block. Reward: the fraction of the item's asserts that h
 the asserts' calls of its functions run in environments.sandbox, which prints the calls' values;
 the asserts themselves are evaluated outside, over those values read back as literals, so code
 that reads the harness's memory or returns an object equal to everything cannot pass one. No
-block, a timeout, a kill or a run that never reports scores 0. Asserts are deterministic, so the
-reward is (up to a run that straddles the time limit).
+block, a run out of its CPU time or memory, a kill for what it did, a run that sleeps past the
+wall-clock limit or never reports scores 0. A run killed at the wall-clock limit because the host
+gave it no CPU (environments.sandbox: starved) is the machine's failure, not the answer's: it is
+run again (environments.failures.infra_attempts), and if it starves every time the group fails
+with reason `infra`, never scored. Asserts are deterministic, so the reward is.
 
 On a failure, token-level advantages: the tokens of the candidate's lines named in its tracebacks
 (each frame in candidate.py, a SyntaxError's line, the stack faulthandler dumps shortly before the
@@ -32,6 +35,7 @@ from pydantic import Field
 from core.advantages import AdvantageMode, group_advantages
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.bundled.code_tasks import TASKS
+from environments.failures import InfraError, infra_attempts
 from environments.sandbox import Limits, run_python
 from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion
@@ -174,7 +178,16 @@ class CodeExec(Environment):
         source, nonce, limits = block.group(1), secrets.token_hex(16), self.config.limits
         dump_after = 0.9 * min(limits.cpu_seconds, limits.wall_seconds)
         expressions, calls = zip(*map(split_assert, item.tests), strict=True)
-        result = run_python(_HARNESS.format(nonce=nonce, source=source, calls=list(calls), dump_after=dump_after), limits)
+        program = _HARNESS.format(nonce=nonce, source=source, calls=list(calls), dump_after=dump_after)
+        for attempt in infra_attempts(f"code_exec item {item.id}: the sandbox"):
+            with attempt:
+                result = run_python(program, limits)
+                if result.infra:
+                    raise InfraError(
+                        f"the sandbox killed the program at the wall-clock limit ({limits.wall_seconds:g} s) after "
+                        f"{result.cpu_seconds:.2f} s of CPU of its {limits.cpu_seconds} s, {result.waited_seconds:.2f} s "
+                        "of it waiting for a CPU: the host is loaded, not the answer wrong"
+                    )
         marker, _, reported = result.stdout.rstrip("\n").rpartition("\n")[2].partition(" ")
         values = None
         if not (result.timed_out or result.killed) and marker == nonce:

@@ -6,10 +6,12 @@ valid score, and it is greedy, so a joke always gets the same one; reward = (sco
 
 Two paths share one request and one parser, so they cannot disagree: collect_trajectories judges a
 group's jokes concurrently (async), `reward` judges one synchronously (the conformance check and
-`clotho reprocess ... rescore` call it). A joke the judge cannot score (judge unreachable, or an
-answer outside 1..10) is dropped from its group and recorded in the group's rollout_errors, never
-trained on as a zero; a group with no joke scored is recorded as a failed group. A judge refusing
-the key stops the run, as the policy server does: every request would fail the same way.
+`clotho reprocess ... rescore` call it). A judge that cannot score a joke (unreachable, past
+judge_timeout_s, or answering outside 1..10) is the machinery failing, not the joke: the call is
+tried again with backoff (environments.failures.infra_attempts), and when the tries run out the
+whole group fails with reason `infra`, never scored, never a joke dropped from it (dropping the
+slow ones would bias the group). A judge refusing the key stops the run, as the policy server
+does: every request would fail the same way.
 """
 
 from __future__ import annotations
@@ -24,17 +26,17 @@ from pydantic import Field
 
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import Messages
+from environments.failures import InfraError, async_infra_attempts, infra_attempts
 from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyServerAuthError
 
 TOPICS = ("cats", "coffee", "computers", "the weather", "Mondays", "airports", "dentists", "pirates", "socks", "the moon")
 SCORES = [str(score) for score in range(1, 11)]
-TIMEOUT = 120.0
 CONNECT_RETRIES = 2  # a judge restarting refuses connections for a moment
 
 
-class JudgeError(RuntimeError):
-    """The judge could not score a joke; recorded with the rollout, never raised out of a group."""
+class JudgeError(InfraError):
+    """The judge could not score a joke: tried again, then the group fails as `infra`."""
 
 
 class JudgeConfig(EnvironmentConfig):
@@ -48,6 +50,7 @@ class JudgeConfig(EnvironmentConfig):
         description="Name of the environment variable holding the judge's API key (never the key itself); "
         "None: no key, or the policy server's key when judge_url is None.",
     )
+    judge_timeout_s: float = Field(default=120.0, gt=0, description="Seconds one judge call may take before it is tried again.")
 
 
 def judge_request(model: str, topic: str, joke: str) -> dict[str, Any]:
@@ -143,29 +146,34 @@ class LLMJudge(Environment):
             return 0.0
         url, headers = self.judge_endpoint()
         transport = httpx.HTTPTransport(retries=CONNECT_RETRIES)
-        with judge_errors(url), httpx.Client(base_url=url, headers=headers, timeout=TIMEOUT, transport=transport) as http:
-            if self.judge_model() is None:
-                self._served_model = served_model_id(http.get("/v1/models"))
-            body = judge_request(self.judge_model(), item.extras["topic"], joke)
-            return read_score(http.post("/v1/chat/completions", json=body))
+        for attempt in infra_attempts(f"judge {url}"):
+            with attempt, judge_errors(url):
+                with httpx.Client(base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport) as http:
+                    if self.judge_model() is None:
+                        self._served_model = served_model_id(http.get("/v1/models"))
+                    body = judge_request(self.judge_model(), item.extras["topic"], joke)
+                    return read_score(http.post("/v1/chat/completions", json=body))
+        raise AssertionError("infra_attempts raises its last error")
 
     async def judge(self, http: httpx.AsyncClient, item: Item, messages: Messages) -> float:
         """`reward`, asynchronously: the same request, the same parser."""
         joke = final_answer(messages)
         if not joke.strip():
             return 0.0
-        with judge_errors(str(http.base_url)):
-            if self.judge_model() is None:
-                self._served_model = served_model_id(await http.get("/v1/models"))
-            body = judge_request(self.judge_model(), item.extras["topic"], joke)
-            return read_score(await http.post("/v1/chat/completions", json=body))
+        async for attempt in async_infra_attempts(f"judge {http.base_url}"):
+            with attempt, judge_errors(str(http.base_url)):
+                if self.judge_model() is None:
+                    self._served_model = served_model_id(await http.get("/v1/models"))
+                body = judge_request(self.judge_model(), item.extras["topic"], joke)
+                return read_score(await http.post("/v1/chat/completions", json=body))
+        raise AssertionError("async_infra_attempts raises its last error")
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         prompt_ids, completions = await self.sample_chat(prompt_messages(item))
         url, headers = self.judge_endpoint()
         transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES)
         # One connection pool per group: a client outlives no event loop it was made in.
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=TIMEOUT, transport=transport) as http:
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport) as http:
 
             async def judged(completion: Completion) -> ScoredSequence:
                 joke = {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}

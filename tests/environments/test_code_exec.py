@@ -62,6 +62,35 @@ def test_timeouts_exits_and_forged_counts_score_zero_every_time(env) -> None:
     assert score(env, item, answer("def add(a, b):\n    return a + b")) == 1.0
 
 
+def test_under_a_cpu_hog_a_correct_answer_scores_right_or_fails_as_infra_never_zero(env) -> None:
+    """The host leaves the sandbox about a tenth of a core: a correct answer is scored 1 or its
+    group fails as `infra` after the sandbox's tries, and is never scored 0. An endless loop still
+    scores 0 on a host that gives it its CPU."""
+    from environments.failures import InfraError, failure_reason
+    from tests.environments.cpu_hog import cpu_hog
+
+    limits = {"limits": {"wall_seconds": 1.5, "cpu_seconds": 2}}
+    loaded = CodeExec(limits, client=None, tokenizer=env.tokenizer)
+    items = [CodeItem(id=task["id"], prompt="p", tests=task["tests"], solution=task["solution"]) for task in TASKS[:4]]
+    # A correct answer that spends 0.4 s of CPU: 4 s of wall time at a tenth of a core.
+    slow = "import time\n_end = time.process_time() + 0.4\nwhile time.process_time() < _end:\n    pass\n"
+
+    def verdict(item: CodeItem) -> float | str:
+        try:
+            return score(loaded, item, answer(slow + item.solution))
+        except InfraError as error:  # every try starved: the group fails as `infra`
+            return failure_reason(error)
+
+    with cpu_hog(), ThreadPoolExecutor(len(items)) as pool:
+        outcomes = list(pool.map(verdict, items))
+    assert all(outcome in (1.0, "infra") for outcome in outcomes), outcomes
+    assert "infra" in outcomes, outcomes  # the hog did starve the sandbox
+    assert [score(env, item, answer(slow + item.solution)) for item in items] == [1.0] * len(items)  # a host that gives it a CPU
+    endless = CodeExec({"limits": {"cpu_seconds": 1}}, client=None, tokenizer=env.tokenizer)
+    add = CodeItem(id="add", prompt="p", tests=["assert add(1, 2) == 3"], solution="def add(a, b):\n    return a + b")
+    assert score(endless, add, answer("def add(a, b):\n    while True:\n        pass")) == 0.0
+
+
 def test_the_lines_a_traceback_names_get_the_extra_negative_advantage(env) -> None:
     item = CodeItem(id="mean", prompt=[{"role": "user", "content": "Write mean(values)."}],
                     tests=["assert mean([1, 2, 3]) == 2", "assert mean([4]) == 4"], solution="")  # fmt: skip

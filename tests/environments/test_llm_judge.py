@@ -1,9 +1,11 @@
-"""The LLM-judge environment: its request and parser, judge failures recorded as data, the tiny
-model as a judge that always answers a score, and the conformance suite against the live server."""
+"""The LLM-judge environment: its request and parser, a judge that fails tried again and then failing
+its group as `infra` (never a score), the tiny model as a judge that always answers a score, and
+the conformance suite against the live server."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 
 import httpx
@@ -74,6 +76,39 @@ def test_items_are_jokes_on_topics_and_the_key_comes_from_a_named_variable(tiny_
         offline.reward(items[0], conversation("A joke."))
 
 
+async def test_a_hanging_judge_is_tried_again_then_raises_infra_never_scores(tiny_tokenizer) -> None:
+    """A judge that accepts connections and never answers: each call ends at judge_timeout_s, is
+    tried INFRA_TRIES times with backoff, and then raises (the group fails as `infra`)."""
+    import threading
+
+    from environments.failures import INFRA_TRIES, InfraError, failure_reason
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    accepted: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                accepted.append(listener.accept()[0])  # held open, never answered
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    env = LLMJudge({"judge_url": url, "judge_model": "judge", "judge_timeout_s": 0.3}, client=None, tokenizer=tiny_tokenizer)
+    await env.setup()
+    item = await env.get_item()
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=0.3) as http:
+            with pytest.raises(InfraError, match=f"judge {url} could not be reached") as raised:
+                await env.judge(http, item, conversation("A joke."))
+        assert failure_reason(raised.value) == "infra" and len(accepted) == INFRA_TRIES
+    finally:
+        listener.close()
+        for connection in accepted:
+            connection.close()
+
+
 @pytest.mark.integration
 async def test_the_tiny_judge_scores_every_joke_and_both_paths_agree(policy_server, tiny_model_dir) -> None:
     async with PolicyClient(policy_server.base_url, api_key=policy_server.api_key) as client:
@@ -90,7 +125,7 @@ async def test_the_tiny_judge_scores_every_joke_and_both_paths_agree(policy_serv
 
 
 @pytest.mark.integration
-async def test_an_unreachable_judge_is_recorded_not_raised(policy_server, tiny_model_dir) -> None:
+async def test_an_unreachable_judge_fails_the_group_as_infra_never_a_score(policy_server, tiny_model_dir) -> None:
     judge_url = f"http://127.0.0.1:{closed_port()}"
     async with PolicyClient(policy_server.base_url, api_key=policy_server.api_key) as client:
         env = LLMJudge({"group_size": 2, "max_tokens": 4, "judge_url": judge_url}, client=client, tokenizer=str(tiny_model_dir))
@@ -98,6 +133,7 @@ async def test_an_unreachable_judge_is_recorded_not_raised(policy_server, tiny_m
         item = await env.get_item()
         result = await env.collect_group(item)
     assert isinstance(result, RolloutFailure) and result.env == "llm_judge" and result.item_id == item.id
+    assert result.reason == "infra"
     assert f"JudgeError: judge {judge_url} could not be reached" in result.error and "is judge_url right" in result.error
     with pytest.raises(JudgeError, match=f"judge {judge_url} could not be reached"):
         env.reward(item, conversation("A joke."))

@@ -32,6 +32,22 @@ def test_an_endless_loop_is_killed_by_cpu_time_or_wall_clock() -> None:
     assert sleeping.timed_out and sleeping.killed == "wall_time" and sleeping.seconds < 2
 
 
+def test_a_program_starved_of_cpu_by_a_loaded_host_is_told_from_a_slow_one() -> None:
+    """Killed at the wall-clock limit, a program that wanted a CPU and got about a tenth of one is
+    `infra` (the machine's failure); one that slept there is not; both report their CPU time."""
+    from tests.environments.cpu_hog import cpu_hog
+
+    busy = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\nprint('done')"
+    alone = run_python(busy, Limits(wall_seconds=2))
+    assert alone.stdout == "done\n" and not alone.infra and 0.3 < alone.cpu_seconds < 1.5
+    with cpu_hog():
+        starved = run_python(busy, Limits(wall_seconds=2))
+    assert starved.killed == "wall_time" and starved.infra, starved
+    assert starved.cpu_seconds < 0.5 and starved.waited_seconds > 1.0, starved
+    sleeping = run_python("import time\ntime.sleep(10)", Limits(wall_seconds=1))
+    assert sleeping.killed == "wall_time" and not sleeping.infra and sleeping.waited_seconds < 0.25, sleeping
+
+
 def test_a_memory_bomb_stops_at_the_address_space_limit() -> None:
     limits = Limits(memory_mb=128)
     assert run_python("block = bytearray(48 << 20)\nprint('fits')", limits).stdout == "fits\n"

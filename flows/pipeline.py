@@ -233,10 +233,11 @@ def end_run_here(storage: str, run: str) -> None:
 def reload_watcher(config: PipelineConfig, model: str, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher | None:
     """The watcher of the pipeline's own servers and of servers.urls unless they reload themselves;
     None when it would watch none. `model`: the initial model's local directory."""
-    mode = config.servers.reload_mode
-    policies = [ServedPolicy.of(server, reload_mode=mode) for server in servers]
+    mode, timeout_s = config.servers.reload_mode, config.servers.reload_step_timeout_s
+    policies = [ServedPolicy.of(server, reload_mode=mode, step_timeout_s=timeout_s) for server in servers]
     if config.servers.reload_urls:
-        policies += [ServedPolicy(url.rstrip("/"), Path(model), api_key=api_key, reload_mode=mode) for url in config.servers.urls]
+        policies += [ServedPolicy(url.rstrip("/"), Path(model), api_key=api_key, reload_mode=mode, step_timeout_s=timeout_s)
+                     for url in config.servers.urls]  # fmt: skip
     if not policies:
         return None
     guard = ParityGuard.for_model(model, dtype=config.servers.dtype)

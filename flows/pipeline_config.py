@@ -49,6 +49,11 @@ class ServersConfig(Strict):
         description="Seconds between looks for a new checkpoint (one small read each; the servers' health is asked every 2 s). "
         "The loop waits for each reload, so a look's delay is paid every step.",
     )
+    reload_step_timeout_s: float = Field(
+        default=120.0, gt=0,
+        description="Seconds each call of a reload (pause, reload_weights, resume, a parity request) may take; a server "
+        "that does not answer twice in a row is restored or restarted (inference.reload.reload_bound_s).",
+    )
     reload_mode: Literal["in-flight", "drain"] = Field(
         default="in-flight",
         description="in-flight: generation goes on across a reload (requests in flight finish on the new weights, "

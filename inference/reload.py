@@ -8,7 +8,7 @@
     POST /reset_prefix_cache?reset_running_requests=true
                                                  the KV cache is the old weights' work: dropped, and
                                                  the frozen requests' recomputed by the new weights
-    POST /resume                                 always, in a finally: generation goes on
+    POST /resume                                 always (a server that stopped answering: once it answers)
     parity guard on fixed prompts                served logprobs == transformers on the checkpoint
     POST /update_weight_version {N}              only now is version N announced
 
@@ -28,7 +28,9 @@ parity holds and N is announced.
 
 On a parity failure or a server error mid-swap, the server goes back to the weights it served before
 (reloaded in place and checked again, or, if that fails and clotho owns the process, a restart), and
-the new version is never announced.
+the new version is never announced. Every call is bounded (ServedPolicy.step_timeout_s): a server
+that stops answering mid-reload (a hung engine, a stopped process) holds the reload up for at most
+reload_bound_s before it is restored, so a paused server is never left paused.
 """
 
 from __future__ import annotations
@@ -81,9 +83,14 @@ class ServedPolicy:
     # scheduling (it goes before the generation waiting); 0 on a server started elsewhere, which
     # may refuse any other (vLLM without --scheduling-policy priority).
     check_priority: int = 0
+    # How long one call of a reload (pause, reload_weights, tag, reset, resume, a parity request) may
+    # take before it is tried once more and then given up: see reload_bound_s.
+    step_timeout_s: float = 120.0
 
     @classmethod
-    def of(cls, server: PolicyServer, version: int = 0, reload_mode: ReloadMode = "in-flight") -> ServedPolicy:
+    def of(
+        cls, server: PolicyServer, version: int = 0, reload_mode: ReloadMode = "in-flight", step_timeout_s: float = 120.0
+    ) -> ServedPolicy:
         """The policy served by a PolicyServer clotho started (its model must be a local directory)."""
         weights = Path(server.model)
         if not (weights / "config.json").exists():
@@ -93,11 +100,25 @@ class ServedPolicy:
             )
         priority = URGENT if server.priority_scheduling else 0
         return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server,
-                   reload_mode=reload_mode, check_priority=priority)  # fmt: skip
+                   reload_mode=reload_mode, check_priority=priority, step_timeout_s=step_timeout_s)  # fmt: skip
 
     def client(self) -> PolicyClient:
-        # Few retries: a dead server must be reported within seconds, not after a minute of backoff.
-        return PolicyClient(self.base_url, model=self.model_name, api_key=self.api_key, max_retries=2, backoff=0.2)
+        # Few retries, each call bounded: a dead or hung server must be reported within a bound, not
+        # after a minute of backoff or the default timeout's minutes (reload_bound_s).
+        return PolicyClient(self.base_url, model=self.model_name, api_key=self.api_key, timeout=self.step_timeout_s,
+                            max_retries=STEP_TRIES - 1, backoff=0.2)  # fmt: skip
+
+
+STEP_TRIES = 2  # a reload's call that fails or times out is tried once more
+
+
+def reload_bound_s(step_timeout_s: float) -> float:
+    """How long a server that stops answering in the middle of a reload can hold it up before the
+    watcher knows: the call it hangs in times out on each of its STEP_TRIES. The reload then fails
+    and the server is brought back (restore_server: resumed, its verified weights swapped back in,
+    each call bounded the same way, or a server clotho started restarted on them; one that cannot
+    be reached is marked unhealthy and restored again at each poll until it answers)."""
+    return STEP_TRIES * step_timeout_s + 1.0  # + the client's backoff between the tries
 
 
 @dataclass(frozen=True)
@@ -115,8 +136,10 @@ async def swap_weights(
     client: PolicyClient, weights_dir: str | Path, mode: ReloadMode = "in-flight", tag: str | None = None
 ) -> float:
     """pause -> reload_weights -> tag -> reset_prefix_cache -> resume (see the module docstring for
-    the two modes); the server is never left paused. `tag` is the weight version tag the tokens
-    sampled after the swap carry (inference.client.version_tag)."""
+    the two modes); the server is never left paused by a swap it answers (a failed step still
+    resumes it; one that stopped answering is resumed by restore_server once it answers again:
+    a resume now would wait as long again). `tag` is the weight version tag the tokens sampled
+    after the swap carry (inference.client.version_tag)."""
     if not (Path(weights_dir) / "config.json").exists():
         # vLLM takes a path it cannot find for a Hugging Face repo id and goes to the network.
         raise FileNotFoundError(f"{weights_dir} is not a model directory (no config.json); nothing was reloaded")
@@ -131,8 +154,12 @@ async def swap_weights(
         # With requests frozen mid-generation their KV blocks are in use: preempting them is what
         # lets the cache go, and they resume by recomputing their prefix on the new weights.
         await client.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None)
-    finally:
+    except PolicyServerUnreachable:
+        raise
+    except BaseException:
         await client.request("POST", "/resume")
+        raise
+    await client.request("POST", "/resume")
     return time.perf_counter() - started
 
 

@@ -151,6 +151,9 @@ def drain_prefect_reporting(timeout_s: float = 15.0) -> None:
         service.drain_all(timeout=timeout_s)
 
 
+SLOW_CALLBACK_S = 0.25
+
+
 class FlowThread(threading.Thread):
     """One coroutine run to its end on an event loop of this thread's own; `outcome` holds its result
     or error, `cancel()` (from any thread) cancels it at an await."""
@@ -158,6 +161,9 @@ class FlowThread(threading.Thread):
     def __init__(self, coroutine):
         super().__init__(name="clotho-flow")
         self.coroutine, self.loop = coroutine, asyncio.new_event_loop()
+        # Nothing on the flow's loop may block it (storage, process waits and sleeps run in threads):
+        # with PYTHONASYNCIODEBUG=1 asyncio logs every callback that runs longer than this.
+        self.loop.slow_callback_duration = SLOW_CALLBACK_S
         self.outcome: concurrent.futures.Future = concurrent.futures.Future()
         self.task: asyncio.Task | None = None
         self.started = threading.Event()

@@ -8,6 +8,7 @@ latest steps newest first and the held-out evaluations, every number rounded."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import math
 import time
@@ -181,7 +182,7 @@ class RunView:
     async def show_new_steps(self, phase: Phase, log) -> None:
         """The trainer's new steps: a log line each, the progress bar, the live card."""
         self.phase = phase.name
-        for metrics in self.steps.new():
+        for metrics in await asyncio.to_thread(self.steps.new):  # reads storage (retried for up to a minute)
             log.info(progress_line(phase.name, metrics, time.monotonic() - self.started, self.config.total_steps, self.steps.seconds_per_step()))
             await aupdate_progress_artifact(self.progress, 100.0 * metrics["step"] / self.config.total_steps)
         await self.show_live()

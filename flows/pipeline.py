@@ -64,7 +64,7 @@ async def pipeline(
     log = get_run_logger()
     storage, run = split_run_url(config.run)
     api_key = await resolve_api_key(None)  # $CLOTHO_API_KEY (clotho run --api-key sets it)
-    view = RunView(config, run, default_work_dir(storage, run))
+    view = await asyncio.to_thread(RunView, config, run, default_work_dir(storage, run))  # reads storage, imports TensorBoard
     await view.open(config_path, overrides)
     # Resolved with the evaluated version when the last phase's stop rule is met.
     stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -83,7 +83,7 @@ async def pipeline(
             if config.evaluation is not None:
                 await view.curve.wait_for(end_step, timeout_s=300)
     await view.close()
-    summary = run_summary(config, view, storage, run, stop_rule_met)
+    summary = await asyncio.to_thread(run_summary, config, view, storage, run, stop_rule_met)
     await acreate_markdown_artifact(report_markdown(run, view.curve, summary), key=f"{view.key}-report", description=f"Pipeline run {run}")
     log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
     return summary
@@ -102,12 +102,12 @@ async def start_services(
     loads_here = config.servers.count or (config.servers.reload_urls and config.servers.urls) or config.evaluation is not None
     model = await asyncio.to_thread(local_model, config.model) if loads_here else config.model
     servers = await start_servers(config, model, api_key, log)
-    stack.callback(stop_servers, servers)
+    stack.push_async_callback(stop_servers, servers)
     urls = [server.base_url for server in servers] + list(config.servers.urls)
-    watcher = reload_watcher(config, model, servers, api_key)
+    watcher = await asyncio.to_thread(reload_watcher, config, model, servers, api_key)  # loads the tokenizer
     if watcher is not None:
         stop_watching = asyncio.Event()
-        stack.callback(watcher.discard_cache)  # after the watcher stops (the stack closes in reverse)
+        stack.push_async_callback(asyncio.to_thread, watcher.discard_cache)  # after the watcher stops (in reverse)
 
         async def on_outcomes(outcomes) -> None:
             await view.measured.reloads(outcomes)
@@ -139,12 +139,12 @@ async def run_phase(
     """One phase up to `end_step`: its trainer and rollout flows, watched every second, until the
     trainer ends (or the stop rule stops it); skipped when the run is already past it."""
     storage, run = split_run_url(config.run)
-    position = read_trainer_position(storage, run)
+    position = await asyncio.to_thread(read_trainer_position, storage, run)
     if position is not None and position.steps >= end_step:
         log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
         return
     log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
-    clear_run_end(storage, run)  # a run its stop rule ended, resumed: its samplers sample again
+    await asyncio.to_thread(clear_run_end, storage, run)  # a run its stop rule ended, resumed: its samplers sample again
     view.measured.phase(phase.name, end_step)
     trainer = await start_trainer(config, phase, end_step, default_work_dir(storage, run))
     rollouts = [
@@ -171,7 +171,7 @@ async def run_phase(
             log.info("phase %s: %s at version %d; stopping (%s)", phase.name, phase.stop.describe(), stop_rule_met.result(),
                      view.curve.describe_best())  # fmt: skip
             await trainer.stop()  # it ends after its step in progress (trainer.stopping)
-            end_run_here(storage, run)
+            await asyncio.to_thread(end_run_here, storage, run)
         elif outcome:
             raise RuntimeError(f"phase {phase.name}: {outcome}")
         # The rollout flows end on their own once the trainer took the phase's last groups
@@ -210,16 +210,16 @@ async def start_servers(config: PipelineConfig, model: str, api_key: str | None,
     try:
         await asyncio.gather(*(asyncio.to_thread(s.start, config.servers.startup_timeout_s) for s in servers))
     except BaseException:
-        stop_servers(servers)
+        await stop_servers(servers)
         raise
     for server in servers:
         log.info("policy server %s up (log %s)", server.base_url, server.log_path)
     return servers
 
 
-def stop_servers(servers: list[PolicyServer]) -> None:
-    for server in servers:
-        server.stop()
+async def stop_servers(servers: list[PolicyServer]) -> None:
+    """Each stopped in a thread of its own (a stop waits for the process), all at once."""
+    await asyncio.gather(*(asyncio.to_thread(server.stop) for server in servers))
 
 
 def end_run_here(storage: str, run: str) -> None:
@@ -277,7 +277,7 @@ class LocalTrainer:
 
     async def stop(self) -> None:
         """It ends after its step in progress (trainer.stopping), then SIGKILL."""
-        stop_process(self.process, TRAINER_STOP_S)
+        await asyncio.to_thread(stop_process, self.process, TRAINER_STOP_S)
 
 
 async def phase_rollout(config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int) -> Any:
@@ -349,10 +349,11 @@ async def evaluate_versions(
     if best is not None:
         curve.best = {**best, "checkpoint": checkpoint_url(storage, run, int(best["step"]))}
     evaluation = config.evaluation
-    env_class = load_environment_class(evaluation.env)
+    env_class = await asyncio.to_thread(load_environment_class, evaluation.env)  # imports it
     last_step = config.total_steps
     async with PolicyClient(url, api_key=api_key) as client:
-        env = env_class(load_config(env_class, evaluation.config), client=client, tokenizer=tokenizer)
+        settings = load_config(env_class, evaluation.config)
+        env = await asyncio.to_thread(env_class, settings, client=client, tokenizer=tokenizer)  # loads the tokenizer
         await env.setup()
         evaluated: int | None = None
         while evaluated != last_step:

@@ -68,7 +68,7 @@ async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str, api_ke
     per_loop = _environments.setdefault(asyncio.get_running_loop(), {})
     key = (spec.key, server_url, tokenizer, api_key)
     if key not in per_loop:
-        env = build_environment(spec, server_url, tokenizer, api_key)
+        env = await asyncio.to_thread(build_environment, spec, server_url, tokenizer, api_key)  # imports, loads a tokenizer
         await env.setup()
         per_loop[key] = env
     return per_loop[key]

@@ -74,7 +74,8 @@ def left_behind(marker: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, prefect_server, tiny_model_dir):
-    """One `clotho run` for the two tests below (a run costs a vLLM start and a trainer start):
+    """One `clotho run` for the tests below (a run costs a vLLM start and a trainer start), in
+    asyncio's debug mode:
     1000 steps of RL allowed, evaluated every 2 versions, with phases[-1].stop holding at the
     phase's third evaluation (target 0; min_delta 1 makes a new best impossible; patience 2 keeps
     the run going long enough for the live card to be read a few times while it goes)."""
@@ -87,7 +88,9 @@ def stopped_run(tmp_path_factory, prefect_server, tiny_model_dir):
     started = datetime.now(timezone.utc)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
-        process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), stdout=out, stderr=err, text=True)
+        # asyncio's debug mode: every callback on the flow's loop longer than SLOW_CALLBACK_S is logged.
+        environment = marked({**prefect_server.env(), "PYTHONASYNCIODEBUG": "1"}, tmp_path)
+        process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=environment, stdout=out, stderr=err, text=True)
     live: list[tuple[str, str]] = []  # (artifact id, text) of the live card, as the UI reads it while the run goes
     try:
         deadline = time.monotonic() + 900
@@ -120,6 +123,17 @@ def live_cards(prefect_server, since: datetime) -> list[dict]:
     body = {"artifacts": {"key": {"any_": ["pipeline-run-live"]}}, "sort": "CREATED_DESC"}
     cards = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json=body, timeout=30).json()
     return [card for card in cards if datetime.fromisoformat(card["created"].replace("Z", "+00:00")) >= since]
+
+
+def test_nothing_blocks_the_pipelines_event_loop(stopped_run):
+    """The run's servers, reload watcher, evaluator, rollout flows, trainer and stop rule share the
+    flow's event loop: every storage call, process wait and sleep runs in a thread or awaits, so in
+    debug mode asyncio logs no callback of ours longer than SLOW_CALLBACK_S (0.25 s)."""
+    from clotho.flow_runtime import SLOW_CALLBACK_S
+
+    slow = [line for line in stopped_run.output.splitlines() if "Executing <" in line and " took " in line]
+    ours = [line for line in slow if re.search(rf"{re.escape(str(REPO))}/(?!\.venv)", line)]
+    assert SLOW_CALLBACK_S == 0.25 and ours == [], "\n".join(ours)
 
 
 def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_server):

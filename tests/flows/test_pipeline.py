@@ -231,22 +231,32 @@ def test_the_run_s_page_has_its_effective_config_and_its_reloads_evaluations_and
     assert sorted(p["step"] for p in kinds["evaluation"])[-1] == stopped_run.summary["stopped_by_rule"]["version"], kinds
 
 
+def own_run_after_steps(tmp_path: Path, model: Path, steps: int) -> tuple[subprocess.Popen, Path]:
+    """A `clotho run` as a user starts one in a terminal (its own temporary Prefect server, a session
+    of its own, marked), once its trainer has taken `steps` steps; and its metrics directory."""
+    config = write_config(tmp_path, model, steps=1000)
+    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(environment, tmp_path), start_new_session=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    metrics = tmp_path / "store" / "run" / "trainer"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and len(read_metrics(metrics)) < steps:
+        if process.poll() is not None:
+            raise AssertionError(process.stdout.read()[-5000:])
+        time.sleep(1)
+    if len(read_metrics(metrics)) < steps:
+        process.kill()
+        raise AssertionError("the pipeline never got going")
+    return process, metrics
+
+
 def test_ctrl_c_stops_every_part_and_loses_no_committed_group(tmp_path, tiny_model_dir):
     """As in a terminal: the temporary local Prefect server, and Ctrl-C sent to the whole process
     group (which must not take that server down in the middle of the pipeline's cleanup)."""
     model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
-    config = write_config(tmp_path, model, steps=1000)
-    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=environment, start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    metrics = tmp_path / "store" / "run" / "trainer"
+    process, metrics = own_run_after_steps(tmp_path, model, 3)
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and len(read_metrics(metrics)) < 3:
-            assert process.poll() is None, process.stdout.read()[-5000:]
-            time.sleep(1)
-        assert len(read_metrics(metrics)) >= 3, "the pipeline never got going"
         assert any("trainer.cli" in line for line in left_behind(str(tmp_path)))
         os.killpg(process.pid, signal.SIGINT)  # the terminal's Ctrl-C: every process of the group
         output, _ = process.communicate(timeout=180)
@@ -267,17 +277,8 @@ def test_a_sigkill_of_the_command_leaves_none_of_its_processes(tmp_path, tiny_mo
     (core/tether.py: POLL_S + GRACE_S)."""
     from core import tether
 
-    config = write_config(tmp_path, tiny_model_dir, steps=1000)
-    environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(environment, tmp_path), start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    metrics = tmp_path / "store" / "run" / "trainer"
+    process, _ = own_run_after_steps(tmp_path, tiny_model_dir, 2)
     try:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and len(read_metrics(metrics)) < 2:
-            assert process.poll() is None, process.stdout.read()[-5000:]
-            time.sleep(1)
         running = left_behind(str(tmp_path))
         assert any("trainer.cli" in line for line in running) and any("vllm" in line for line in running), running
         assert any("prefect" in line and "server" in line for line in running), running

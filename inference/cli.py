@@ -92,6 +92,7 @@ def watch_command(
     cache_dir: Path = typer.Option(DEFAULT_CACHE, help="Where remote checkpoints are copied to."),
     once: bool = typer.Option(False, "--once", help="Bring the servers up to date once and exit."),
     reload_mode: str = typer.Option("in-flight", help="in-flight: generation goes on across a reload; drain: requests in flight finish on the old weights first."),
+    reload_step_timeout_s: float = typer.Option(120.0, min=0.1, help="Seconds each call of a reload may take; a server that does not answer twice is restored (inference.reload.reload_bound_s)."),
 ) -> None:
     """Keep running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) at the run's newest checkpoint."""
     from inference.parity_guard import ParityGuard
@@ -112,9 +113,10 @@ def watch_command(
         raise typer.BadParameter(f"{reload_mode!r}: use in-flight or drain", param_hint="--reload-mode")
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)
     policies = [
-        ServedPolicy(url.rstrip("/"), base_model, api_key=api_key, model_name=served_model_name, reload_mode=reload_mode)
+        ServedPolicy(url.rstrip("/"), base_model, api_key=api_key, model_name=served_model_name, reload_mode=reload_mode,
+                     step_timeout_s=reload_step_timeout_s)
         for url in server
-    ]
+    ]  # fmt: skip
     watcher = ReloadWatcher(run_url, policies, guard, cache_dir=cache_dir, poll_s=poll_s)
     try:
         history = asyncio.run(watcher.run(max_polls=1 if once else None, on_outcomes=_echo))

@@ -261,6 +261,25 @@ def kill_vllm(loop: Loop, trial: Trial, rng: random.Random) -> float:
     return killed_at
 
 
+def pause_in_reload(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
+    """SIGSTOP the policy server's processes inside the reload of the next checkpoint (right after
+    the watcher paused it), SIGCONT them a random 0.5 to 3 step timeouts later: shorter, the reload
+    goes on; longer, the watcher gives it up within inference.reload.reload_bound_s and restores the
+    server once it answers. Either way the server must serve the segment's steps again, never be
+    left paused; `caught_up_s` (from the SIGSTOP) and `landed` say how it went."""
+    loop.start_rollout(loop.goal() - loop.committed())
+    if not new_checkpoint_moment(loop):
+        return None
+    if not asyncio.run(watch_pause(loop.server_url, time.monotonic() + loop.settings.watcher_poll_s + 6.0)):
+        return None
+    timeouts = rng.uniform(0.5, 3.0)
+    stopped_at = loop.policy.pause(timeouts * loop.settings.reload_step_timeout_s)
+    time.sleep(timeouts * loop.settings.reload_step_timeout_s)
+    held = "under a step timeout" if timeouts < 1 else "past the reload's bound" if timeouts > 2 else "1-2 step timeouts"
+    trial.landed = f"stopped mid-swap {held}"
+    return stopped_at
+
+
 def kill_prefect(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
     """SIGKILL the Prefect server (all its processes) while a rollout flow runs; restart it after
     an outage of up to 5 s. The flow may carry on, fail or hang: what it committed must hold."""
@@ -300,6 +319,7 @@ FAULTS: dict[str, Callable[[Loop, Trial, random.Random], float | None]] = {
     "reload watcher": kill_watcher,
     "vLLM server": kill_vllm,
     "Prefect server": kill_prefect,
+    "paused reload": pause_in_reload,
 }
 
 

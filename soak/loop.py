@@ -41,6 +41,7 @@ class Settings:
     rollout_kill_tail_s: float = 2.0
     rollout_anywhere: float = 0.25
     watcher_poll_s: float = 0.5
+    reload_step_timeout_s: float = 120.0  # the watcher's (clotho watch --reload-step-timeout-s)
     lr: float = 1e-3
     segment_timeout_s: float = 600.0
     serve_timeout_s: float = 240.0  # a restarted vLLM (a minute or two) plus the watcher's backoff (up to 60 s)
@@ -103,7 +104,7 @@ class Loop:
         self.trainer_dir = work / "trainer"  # the trainer's resume state, metrics and staged checkpoints
         self.staging_dir = self.trainer_dir / "staging"
         self.trainer = trainer_part(self.run_url, model, 10**6, settings.trainer_settings(), work, self.env, work_dir=self.trainer_dir)
-        self.watcher = watcher_part(self.run_url, server_url, model, work, self.env, settings.watcher_poll_s) if watch else None
+        self.watcher = watcher_part(self.run_url, server_url, model, work, self.env, settings.watcher_poll_s, settings.reload_step_timeout_s) if watch else None
         self.rollouts: list[Part] = []
         self.next_seed = seed * 10_000
         self.segments = 0

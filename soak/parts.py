@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -175,14 +176,28 @@ class PolicyPart:
         self.server.process = None
         return killed_at
 
+    def pause(self, seconds: float) -> float:
+        """SIGSTOP its whole process group (a host frozen, a VM paused, a debugger attached), SIGCONT
+        `seconds` later; returns the moment it stopped."""
+        group = self.server.process.pid
+        stopped_at = time.time()
+        os.killpg(group, signal.SIGSTOP)
+        threading.Timer(seconds, _continue, [group]).start()
+        return stopped_at
+
     def stop(self) -> None:
         self.server.stop()
 
 
-def watcher_part(run_url: str, server_url: str, model: Path, work: Path, env: dict[str, str], poll_s: float) -> Part:
+def _continue(group: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # stopped for good meanwhile
+        os.killpg(group, signal.SIGCONT)
+
+
+def watcher_part(run_url: str, server_url: str, model: Path, work: Path, env: dict[str, str], poll_s: float, step_timeout_s: float) -> Part:
     command = [
         str(BIN / "clotho"), "watch", "--run", run_url, "--server", server_url, "--base-model", str(model),
-        "--poll-s", str(poll_s), "--cache-dir", str(work / "reload-cache"),
+        "--poll-s", str(poll_s), "--cache-dir", str(work / "reload-cache"), "--reload-step-timeout-s", str(step_timeout_s),
     ]  # fmt: skip
     return Part("watcher", command, env=env, log_path=work / "logs" / "watcher.log")
 

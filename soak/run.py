@@ -34,7 +34,7 @@ from soak.parts import PolicyPart, PrefectPart
 STORAGE = "storage (S3 API)"  # no loop: writers and readers against a faulty S3 server
 # The --fault names of the faults (soak.faults.FAULTS, and STORAGE).
 CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server",
-           "storage": STORAGE}  # fmt: skip
+           "reload-pause": "paused reload", "storage": STORAGE}  # fmt: skip
 assert sorted(CHOICES.values()) == sorted([*FAULTS, STORAGE])
 # Per fault: how its loop samples. The vLLM fault samples real completions, so requests are in
 # flight when the server dies; the others draw them (inference is not what they test).
@@ -44,6 +44,8 @@ SETTINGS = {
     "reload watcher": Settings(delay_s=0.5),
     "vLLM server": Settings(delay_s=0.0, sample_tokens=4),
     "Prefect server": Settings(delay_s=0.5),
+    # Short reload calls, so a server stopped past them is given up and restored within seconds.
+    "paused reload": Settings(delay_s=0.5, reload_step_timeout_s=3.0),
 }
 
 

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from storage.filesystem import download_whole, is_local, publish, resolve, retrying, storage_errors
+from storage.filesystem import download_whole, is_local, publish, put_file, resolve, retrying, storage_errors
 from storage.layout import join, run_url
 from storage.progress import PROGRESS, read_json, replace_json
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, DeltaError, apply
@@ -121,8 +121,7 @@ def publish_checkpoint(
         fs.makedirs(path, exist_ok=True)
         for file in files:
             target = join(path, file.relative_to(local).as_posix())
-            if not (is_local(fs) and _linked(file, target)):
-                retrying(fs, target, fs.put_file, str(file), target)
+            put_file(fs, file, target)
         manifest = {
             "layout_version": CHECKPOINT_LAYOUT_VERSION,
             "step": step,
@@ -135,18 +134,6 @@ def publish_checkpoint(
         latest = join(resolve(checkpoints_url(root, run), storage_options)[1], LATEST)
         retrying(fs, latest, fs.pipe_file, latest, step_name(step).encode())
     return CheckpointInfo(url=url, step=step, manifest=manifest)
-
-
-def _linked(file: Path, target: str) -> bool:
-    """Whether `file` could be hard-linked at `target` (a local publish from staging on the same
-    disk): a full checkpoint's GB are then not copied again, and never written twice to disk."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(target)  # left by a publish killed before its STABLE
-    try:
-        os.link(file, target)
-    except OSError:  # another filesystem, or one without hard links
-        return False
-    return True
 
 
 def read_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

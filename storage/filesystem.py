@@ -290,6 +290,21 @@ def publish(
 _MEMORY_CREATE = threading.Lock()
 
 
+def put_file(fs: fsspec.AbstractFileSystem, source: Path, target: str) -> None:
+    """Copy the local file `source` to `target` (a path of `fs`), retried like every storage call. On a
+    local disk a hard link where it can be (the same file system): a checkpoint's GBs are then not
+    written a second time. A file already at `target` (a publish killed before its marker) is replaced."""
+    if is_local(fs):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(target)
+        try:
+            os.link(source, target)
+            return
+        except OSError:  # another file system, or one without hard links: copy
+            pass
+    retrying(fs, target, fs.put_file, str(source), target)
+
+
 def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
     try:
         return fs.cat_file(path)

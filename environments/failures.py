@@ -32,15 +32,20 @@ INFRA_TRIES = 3  # a reward's machinery is tried this many times before its grou
 INFRA_FIRST_WAIT_S = 1.0  # then twice as long each time (core.retrying)
 
 
-def infra_attempts(what: str, tries: int = INFRA_TRIES, first_s: float = INFRA_FIRST_WAIT_S):
+def _retry_infra(what: str) -> dict:
+    return dict(retry_on=lambda error: isinstance(error, InfraError), first_s=INFRA_FIRST_WAIT_S, max_s=8 * INFRA_FIRST_WAIT_S,
+                what=what, tries=INFRA_TRIES)  # fmt: skip
+
+
+def infra_attempts(what: str):
     """`for attempt in infra_attempts(...): with attempt: ...`: InfraError tried again with backoff,
     the last one raised (core.retrying.attempts)."""
-    return attempts(retry_on=lambda error: isinstance(error, InfraError), first_s=first_s, max_s=8 * first_s, what=what, tries=tries)
+    return attempts(**_retry_infra(what))
 
 
-def async_infra_attempts(what: str, tries: int = INFRA_TRIES, first_s: float = INFRA_FIRST_WAIT_S):
+def async_infra_attempts(what: str):
     """infra_attempts for a coroutine: `async for attempt in async_infra_attempts(...)`."""
-    return async_attempts(retry_on=lambda error: isinstance(error, InfraError), first_s=first_s, max_s=8 * first_s, what=what, tries=tries)
+    return async_attempts(**_retry_infra(what))
 
 
 # Kinds of failure beside the contract breaks (CONTRACT_REASONS), what RolloutFailure.reason holds.

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from storage.filesystem import is_local, publish, resolve, retrying, storage_errors
-from storage.layout import join, run_url
+from storage.layout import TEMPORARY, join, run_url
 
 PROGRESS = "progress"
 TRAINER_FILE = "trainer.json"
@@ -202,7 +202,7 @@ def claim_sampler_slot(root: str, run: str, holder: str, *, storage_options: dic
 def _claim(root: str, run: str, slot: str, generation: int, holder: str, storage_options: dict[str, Any] | None) -> bool:
     url = claim_url(root, run, slot, generation)
     fs, path = resolve(url, storage_options)
-    temp_dir = resolve(join(run_url(root, run), "_tmp"), storage_options)[1]
+    temp_dir = resolve(join(run_url(root, run), TEMPORARY), storage_options)[1]
     with storage_errors(url):
         try:
             publish(fs, path, json.dumps({"holder": holder, "at": time.time()}).encode(), temp_dir=temp_dir)

@@ -101,8 +101,9 @@ bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/report.py --readme
 
 # Fault injection into a running loop (soak/run.py): SIGKILL of the rollout flow, the trainer, the
-# reload watcher, vLLM (also mid-reload) and the Prefect server, SIGSTOP of vLLM mid-reload, then
-# storage faults against a moto S3 server, 20 trials each; prints the table (about 55 minutes on 2 cores).
+# reload watcher, vLLM (also mid-reload) and the Prefect server, SIGSTOP of vLLM mid-reload, a CPU hog
+# under code_exec's sandbox, a hanging judge, then storage faults against a moto S3 server, 20 trials
+# each; prints the table (about 80 minutes on 2 cores).
 # `make soak SOAK_ARGS="--trials 3 --fault trainer --fault vllm"` for fewer.
 soak: setup
 	$(VENV)/bin/python -m soak.run $(SOAK_ARGS)

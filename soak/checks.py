@@ -39,6 +39,7 @@ class StoredGroup:
     index: int  # position in its shard
     group_id: str
     item_id: str
+    scores: list[float]
 
 
 @dataclass
@@ -86,7 +87,7 @@ def read_storage(run_url: str) -> Storage:
             if group.group_id in holder:
                 found.torn.append(f"group {group.group_id} is in {holder[group.group_id]} and in {name}")
             holder[group.group_id] = name
-            found.groups.append(StoredGroup(location.name, index, group.group_id, group.item_id))
+            found.groups.append(StoredGroup(location.name, index, group.group_id, group.item_id, group.scores))
     shards = {group.shard for group in found.groups}
     entries = list_entries(fs, run_path)
     found.orphan_entries = sum(1 for entry in entries if entry.location.name not in shards)

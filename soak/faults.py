@@ -16,6 +16,9 @@ When the kill lands, drawn from a seeded generator and recorded with each trial:
 - reload watcher, vLLM: by turns at random in the segment; inside a reload (at the first
   /is_paused that says so, or in the parity check that follows the swap); and once the segment is
   trained and served, when nothing is left to reload.
+
+Three faults stop or load instead of killing: `pause_in_reload` (SIGSTOP of vLLM mid-swap),
+`hog_in_sandbox` and `hang_judge` (the scoring's machinery, against soak.graded's groups).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import httpx
 
 from soak import checks
 from soak.groups import read_journal
+from soak.parts import Part
 from soak.loop import Loop, Trial, estimate, wait_until, wait_version
 from storage.checkpoints import STABLE, checkpoint_url, published_steps, step_directories
 from storage.filesystem import resolve
@@ -280,6 +284,47 @@ def pause_in_reload(loop: Loop, trial: Trial, rng: random.Random) -> float | Non
     return stopped_at
 
 
+def first_group(loop: Loop, trial: Trial) -> Part | None:
+    """Start the segment's rollout flow and wait for its first finished group (None: it ended first)."""
+    part = loop.start_rollout(loop.goal() - loop.committed())
+    while part.alive and not read_journal(part.journal):
+        time.sleep(0.05)
+    if not read_journal(part.journal):
+        trial.landed = "missed (the flow ended before its first group)"
+        return None
+    return part
+
+
+def hog_in_sandbox(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
+    """While the flow's groups run in code_exec's sandbox, load the host (tests.environments.cpu_hog:
+    about a tenth of a core left to each program) for 3 to 20 s: starved runs are tried again, then
+    their group fails as `infra`; every group stored must carry the scores its answers deserve."""
+    from tests.environments.cpu_hog import cpu_hog
+
+    if first_group(loop, trial) is None:
+        return None
+    seconds = rng.uniform(3.0, 20.0)  # past ~12 s a group's three tries all starve
+    started = time.time()
+    with cpu_hog():
+        time.sleep(seconds)
+    trial.landed = "hog under 10 s" if seconds < 10 else "hog 10-20 s"
+    return started
+
+
+def hang_judge(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
+    """While the flow's groups are judged, the judge accepts requests and answers none for 0.5 to 8
+    judge timeouts: shorter, a retry gets the score; longer, the tries run out and the group fails as
+    `infra`; never a hang scored, never a joke dropped from its group."""
+    if first_group(loop, trial) is None:
+        return None
+    timeouts = rng.uniform(0.5, 8.0)
+    started = time.time()
+    loop.judge.hang(timeouts * loop.settings.judge_timeout_s)
+    time.sleep(timeouts * loop.settings.judge_timeout_s)
+    trial.landed = "hung under 3 judge timeouts" if timeouts < 3 else "hung 3-8 judge timeouts"
+    return started
+
+
 def kill_prefect(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
     """SIGKILL the Prefect server (all its processes) while a rollout flow runs; restart it after
     an outage of up to 5 s. The flow may carry on, fail or hang: what it committed must hold."""
@@ -320,6 +365,8 @@ FAULTS: dict[str, Callable[[Loop, Trial, random.Random], float | None]] = {
     "vLLM server": kill_vllm,
     "Prefect server": kill_prefect,
     "paused reload": pause_in_reload,
+    "CPU hog in the sandbox": hog_in_sandbox,
+    "hanging judge": hang_judge,
 }
 
 

@@ -85,12 +85,14 @@ def draw_prompt(rng: random.Random) -> list[int]:
 def scored(item_id: str, prompt: list[int], completions: list[tuple[list[int], list[float]]]) -> list[ScoredSequence]:
     """The sequences of a group: scores differ within it (member 0 scores 1, member 1 scores 0,
     the rest are drawn), so its advantages do."""
+    scores = planned_scores(item_id, len(completions))
+    return [ScoredSequence.from_prompt(prompt, tokens, logprobs, score) for (tokens, logprobs), score in zip(completions, scores, strict=True)]
+
+
+def planned_scores(item_id: str, group_size: int) -> list[float]:
+    """The scores of `item_id`'s group: member 0 scores 1, member 1 scores 0, the rest are drawn."""
     rng = random.Random(f"{item_id} scores")
-    sequences = []
-    for member, (tokens, logprobs) in enumerate(completions):
-        score = 1.0 if member == 0 else 0.0 if member == 1 else rng.random()
-        sequences.append(ScoredSequence.from_prompt(prompt, tokens, logprobs, score))
-    return sequences
+    return [1.0 if member == 0 else 0.0 if member == 1 else rng.random() for member in range(group_size)]
 
 
 def draw_group(item_id: str, group_size: int, env: str = "distinct") -> ScoredGroup:

@@ -11,7 +11,9 @@ the same groups and publish the same weights.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import re
 import shutil
 import time
 import uuid
@@ -19,8 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from soak import checks
-from soak.groups import read_journal
+from clotho.shortfall import SHORTFALL_EXIT
+from soak import checks, graded
+from soak.graded import JudgeServer
+from soak.groups import planned_scores, read_journal
 from soak.parts import Part, PolicyPart, PrefectPart, part_environment, rollout_part, trainer_part, watcher_part
 from storage.checkpoints import published_steps
 from storage.filesystem import list_files, resolve
@@ -45,6 +49,8 @@ class Settings:
     lr: float = 1e-3
     segment_timeout_s: float = 600.0
     serve_timeout_s: float = 240.0  # a restarted vLLM (a minute or two) plus the watcher's backoff (up to 60 s)
+    grader: str = ""  # "sandbox" or "judge": groups scored by a real grader (soak.graded)
+    judge_timeout_s: float = 1.0  # llm_judge's, against the soak's judge
 
     @property
     def groups_per_trial(self) -> int:
@@ -70,11 +76,14 @@ class Trial:
     uncommitted: int | None = None  # finished groups the killed flow never committed
     uncommitted_oldest_s: float | None = None  # the oldest of them at the kill
     caught_up_s: float | None = None  # from the kill until the server announced the segment's last step
+    misscored: int = 0  # stored scores other than planned: a machinery failure scored as a reward shows here
+    infra_failed: int = 0  # groups the flows failed as `infra` (their summaries)
+    infra_retries: int = 0  # retries of a sandbox run or a judge call (the flows' logs)
     weights_equal: bool | None = None  # filled in by the replay
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.twice or self.torn or self.problems) and self.weights_equal is not False
+        return not (self.lost or self.twice or self.torn or self.misscored or self.problems) and self.weights_equal is not False
 
 
 class Loop:
@@ -106,6 +115,8 @@ class Loop:
         self.trainer = trainer_part(self.run_url, model, 10**6, settings.trainer_settings(), work, self.env, work_dir=self.trainer_dir)
         self.watcher = watcher_part(self.run_url, server_url, model, work, self.env, settings.watcher_poll_s, settings.reload_step_timeout_s) if watch else None
         self.rollouts: list[Part] = []
+        self.judge = JudgeServer() if settings.grader == "judge" else None
+        self.infra = {"failed": 0, "retries": 0}  # summed over the flows that ran to their end
         self.next_seed = seed * 10_000
         self.segments = 0
         self.guard = None
@@ -113,7 +124,8 @@ class Loop:
         self.rollout_timing: list[tuple[float, float, float]] = []
         self.segment_s: list[float] = []
         # What the last count found, so that each trial reports only what went wrong in it.
-        self.seen: dict = {"committed": 0, "lost": set(), "twice": set(), "torn": set(), "wrong": set()}
+        self.seen: dict = {"committed": 0, "lost": set(), "twice": set(), "torn": set(), "wrong": set(), "misscored": set(),
+                           "failed": 0, "retries": 0}  # fmt: skip
 
     # ---- parts ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -127,6 +139,8 @@ class Loop:
     def stop(self) -> None:
         for part in [*self.rollouts, self.trainer, *([self.watcher] if self.watcher else [])]:
             part.stop()
+        if self.judge is not None:
+            self.judge.stop()
 
     def start_rollout(self, groups: int) -> Part:
         self.next_seed += 1
@@ -134,7 +148,8 @@ class Loop:
         part = rollout_part(
             self.run_url, self.server_url, self.model, groups, self.next_seed, self.work, self.env,
             group_size=s.group_size, delay_s=s.delay_s, sample_tokens=s.sample_tokens, lanes=s.lanes,
-            shard_max_age_s=s.shard_max_age_s,
+            shard_max_age_s=s.shard_max_age_s, grader=s.grader, judge_url=self.judge.url if self.judge else "",
+            judge_timeout_s=s.judge_timeout_s,
         ).start()  # fmt: skip
         self.rollouts.append(part)
         return part
@@ -170,11 +185,12 @@ class Loop:
                 if code is None:
                     part.kill()
                     problems.append(f"rollout flow {part.seed} hung: killed after the segment's timeout")
-                elif code != 0:
+                elif code not in (0, SHORTFALL_EXIT):  # a shortfall is the flow saying it made less: topped up
                     problems.append(f"rollout flow {part.seed} exited {code}")
                     failures += 1
                 else:
                     self.learn_timing(part)
+                    self.count_infra(part)
             self.rollouts = []
             have = self.committed()
             if have == self.goal():
@@ -194,6 +210,14 @@ class Loop:
         if finished:
             self.rollout_timing.append((finished[0] - part.started_wall, finished[-1] - part.started_wall,
                                         time.monotonic() - part.started_at))  # fmt: skip
+
+    def count_infra(self, part: Part) -> None:
+        """The groups a flow failed as `infra` (its closing summary) and the retries it logged."""
+        text = part.log_since_start()
+        summary = re.findall(r"^done: (\{.*\})$", text, re.MULTILINE)
+        if summary:
+            self.infra["failed"] += ast.literal_eval(summary[-1])["failures_by_reason"].get("infra", 0)
+        self.infra["retries"] += len(re.findall(r"(?:InfraError|JudgeError): .*; try \d+ failed, next in", text))
 
     def rollout_kill_moment(self, part: Part, rng) -> float:
         """When to kill a rollout flow just started: mostly while it samples and flushes (from its
@@ -238,8 +262,21 @@ class Loop:
         trial.lost, trial.twice, trial.torn = (len(new[name]) for name in ("lost", "twice", "torn"))
         trial.problems += [f"{name}: {', '.join(sorted(found)[:3])}" for name, found in new.items() if found]
         trial.problems += [problem for problem in counted.wrong_steps if problem not in self.seen["wrong"]]
+        misscored = set(self.misscored())
+        trial.misscored = len(misscored - self.seen["misscored"])
+        trial.problems += sorted(misscored - self.seen["misscored"])[:3]
+        trial.infra_failed, trial.infra_retries = (self.infra[key] - self.seen[key] for key in ("failed", "retries"))
         self.seen = {"committed": counted.committed, "lost": counted.lost, "twice": counted.twice, "torn": counted.torn,
-                     "wrong": set(counted.wrong_steps)}  # fmt: skip
+                     "wrong": set(counted.wrong_steps), "misscored": misscored, **self.infra}  # fmt: skip
+
+    def misscored(self) -> list[str]:
+        """Stored groups' scores against the planned ones (soak.graded.planned, soak.groups.planned_scores)."""
+        size = self.settings.group_size
+        if self.settings.grader:
+            planned = lambda item_id: [score for _, score in graded.planned(item_id, size, self.settings.grader)]  # noqa: E731
+        else:
+            planned = lambda item_id: planned_scores(item_id, size)  # noqa: E731
+        return graded.misscored(((g.item_id, g.scores) for g in checks.read_storage(self.run_url).groups), planned)
 
     async def server_state(self) -> checks.ServerState:
         return await checks.server_state(self.server_url, self.run_url, self.parity_guard(), self.model, self.work / "checkpoints")

@@ -220,19 +220,22 @@ def trainer_part(run_url: str, model: Path, steps: int, settings: dict[str, obje
 def rollout_part(
     run_url: str, server_url: str, model: Path, groups: int, seed: int, work: Path, env: dict[str, str], *,
     name: str = "rollout", group_size: int = 4, delay_s: float = 0.0, sample_tokens: int = 0, lanes: int = 2,
-    shard_max_age_s: float = 2.0, task_run_s: float = 2.0,
+    shard_max_age_s: float = 2.0, task_run_s: float = 2.0, grader: str = "", judge_url: str = "", judge_timeout_s: float = 1.0,
 ) -> Part:  # fmt: skip
-    """A rollout flow of `groups` Distinct groups whose items are `{seed}-{n}`; its journal is
+    """A rollout flow of `groups` Distinct groups whose items are `{seed}-{n}` (with `grader`:
+    soak.graded's, scored by code_exec's sandbox or llm_judge's judge at `judge_url`); its journal is
     `work/journals/{seed}.txt` (every group it finished)."""
     journal = work / "journals" / f"{seed}.txt"
     journal.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        str(BIN / "clotho"), "rollout", "--env", "soak.groups:Distinct", "--run", run_url, "--server", server_url,
+        str(BIN / "clotho"), "rollout", "--env", "soak.graded:Graded" if grader else "soak.groups:Distinct", "--run", run_url, "--server", server_url,
         "--tokenizer", str(model), "--groups", str(groups), "--max-concurrent-groups", str(lanes),
         "--task-run-s", str(task_run_s), "--shard-max-age-s", str(shard_max_age_s),
         "--set", f"seed={seed}", "--set", f"group_size={group_size}", "--set", f"delay_s={delay_s}",
         "--set", f"sample_tokens={sample_tokens}", "--set", f"journal={journal}",
     ]  # fmt: skip
+    if grader:
+        command += ["--set", f"grader={grader}", "--set", f"judge_url={judge_url}", "--set", f"judge_timeout_s={judge_timeout_s}"]
     part = Part(name, command, env=env, log_path=work / "logs" / f"{name}-{seed}.log")
     part.journal, part.seed, part.groups_asked = journal, seed, groups
     return part

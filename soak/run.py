@@ -8,8 +8,9 @@ fault a loop (soak.loop) and its trials (soak.faults); then the storage faults, 
 writers and readers against a moto S3 server behind a fault proxy (tests.reliability.storage_soak).
 The loops write their runs to a local directory, or with `--storage s3` to a moto S3 server of
 their own (every part then reads and writes the run through the S3 API, as on a cluster).
-Prints one row per fault (trials, committed groups, lost, trained twice, torn, result) and the
-measurements behind it, and writes them to `WORK/results.json`. Exit code 1 when a trial failed.
+Prints one row per fault (trials, committed groups, lost, trained twice, torn, infra failures
+scored as rewards, result) and the measurements behind it, and writes them to `WORK/results.json`.
+Exit code 1 when a trial failed.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from soak.parts import PolicyPart, PrefectPart
 STORAGE = "storage (S3 API)"  # no loop: writers and readers against a faulty S3 server
 # The --fault names of the faults (soak.faults.FAULTS, and STORAGE).
 CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server",
-           "reload-pause": "paused reload", "storage": STORAGE}  # fmt: skip
+           "reload-pause": "paused reload", "cpu-hog": "CPU hog in the sandbox", "judge-hang": "hanging judge",
+           "storage": STORAGE}  # fmt: skip
 assert sorted(CHOICES.values()) == sorted([*FAULTS, STORAGE])
 # Per fault: how its loop samples. The vLLM fault samples real completions, so requests are in
 # flight when the server dies; the others draw them (inference is not what they test).
@@ -46,6 +48,9 @@ SETTINGS = {
     "Prefect server": Settings(delay_s=0.5),
     # Short reload calls, so a server stopped past them is given up and restored within seconds.
     "paused reload": Settings(delay_s=0.5, reload_step_timeout_s=3.0),
+    # Groups scored by code_exec's sandbox and llm_judge's judge (soak.graded): the scoring takes the time.
+    "CPU hog in the sandbox": Settings(delay_s=0.0, grader="sandbox"),
+    "hanging judge": Settings(delay_s=0.0, grader="judge", judge_timeout_s=1.0),
 }
 
 
@@ -161,7 +166,8 @@ def slug(fault: str) -> str:
 
 def table_row(fault: str, trials: list[dict], ok: bool) -> str:
     """One fault's row of the table: its trials' counts summed."""
-    counts = " | ".join(str(sum(t[key] for t in trials)) for key in ("committed", "lost", "twice", "torn"))
+    keys = ("committed", "lost", "twice", "torn", "misscored")  # a row without scores to check (storage) shows "-"
+    counts = " | ".join(str(sum(t[key] for t in trials)) if all(key in t for t in trials) else "-" for key in keys)
     return f"| {fault} | {len(trials)} | {counts} | {'pass' if ok else 'FAIL'} |"
 
 
@@ -169,7 +175,8 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
            runs_on: str = "file") -> str:  # fmt: skip
     """The table, one row per fault, and the measurements under it."""
     lines = ["", f"Runs stored on {'a moto S3 server (S3 API)' if runs_on == 's3' else 'local disk'}.", "",
-             "| fault | trials | committed groups | lost | trained twice | torn | result |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| fault | trials | committed groups | lost | trained twice | torn | infra failures scored as rewards | result |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for fault, trials in results.items():
         lines.append(table_row(fault, [asdict(t) for t in trials], passed(trials, replays.get(fault))))
     if storage:
@@ -190,6 +197,9 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
         if mid_flush:
             notes.append(f"{len(mid_flush)} kills left a shard's index entry without its shard: the trainer waited for it "
                          f"(storage.index.GRACE_S), those trials took {', '.join(f'{t.seconds:.0f}' for t in mid_flush)} s")  # fmt: skip
+        if SETTINGS[fault].grader:
+            notes.append(f"groups failed as infra {sum(t.infra_failed for t in trials)}, retries of a {SETTINGS[fault].grader} "
+                         f"call {sum(t.infra_retries for t in trials)}")  # fmt: skip
         caught_up = [t.caught_up_s for t in trials if t.caught_up_s is not None]
         if caught_up:
             notes.append(f"kill to newest version served: median {statistics.median(caught_up):.0f} s, max {max(caught_up):.0f} s")

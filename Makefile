@@ -7,7 +7,7 @@ PIP_FLAGS := --disable-pip-version-check --progress-bar off
 PYTEST_ARGS ?=
 SOAK_ARGS ?=
 
-.PHONY: setup adapters demo test test-fast cluster-test cluster-trials bench soak docs clean-venvs
+.PHONY: setup adapters demo test test-fast lint cluster-test cluster-trials bench soak docs clean-venvs
 
 setup: $(VENV)/.installed $(INFERENCE_VENV)/.installed
 
@@ -67,8 +67,15 @@ demo: setup
 # Two pytest-xdist workers, a module per worker at a time (tests/conftest.py groups them): the
 # integration tests spend much of their time waiting on servers' starts, on 2 cores.
 TEST_WORKERS ?= 2
-test: setup adapters
+test: setup adapters lint
 	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
+
+# The formatter, the linter and the type checker ([tool.ruff], [tool.mypy] in pyproject.toml): part of
+# `make test`. `$(VENV)/bin/ruff format .` and `ruff check --fix .` repair most of what they find.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # Unit tests only: no vLLM, Prefect or S3 server.
 test-fast: $(VENV)/.installed

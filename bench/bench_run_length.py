@@ -37,6 +37,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+
 from storage.checkpoints import STABLE, latest_checkpoint, step_name  # noqa: E402
 from storage.index import GRACE_S, entry_path, id_at  # noqa: E402
 from storage.layout import ShardLocation  # noqa: E402
@@ -46,7 +48,6 @@ from storage.shard_file import find_shards  # noqa: E402
 from storage.writer import ShardWriter  # noqa: E402
 from tests.s3_server import create_bucket, start_s3_server, stop_s3_server  # noqa: E402
 from tests.storage.factory import make_groups  # noqa: E402
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
 
 IN_FLIGHT = 10
 LINKS_PER_TEMPLATE = 50_000
@@ -153,8 +154,12 @@ def main() -> None:
             started_full = time.perf_counter()
             find_shards(f"file://{workdir / side}/run")
             full = time.perf_counter() - started_full
-            result["local"][side] = {"shards": size, "ledger_bytes": ledger_bytes[side], "full_listing_s": round(full, 4),
-                                     "build_s": round(started_full - started, 1)}  # fmt: skip
+            result["local"][side] = {
+                "shards": size,
+                "ledger_bytes": ledger_bytes[side],
+                "full_listing_s": round(full, 4),
+                "build_s": round(started_full - started, 1),
+            }
             print(f"built {side}: {size} shards, ledger {ledger_bytes[side]} B, full listing {full:.3f} s", flush=True)
         rounds = []
         for index in range(args.rounds):
@@ -172,7 +177,9 @@ def main() -> None:
             for shard in reader.new_shards():
                 reader.ledger.mark_consumed(shard.name)
             reader.new_shards()
-            ledger_bytes[f"{side}_all_consumed"] = result["local"][side]["ledger_bytes_all_consumed"] = len(reader.ledger.to_json())
+            ledger_bytes[f"{side}_all_consumed"] = result["local"][side]["ledger_bytes_all_consumed"] = len(
+                reader.ledger.to_json()
+            )
         result["ledger_bytes_max"] = max(ledger_bytes.values())
 
         # The reload watcher's poll over many published steps.
@@ -202,15 +209,23 @@ def main() -> None:
                     before = server.log_path.read_text().count("list-type=2")
                     poll_s = median_poll(reader, args.polls)
                     lists = (server.log_path.read_text().count("list-type=2") - before) / args.polls
-                    result["s3"][str(size)] = {"shards": size, "list_requests_per_poll": lists, "poll_s_median": round(poll_s, 4),
-                                               "ledger_bytes": len(reader.ledger.to_json()), "build_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+                    result["s3"][str(size)] = {
+                        "shards": size,
+                        "list_requests_per_poll": lists,
+                        "poll_s_median": round(poll_s, 4),
+                        "ledger_bytes": len(reader.ledger.to_json()),
+                        "build_s": round(time.perf_counter() - started, 1),
+                    }
                     print(f"s3 {size}: {lists} LIST requests per poll, {poll_s * 1e3:.1f} ms", flush=True)
                 first, last = (result["s3"][str(s)]["list_requests_per_poll"] for s in (s3_sizes[0], s3_sizes[-1]))
                 result["s3"]["ratio_list_requests"] = round(last / first, 3)
             finally:
                 stop_s3_server(server)
-        result["targets"] = {"ratio_poll_100000_to_1000": "<= 2", "ledger_bytes_max": "< 65536",
-                             "s3_ratio_list_requests_10000_to_1000": "<= 2"}  # fmt: skip
+        result["targets"] = {
+            "ratio_poll_100000_to_1000": "<= 2",
+            "ledger_bytes_max": "< 65536",
+            "s3_ratio_list_requests_10000_to_1000": "<= 2",
+        }
         print(json.dumps(result, indent=1))
         write_result("run_length", result)
     finally:

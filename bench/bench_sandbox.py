@@ -25,8 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from environments.sandbox import INTERPRETER, LEVELS, available, isolation, run_python  # noqa: E402
 from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+
+from environments.sandbox import INTERPRETER, LEVELS, available, isolation, run_python  # noqa: E402
 
 
 def launch(side: str) -> None:
@@ -46,12 +47,14 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10, help="launches per side per round")
     args = parser.parse_args()
     strongest = isolation()
-    sides = [strongest] + [level for level in LEVELS if level != strongest and available(level)] + ["bare", "bare_again"]
+    sides = (
+        [strongest] + [level for level in LEVELS if level != strongest and available(level)] + ["bare", "bare_again"]
+    )
     for side in sides:  # warm the page cache and the probes before timing
         launch(side)
     rounds = []
     for index in range(args.rounds):
-        order = sides[index % len(sides):] + sides[: index % len(sides)]
+        order = sides[index % len(sides) :] + sides[: index % len(sides)]
         measured = {}
         for side in order:
             started = time.perf_counter()
@@ -59,16 +62,26 @@ def main() -> None:
                 launch(side)
             measured[side] = (time.perf_counter() - started) / args.runs
         rounds.append(measured)
-        print(json.dumps({side: round(seconds * 1e3, 1) for side, seconds in measured.items()}), "ms per launch", flush=True)
+        print(
+            json.dumps({side: round(seconds * 1e3, 1) for side, seconds in measured.items()}),
+            "ms per launch",
+            flush=True,
+        )
     ratios = [r[strongest] / r["bare"] for r in rounds]
     control = [r["bare_again"] / r["bare"] for r in rounds]
     result = {
-        "program": "print(1)", "isolation": strongest, "runs_per_round": args.runs, "rounds": rounds,
+        "program": "print(1)",
+        "isolation": strongest,
+        "runs_per_round": args.runs,
+        "rounds": rounds,
         "mean_s": {side: round(statistics.fmean(r[side] for r in rounds), 5) for side in sides},
-        "ratio_sandbox_to_bare": round(statistics.fmean(ratios), 3), "ratio_interval": interval(ratios),
+        "ratio_sandbox_to_bare": round(statistics.fmean(ratios), 3),
+        "ratio_interval": interval(ratios),
         "ratio_control": round(statistics.fmean(control), 3),
-        "ratio_by_level": {level: round(statistics.fmean(r[level] / r["bare"] for r in rounds), 3) for level in sides[:-2]},
-    }  # fmt: skip
+        "ratio_by_level": {
+            level: round(statistics.fmean(r[level] / r["bare"] for r in rounds), 3) for level in sides[:-2]
+        },
+    }
     print(json.dumps({key: value for key, value in result.items() if key != "rounds"}, indent=1))
     write_result("sandbox", result)
 

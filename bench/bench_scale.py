@@ -43,10 +43,10 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import psutil  # noqa: E402
 import yaml  # noqa: E402
-
-from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
 from bench_scale_memory import MODELS, SIZES, model_dir  # noqa: E402  (the models both scale benches build)
 from results import current_commit, read_jsonl, write_result  # noqa: E402
+
+from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
 from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
 from storage.reader import ShardReader  # noqa: E402
@@ -78,9 +78,17 @@ def in_cycle(seconds: dict[int, float], full_steps: set[int], full_every: int) -
     deltas = [s for step, s in seconds.items() if step not in full_steps]
     if not deltas or full_every == 1:
         every = [s for step, s in seconds.items() if step != min(seconds)] or list(seconds.values())
-        return {"full_s": round(statistics.median(every), 3), "delta_s": None, "cycle_s": round(statistics.median(every), 3)}
+        return {
+            "full_s": round(statistics.median(every), 3),
+            "delta_s": None,
+            "cycle_s": round(statistics.median(every), 3),
+        }
     full_s, delta_s = statistics.median(full), statistics.median(deltas)
-    return {"full_s": round(full_s, 3), "delta_s": round(delta_s, 3), "cycle_s": round((full_s + (full_every - 1) * delta_s) / full_every, 3)}
+    return {
+        "full_s": round(full_s, 3),
+        "delta_s": round(delta_s, 3),
+        "cycle_s": round((full_s + (full_every - 1) * delta_s) / full_every, 3),
+    }
 
 
 def parameter_count(size: str) -> int:
@@ -94,12 +102,16 @@ def parameter_count(size: str) -> int:
         return sum(p.numel() for p in model_class(config).parameters())
 
 
-def run_watched(command: list[str], log_path: Path, max_rss: float, limit_s: float, env: dict | None = None) -> str | None:
+def run_watched(
+    command: list[str], log_path: Path, max_rss: float, limit_s: float, env: dict | None = None
+) -> str | None:
     """Runs a command to its end, its output in log_path; None when it succeeds, else why not
     (its exit, or killed: past `max_rss` bytes of RSS over it and its children, or `limit_s`)."""
     peak = 0
     with log_path.open("w") as log:
-        child = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         process, started = psutil.Process(child.pid), time.monotonic()
         while child.poll() is None:
             time.sleep(0.5)
@@ -117,7 +129,9 @@ def run_watched(command: list[str], log_path: Path, max_rss: float, limit_s: flo
                     except psutil.Error:
                         pass
                 child.wait()
-                return f"killed past {max_rss / 2**30:.0f} GiB of RSS" if rss > max_rss else f"killed past {limit_s:.0f} s"
+                return (
+                    f"killed past {max_rss / 2**30:.0f} GiB of RSS" if rss > max_rss else f"killed past {limit_s:.0f} s"
+                )
     if child.returncode:
         return f"exit {child.returncode}: {log_path.read_text()[-2000:]}"
     return None
@@ -130,19 +144,36 @@ def directory_bytes(path: Path) -> int:
 def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = None) -> dict:
     real = size in REAL
     return {
-        "run": run_url, "model": str(model_dir(size)), "max_lag": 0,
+        "run": run_url,
+        "model": str(model_dir(size)),
+        "max_lag": 0,
         "servers": {"dtype": "bfloat16" if real else "float32"},
         # A checkpoint every step (deltas between full ones every trainer.full_every), the resume
         # state every 10 minutes (and at the last step), as a run of real size would set them.
-        "trainer": {"lr": LR, "save_every": 1, "keep_last": 2, "state_every_minutes": STATE_EVERY_MINUTES, "gradient_checkpointing": real,
-                    "seed": 0, **(trainer or {})},
-        "phases": [{"name": "rl", "steps": steps, "environments": [{"env": TASK["env"], "config": TASK["env_config"]}],
-                    "trainer": {"groups_per_step": PROMPTS_PER_STEP}}],
+        "trainer": {
+            "lr": LR,
+            "save_every": 1,
+            "keep_last": 2,
+            "state_every_minutes": STATE_EVERY_MINUTES,
+            "gradient_checkpointing": real,
+            "seed": 0,
+            **(trainer or {}),
+        },
+        "phases": [
+            {
+                "name": "rl",
+                "steps": steps,
+                "environments": [{"env": TASK["env"], "config": TASK["env_config"]}],
+                "trainer": {"groups_per_step": PROMPTS_PER_STEP},
+            }
+        ],
         "rollout": {"max_concurrent_groups": PROMPTS_PER_STEP, "task_run_s": 5.0},
-    }  # fmt: skip
+    }
 
 
-def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float, trainer: dict | None = None) -> dict:
+def run_clotho(
+    workdir: Path, size: str, steps: int, max_rss: float, limit_s: float, trainer: dict | None = None
+) -> dict:
     """One `clotho run` at `size`: its per-step parts, bytes and peak RSS, or why it did not finish."""
     workdir.mkdir(parents=True)
     run_url = f"file://{workdir}/store/run"
@@ -172,22 +203,32 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     steps_rows = []
     for row in rows[1:]:  # the first step pays the servers' and the trainer's warm-up
         version = row["step"] - 1  # max_lag 0: step N trains groups sampled on version N - 1
-        steps_rows.append({
-            "sampling_s": sampled_until[version] - served_at[version], "update_s": row["step_time_s"],
-            "save_state_s": row.get("save_state_s", 0.0),
-        })  # fmt: skip
+        steps_rows.append(
+            {
+                "sampling_s": sampled_until[version] - served_at[version],
+                "update_s": row["step_time_s"],
+                "save_state_s": row.get("save_state_s", 0.0),
+            }
+        )
     parts = {name: round(statistics.median(r[name] for r in steps_rows), 3) for name in PARTS if name in steps_rows[0]}
     # A publish and a reload as they come in a run: one full checkpoint in every full_every, deltas
     # between (the first step's full publish counts: in a short run it is the only one).
     full_every = settings["trainer"].get("full_every", TrainerConfig.model_fields["full_every"].default)
     publishes = {row["step"]: row.get("publish_s", 0.0) for row in rows}
     reloads = {version: seconds for version, seconds in reload_s.items() if version < rows[-1]["step"]}  # trained on
-    cycle = {"publish_s": in_cycle(publishes, full_steps, full_every), "reload_s": in_cycle(reloads, full_steps, full_every)}
+    cycle = {
+        "publish_s": in_cycle(publishes, full_steps, full_every),
+        "reload_s": in_cycle(reloads, full_steps, full_every),
+    }
     parts |= {name: kinds["cycle_s"] for name, kinds in cycle.items()}
     # A delta reload's parts: the fetch (the step rebuilt from the one served), the swap, the parity check.
-    delta_reloads = [e for e in events if e["event"] == "reload" and e["version"] in reloads and e["version"] not in full_steps]
-    reload_parts = {name: round(statistics.median(e[name] for e in delta_reloads), 3) if delta_reloads else None
-                    for name in ("fetch_s", "swap_s", "parity_s")}  # fmt: skip
+    delta_reloads = [
+        e for e in events if e["event"] == "reload" and e["version"] in reloads and e["version"] not in full_steps
+    ]
+    reload_parts = {
+        name: round(statistics.median(e[name] for e in delta_reloads), 3) if delta_reloads else None
+        for name in ("fetch_s", "swap_s", "parity_s")
+    }
     full_bytes = max(written[step] for step in full_steps)
     deltas = [size for step, size in written.items() if step not in full_steps]
     parts = {name: parts[name] for name in PARTS}
@@ -198,31 +239,56 @@ def run_clotho(workdir: Path, size: str, steps: int, max_rss: float, limit_s: fl
     state_save_s = statistics.median([r["save_state_s"] for r in rows if r.get("save_state_s")] or [0.0])
     sharing = steps_per_state(step_s)
     return {
-        "parts_s": parts, "step_s": round(step_s, 3),
+        "parts_s": parts,
+        "step_s": round(step_s, 3),
         # Wall seconds per step as TRL's are counted (from one step's end to the next's): the parts
         # above can overlap (a reload runs while the trainer saves its state).
         "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
         "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
-        "reload_parts_s": reload_parts, "full_and_delta_s": cycle, "full_every": full_every,
+        "reload_parts_s": reload_parts,
+        "full_and_delta_s": cycle,
+        "full_every": full_every,
         # Bytes a step publishes as a run pays them (in_cycle): a full checkpoint in every full_every.
         "publish_bytes": in_cycle(written, full_steps, full_every)["cycle_s"],
-        "full_bytes": full_bytes, "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
+        "full_bytes": full_bytes,
+        "delta_fraction": round(statistics.median(deltas) / full_bytes, 4) if deltas else None,
         "state_bytes": directory_bytes(states[-1]) if states else None,
-        "state_save_s": state_save_s, "steps_per_state": sharing,
+        "state_save_s": state_save_s,
+        "steps_per_state": sharing,
         "overhead_share": round((parts["publish_s"] + parts["reload_s"] + state_save_s / sharing) / step_s, 3),
         "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
-        "steps_measured": len(steps_rows), "startup_s": round(rows[0]["time"] - started, 1),
+        "steps_measured": len(steps_rows),
+        "startup_s": round(rows[0]["time"] - started, 1),
         "tokens_per_step": statistics.median(r["tokens"] for r in rows[1:]),
         "sampled_tokens_per_step": statistics.median(r["num_tokens"] for r in rows[1:]),
         "reward": [round(r.get("score_mean", 0.0), 4) for r in rows],
-    }  # fmt: skip
+    }
 
 
 def run_trl(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float) -> dict:
     """bench/peer_trl.py on the same task: seconds per step (its saves taken out), or why not."""
-    command = [str(TRL_PYTHON), str(REPO / "bench" / "peer_trl.py"), "--model", str(model_dir(size)), "--env", TASK["env"],
-               "--env-config", json.dumps(TASK["env_config"]), "--steps", str(steps), "--prompts-per-step", str(PROMPTS_PER_STEP),
-               "--lr", str(LR), "--seed", "0", "--save-every", str(steps), "--out", str(workdir)]  # fmt: skip
+    command = [
+        str(TRL_PYTHON),
+        str(REPO / "bench" / "peer_trl.py"),
+        "--model",
+        str(model_dir(size)),
+        "--env",
+        TASK["env"],
+        "--env-config",
+        json.dumps(TASK["env_config"]),
+        "--steps",
+        str(steps),
+        "--prompts-per-step",
+        str(PROMPTS_PER_STEP),
+        "--lr",
+        str(LR),
+        "--seed",
+        "0",
+        "--save-every",
+        str(steps),
+        "--out",
+        str(workdir),
+    ]
     if size in REAL:
         command.append("--gradient-checkpointing")
     workdir.mkdir(parents=True)
@@ -255,8 +321,10 @@ def parity_noise(size: str, dtype: str) -> dict:
     if not (other / "config.json").exists():
         build_tiny_model(other, size=size, seed=1)
     sequences = default_prompt_ids(AutoTokenizer.from_pretrained(model))
-    references = {name: [reference_logprobs(load_reference_model(path), s[:1], s[1:]) for s in sequences]
-                  for name, path in (("same", model), ("other", other))}  # fmt: skip
+    references = {
+        name: [reference_logprobs(load_reference_model(path), s[:1], s[1:]) for s in sequences]
+        for name, path in (("same", model), ("other", other))
+    }
     with PolicyServer(model, dtype=dtype, log_path=MODELS / f"parity-{size}-{dtype}.log") as server:
 
         async def served() -> list[list[float]]:
@@ -269,8 +337,14 @@ def parity_noise(size: str, dtype: str) -> dict:
         logprobs = asyncio.run(served())
     result = {"dtype": dtype, "tolerance": TOLERANCE[dtype]}
     for name, reference in references.items():
-        differences = [abs(a - b) for s, r in zip(logprobs, reference, strict=True) for a, b in zip(s[1:], r, strict=True)]
-        result[name] = {"max": round(max(differences), 4), "mean": round(statistics.fmean(differences), 4), "tokens": len(differences)}
+        differences = [
+            abs(a - b) for s, r in zip(logprobs, reference, strict=True) for a, b in zip(s[1:], r, strict=True)
+        ]
+        result[name] = {
+            "max": round(max(differences), 4),
+            "mean": round(statistics.fmean(differences), 4),
+            "tokens": len(differences),
+        }
     return result
 
 
@@ -280,8 +354,14 @@ QWEN25_7B = {"parameters": 7_615_616_512, "vocab": 152_064, "sequences": 64 * 16
 # One 8-GPU node, for the model's second column. Assumptions, not measurements (no GPU here): H100
 # SXM bf16 dense peak, an MFU typical of RL trainers, vLLM decode throughput per GPU at a 7B model
 # with hundreds of sequences in flight, half the GPUs sampling, and a node's NVMe write and read.
-NODE = {"gpus": 8, "peak_flops_per_gpu": 989e12, "mfu": 0.4, "decode_tokens_per_s_per_gpu": 2e4, "sampling_gpus": 4,
-        "disk_bytes_per_s": 3e9}  # fmt: skip
+NODE = {
+    "gpus": 8,
+    "peak_flops_per_gpu": 989e12,
+    "mfu": 0.4,
+    "decode_tokens_per_s_per_gpu": 2e4,
+    "sampling_gpus": 4,
+    "disk_bytes_per_s": 3e9,
+}
 
 
 def cost_model(entry: dict) -> dict:
@@ -333,33 +413,62 @@ def cost_model(entry: dict) -> dict:
         sharing = steps_per_state(sum(seconds.values()))
         seconds = {**seconds, "save_state_s": state_s / sharing}
         total = sum(seconds.values())
-        return {"step_s": round(total, 2), "parts_s": {k: round(v, 3) for k, v in seconds.items()},
-                "shares": {k: round(v / total, 3) for k, v in seconds.items()}, "dominant": max(seconds, key=seconds.get),
-                "state": {"one_s": round(state_s, 1), "steps_per_state": sharing}}  # fmt: skip
+        return {
+            "step_s": round(total, 2),
+            "parts_s": {k: round(v, 3) for k, v in seconds.items()},
+            "shares": {k: round(v / total, 3) for k, v in seconds.items()},
+            "dominant": max(seconds, key=seconds.get),
+            "state": {"one_s": round(state_s, 1), "steps_per_state": sharing},
+        }
 
-    return {"from_size": entry["size"], "rates": {k: float(f"{v:.4g}") for k, v in rates.items()},
-            "target": {"model": "Qwen2.5-7B", **QWEN25_7B}, "state_every_minutes": STATE_EVERY_MINUTES, "this_machine": table(here, states["this_machine"]), "node": table(node, states["node"]),
-            "node_assumptions": NODE}  # fmt: skip
+    return {
+        "from_size": entry["size"],
+        "rates": {k: float(f"{v:.4g}") for k, v in rates.items()},
+        "target": {"model": "Qwen2.5-7B", **QWEN25_7B},
+        "state_every_minutes": STATE_EVERY_MINUTES,
+        "this_machine": table(here, states["this_machine"]),
+        "node": table(node, states["node"]),
+        "node_assumptions": NODE,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES))
     parser.add_argument("--sides", default="clotho,trl")
-    parser.add_argument("--steps", type=int, default=8, help="Steps a side runs (8: the first two delta rebuilds, which find no file to write over, are not the medians).")
-    parser.add_argument("--max-rss-gib", type=float, default=20.0, help="Kill a side past this much RSS (all its processes).")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=8,
+        help="Steps a side runs (8: the first two delta rebuilds, which find no file to write over, are not the medians).",
+    )
+    parser.add_argument(
+        "--max-rss-gib", type=float, default=20.0, help="Kill a side past this much RSS (all its processes)."
+    )
     parser.add_argument("--limit-s", type=float, default=3600.0, help="Kill a side past this many seconds.")
-    parser.add_argument("--trainer", type=json.loads, default={}, help="clotho's trainer settings over the bench's, as JSON.")
-    parser.add_argument("--result", default="scale", help="bench/results/NAME.json (scale: the table docs/benchmarks.md shows).")
-    parser.add_argument("--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip).")
-    parser.add_argument("--cost-model-only", action="store_true",
-                        help="Recompute the 7B cost model from the stored result's measurements (a changed model, no new run).")
+    parser.add_argument(
+        "--trainer", type=json.loads, default={}, help="clotho's trainer settings over the bench's, as JSON."
+    )
+    parser.add_argument(
+        "--result", default="scale", help="bench/results/NAME.json (scale: the table docs/benchmarks.md shows)."
+    )
+    parser.add_argument(
+        "--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip)."
+    )
+    parser.add_argument(
+        "--cost-model-only",
+        action="store_true",
+        help="Recompute the 7B cost model from the stored result's measurements (a changed model, no new run).",
+    )
     args = parser.parse_args()
     if args.cost_model_only:
         path = REPO / "bench" / "results" / f"{args.result}.json"
         record = json.loads(path.read_text())
         measured = [entry for entry in record["result"]["sizes"] if "step_s" in entry.get("clotho", {})]
-        record["result"]["cost_model_7b"] = {**cost_model(measured[-1]), "recomputed": {"commit": current_commit(), "measurements_of": record["commit"]}}
+        record["result"]["cost_model_7b"] = {
+            **cost_model(measured[-1]),
+            "recomputed": {"commit": current_commit(), "measurements_of": record["commit"]},
+        }
         path.write_text(json.dumps(record, indent=1) + "\n")
         return
     sides = args.sides.split(",")
@@ -374,7 +483,11 @@ def main() -> None:
             for side in sides:
                 started = time.monotonic()
                 where, bounds = Path(temporary) / f"{size}-{side}", (args.max_rss_gib * 2**30, args.limit_s)
-                entry[side] = run_clotho(where, size, args.steps, *bounds, args.trainer) if side == "clotho" else run_trl(where, size, args.steps, *bounds)
+                entry[side] = (
+                    run_clotho(where, size, args.steps, *bounds, args.trainer)
+                    if side == "clotho"
+                    else run_trl(where, size, args.steps, *bounds)
+                )
                 entry[side]["wall_s"] = round(time.monotonic() - started, 1)
                 print(f"{size} {side}: {json.dumps(entry[side])[:600]}", flush=True)
             if "wall_step_s" in entry.get("clotho", {}) and "step_s" in entry.get("trl", {}):
@@ -382,8 +495,19 @@ def main() -> None:
             results.append(entry)
     measured = [entry for entry in results if "step_s" in entry.get("clotho", {})]
     model = cost_model(measured[-1]) if measured else None
-    write_result(args.result, {"trainer": args.trainer, "cost_model_7b": model, "task": TASK, "prompts_per_step": PROMPTS_PER_STEP, "lr": LR, "steps": args.steps, "sizes": results,
-                           "target": "clotho / TRL seconds per step <= 1.0 where both run; publish + reload + state <= 10% of a step"})  # fmt: skip
+    write_result(
+        args.result,
+        {
+            "trainer": args.trainer,
+            "cost_model_7b": model,
+            "task": TASK,
+            "prompts_per_step": PROMPTS_PER_STEP,
+            "lr": LR,
+            "steps": args.steps,
+            "sizes": results,
+            "target": "clotho / TRL seconds per step <= 1.0 where both run; publish + reload + state <= 10% of a step",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -76,8 +76,13 @@ def whole_logits_logprobs(model, batch, hooks=None, device="cpu"):
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
     elif batch.shares_rows():  # as packed_logprobs: variable-length attention over the sequences' bounds
         bounds, longest = batch.sequence_bounds()
-        inputs.update(position_ids=batch.position_ids.to(device), cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                      max_length_q=longest, max_length_k=longest)  # fmt: skip
+        inputs.update(
+            position_ids=batch.position_ids.to(device),
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
     logprobs = token_logprobs(model(**inputs).logits, input_ids, temperature, predictors=predictors)
     return logprobs, torch.zeros_like(logprobs.detach())
 
@@ -95,8 +100,15 @@ def probe(model: str, tokens: int, logprobs: str, checkpointing: bool, dtype: st
 
     rank, world_size = init_distributed()
     per_step = max(1, tokens // SEQUENCE)
-    config = TrainerConfig(model=model, lr=1e-6, groups_per_step=per_step, micro_batch_tokens=tokens, dtype=dtype,
-                           gradient_checkpointing=checkpointing, share_prompts=False)  # fmt: skip
+    config = TrainerConfig(
+        model=model,
+        lr=1e-6,
+        groups_per_step=per_step,
+        micro_batch_tokens=tokens,
+        dtype=dtype,
+        gradient_checkpointing=checkpointing,
+        share_prompts=False,
+    )
     policy = trainer.model.load_policy(model, dtype)
     if checkpointing:
         trainer.model.enable_gradient_checkpointing(policy)
@@ -108,14 +120,25 @@ def probe(model: str, tokens: int, logprobs: str, checkpointing: bool, dtype: st
     def group() -> ScoredGroup:
         prompt = [rng.randrange(3, 512) for _ in range(PROMPT)]
         completion = [rng.randrange(3, 512) for _ in range(SEQUENCE - PROMPT)]
-        sequence = ScoredSequence(tokens=prompt + completion, mask=[False] * PROMPT + [True] * len(completion),
-                                  logprobs=[0.0] * PROMPT + [-6.0] * len(completion), score=rng.random())  # fmt: skip
-        other = ScoredSequence(tokens=sequence.tokens, mask=sequence.mask, logprobs=sequence.logprobs, score=rng.random())
+        sequence = ScoredSequence(
+            tokens=prompt + completion,
+            mask=[False] * PROMPT + [True] * len(completion),
+            logprobs=[0.0] * PROMPT + [-6.0] * len(completion),
+            score=rng.random(),
+        )
+        other = ScoredSequence(
+            tokens=sequence.tokens, mask=sequence.mask, logprobs=sequence.logprobs, score=rng.random()
+        )
         return ScoredGroup(env="bench", item_id=str(rng.random()), sequences=[sequence, other])
 
     batches = [
-        build_step([group() for _ in range(per_step // 2 or 1)], policy_version=0, token_budget=tokens,
-                   advantage_config=config.advantages, share_prompts=False)  # fmt: skip
+        build_step(
+            [group() for _ in range(per_step // 2 or 1)],
+            policy_version=0,
+            token_budget=tokens,
+            advantage_config=config.advantages,
+            share_prompts=False,
+        )
         for _ in range(steps)
     ]
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the steps, not loading
@@ -126,18 +149,35 @@ def probe(model: str, tokens: int, logprobs: str, checkpointing: bool, dtype: st
         seconds.append(time.perf_counter() - started)
     parameters = sum(p.numel() for p in policy.parameters())
     return {
-        "parameters": parameters, "tokens": sum(b.stats["tokens"] for b in batches) / len(batches),
-        "micro_batches": len(batches[0].micro_batches), "peak_rss": resident("VmHWM"), "rss_after": resident("VmRSS"),
-        "step_seconds": seconds, "threads": torch.get_num_threads(),
-    }  # fmt: skip
+        "parameters": parameters,
+        "tokens": sum(b.stats["tokens"] for b in batches) / len(batches),
+        "micro_batches": len(batches[0].micro_batches),
+        "peak_rss": resident("VmHWM"),
+        "rss_after": resident("VmRSS"),
+        "step_seconds": seconds,
+        "threads": torch.get_num_threads(),
+    }
 
 
-def run_case(size: str, tokens: int, logprobs: str, checkpointing: bool, dtype: str, steps: int, limit: float,
-             max_rss: float) -> dict:  # fmt: skip
+def run_case(
+    size: str, tokens: int, logprobs: str, checkpointing: bool, dtype: str, steps: int, limit: float, max_rss: float
+) -> dict:
     """One case in a child process (its own peak), or why it did not finish: killed past `limit`
     seconds or `max_rss` bytes of RSS (the machine's memory is the session's)."""
-    command = [sys.executable, __file__, "--probe", str(model_dir(size)), "--tokens", str(tokens), "--logprobs", logprobs,
-               "--dtype", dtype, "--steps", str(steps)] + (["--checkpointing"] if checkpointing else [])  # fmt: skip
+    command = [
+        sys.executable,
+        __file__,
+        "--probe",
+        str(model_dir(size)),
+        "--tokens",
+        str(tokens),
+        "--logprobs",
+        logprobs,
+        "--dtype",
+        dtype,
+        "--steps",
+        str(steps),
+    ] + (["--checkpointing"] if checkpointing else [])
     env = dict(os.environ)
     with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryFile("w+") as out:
         child = subprocess.Popen(command, stdout=out, stderr=log, text=True, env=env, cwd=ROOT)
@@ -163,8 +203,11 @@ def run_case(size: str, tokens: int, logprobs: str, checkpointing: bool, dtype: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="small,smollm2-135m,qwen2.5-0.5b",
-                        help="Sizes to run; the result keeps an earlier run's cases of the others (same tokens, dtype).")
+    parser.add_argument(
+        "--sizes",
+        default="small,smollm2-135m,qwen2.5-0.5b",
+        help="Sizes to run; the result keeps an earlier run's cases of the others (same tokens, dtype).",
+    )
     parser.add_argument("--tokens", type=int, default=4096, help="micro_batch_tokens (the trainer's default: 4096).")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--steps", type=int, default=2)
@@ -184,10 +227,18 @@ def main() -> None:
     for size in args.sizes.split(","):
         vocab = SHAPES[size].get("vocab_size", 512)
         for logprobs, checkpointing in CASES:
-            case = run_case(size, args.tokens, logprobs, checkpointing, args.dtype, args.steps, args.limit,
-                            args.max_rss_gib * 2**30)
-            case.update(size=size, vocab=vocab, logprobs=logprobs, checkpointing=checkpointing, tokens_budget=args.tokens,
-                        dtype=args.dtype, commit=current_commit())  # fmt: skip
+            case = run_case(
+                size, args.tokens, logprobs, checkpointing, args.dtype, args.steps, args.limit, args.max_rss_gib * 2**30
+            )
+            case.update(
+                size=size,
+                vocab=vocab,
+                logprobs=logprobs,
+                checkpointing=checkpointing,
+                tokens_budget=args.tokens,
+                dtype=args.dtype,
+                commit=current_commit(),
+            )
             if "error" not in case:
                 # Weights, gradients and AdamW's two moments, fp32: what the step must hold anyway.
                 state = 16 * case["parameters"]
@@ -204,13 +255,28 @@ def main() -> None:
     # Cases of sizes not run this time stay as an earlier run measured them (each names its commit).
     earlier = json.loads(RESULT.read_text())["result"]["cases"] if RESULT.exists() else []
     ran = {(case["size"], case["logprobs"], case["checkpointing"]) for case in cases}
-    kept = [case for case in earlier if (case["size"], case["logprobs"], case["checkpointing"]) not in ran
-            and case.get("tokens_budget") == args.tokens and case.get("dtype") == args.dtype]  # fmt: skip
-    cases = sorted(kept + cases, key=lambda case: (SIZES.index(case["size"]), CASES.index((case["logprobs"], case["checkpointing"]))))
-    write_result("scale_memory", {
-        "tokens": args.tokens, "dtype": args.dtype, "steps": args.steps, "sequence": SEQUENCE, "cases": cases,
-        "target": "0.5B shape: peak <= 1.25 x (weights + gradients + AdamW state) at the config's micro_batch_tokens",
-    })  # fmt: skip
+    kept = [
+        case
+        for case in earlier
+        if (case["size"], case["logprobs"], case["checkpointing"]) not in ran
+        and case.get("tokens_budget") == args.tokens
+        and case.get("dtype") == args.dtype
+    ]
+    cases = sorted(
+        kept + cases,
+        key=lambda case: (SIZES.index(case["size"]), CASES.index((case["logprobs"], case["checkpointing"]))),
+    )
+    write_result(
+        "scale_memory",
+        {
+            "tokens": args.tokens,
+            "dtype": args.dtype,
+            "steps": args.steps,
+            "sequence": SEQUENCE,
+            "cases": cases,
+            "target": "0.5B shape: peak <= 1.25 x (weights + gradients + AdamW state) at the config's micro_batch_tokens",
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -27,12 +27,13 @@ import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
+
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage.layout import rollouts_url
 from storage.reader import ShardReader
 from storage.schema import SHARD_SCHEMA, groups_to_table
 from storage.writer import ShardWriter
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 VOCAB = 150_000
 GROUPS_PER_SHARD = 256
@@ -56,9 +57,7 @@ def make_groups(count: int, group_size: int, seed: int) -> list[ScoredGroup]:
                     finish_reason="stop" if rng.random() < 0.9 else "length",
                 )
             )
-        groups.append(
-            ScoredGroup(env="bench", item_id=f"item-{index}", sequences=sequences, policy_version=3)
-        )
+        groups.append(ScoredGroup(env="bench", item_id=f"item-{index}", sequences=sequences, policy_version=3))
     return groups
 
 
@@ -79,10 +78,7 @@ def atropos_jsonl(groups: list[ScoredGroup], path: Path) -> None:
         for group in groups:
             record = {
                 "tokens": [s.tokens for s in group.sequences],
-                "masks": [
-                    [t if m else -100 for t, m in zip(s.tokens, s.mask, strict=True)]
-                    for s in group.sequences
-                ],
+                "masks": [[t if m else -100 for t, m in zip(s.tokens, s.mask, strict=True)] for s in group.sequences],
                 "scores": group.scores,
                 "advantages": None,
                 "ref_logprobs": None,
@@ -101,9 +97,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--dir", default=None, help="Directory to write into (default: a temporary one)."
-    )
+    parser.add_argument("--dir", default=None, help="Directory to write into (default: a temporary one).")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-storage-", dir=args.dir))
     try:
@@ -118,18 +112,14 @@ def run(args: argparse.Namespace, work: Path) -> None:
     tokens = sum(g.num_tokens for g in groups)
     sequences = sum(len(g.sequences) for g in groups)
     made_s = time.perf_counter() - start
-    print(
-        f"{len(groups)} groups, {sequences} sequences, {tokens:,} tokens (made in {made_s:.1f} s)"
-    )
+    print(f"{len(groups)} groups, {sequences} sequences, {tokens:,} tokens (made in {made_s:.1f} s)")
     chunks = [groups[i : i + GROUPS_PER_SHARD] for i in range(0, len(groups), GROUPS_PER_SHARD)]
     groups_to_table(groups[:1], "warm-up")  # first-call imports are not throughput
     # The same rows as plain Python values, for the bare writer (prepared outside the timing).
     rows = [groups_to_table(chunk, "bench-tokenizer").to_pylist() for chunk in chunks]
 
     def ours_write(attempt: int) -> None:
-        with ShardWriter(
-            str(work), f"w{attempt}", tokenizer="bench-tokenizer", max_groups=GROUPS_PER_SHARD
-        ) as writer:
+        with ShardWriter(str(work), f"w{attempt}", tokenizer="bench-tokenizer", max_groups=GROUPS_PER_SHARD) as writer:
             for group in groups:
                 writer.add(group)
 
@@ -150,9 +140,7 @@ def run(args: argparse.Namespace, work: Path) -> None:
         for index, table in enumerate(prebuilt):
             pq.write_table(table, directory / f"{index}.parquet")
 
-    write_ours, write_bare, write_prebuilt = best_of(
-        args.repeats, ours_write, bare_write, bare_write_prebuilt
-    )
+    write_ours, write_bare, write_prebuilt = best_of(args.repeats, ours_write, bare_write, bare_write_prebuilt)
 
     dataset_path = rollouts_url(str(work), "w0")
 
@@ -181,23 +169,26 @@ def run(args: argparse.Namespace, work: Path) -> None:
     print(f"read   ShardReader.batches() (list, read, check, ledger)   {rate(read_ours)}")
     print(f"       bare pyarrow.dataset(...).to_table()                {rate(read_bare)}")
     print(f"       ShardReader.groups() -> ScoredGroup objects (info)  {rate(read_groups)}")
-    print(
-        f"bytes  shards {shard_bytes:,}  bare parquet {bare_bytes:,}  Atropos JSON lines {jsonl_bytes:,}"
-    )
+    print(f"bytes  shards {shard_bytes:,}  bare parquet {bare_bytes:,}  Atropos JSON lines {jsonl_bytes:,}")
     print("\nratios (targets: write >= 0.8, read >= 0.8, bytes <= 0.333)")
     prebuilt_ratio = write_prebuilt / write_ours
-    print(
-        f"  write  {write_bare / write_ours:.2f}   (vs prebuilt-table write: {prebuilt_ratio:.2f}, info)"
-    )
+    print(f"  write  {write_bare / write_ours:.2f}   (vs prebuilt-table write: {prebuilt_ratio:.2f}, info)")
     print(f"  read   {read_bare / read_ours:.2f}")
     print(f"  bytes  {shard_bytes / jsonl_bytes:.3f}   (1/{jsonl_bytes / shard_bytes:.1f})")
     print(f"  cpus {os.cpu_count()}, pyarrow {pa.__version__}, dir {work}")
-    write_result("storage", {
-        "targets": {"write_ratio": ">= 0.8", "read_ratio": ">= 0.8", "bytes_ratio": "<= 0.333"},
-        "write_ratio": round(write_bare / write_ours, 3), "read_ratio": round(read_bare / read_ours, 3),
-        "bytes_ratio": round(shard_bytes / jsonl_bytes, 3), "write_vs_prebuilt_ratio": round(prebuilt_ratio, 3),
-        "shard_bytes": shard_bytes, "bare_parquet_bytes": bare_bytes, "atropos_jsonl_bytes": jsonl_bytes,
-    })  # fmt: skip
+    write_result(
+        "storage",
+        {
+            "targets": {"write_ratio": ">= 0.8", "read_ratio": ">= 0.8", "bytes_ratio": "<= 0.333"},
+            "write_ratio": round(write_bare / write_ours, 3),
+            "read_ratio": round(read_bare / read_ours, 3),
+            "bytes_ratio": round(shard_bytes / jsonl_bytes, 3),
+            "write_vs_prebuilt_ratio": round(prebuilt_ratio, 3),
+            "shard_bytes": shard_bytes,
+            "bare_parquet_bytes": bare_bytes,
+            "atropos_jsonl_bytes": jsonl_bytes,
+        },
+    )
 
 
 if __name__ == "__main__":

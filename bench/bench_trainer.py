@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from results import write_result  # noqa: E402  (bench/, the script's own folder)
+
 from core.scored_group import ScoredGroup, ScoredSequence
 from trainer.config import TrainerConfig
 from trainer.distributed import build_engine, init_distributed
@@ -41,7 +43,6 @@ from trainer.model import load_policy, token_logprobs
 from trainer.packing import TrainingSequence, padding_waste
 from trainer.step import StepBatch, build_step, training_sequences
 from trainer.train import optimizer_step
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / ".clotho" / "bench" / "tiny-tokenizer"
 MAX_TOKENS = 32  # EnvironmentConfig.max_tokens: most tokens sampled per assistant turn
@@ -69,9 +70,7 @@ def completion(rng: random.Random) -> list[int]:
 def chat_ids(tok, content: str) -> list[int]:
     """A user message through the chat template, up to the assistant's generation prompt."""
     messages = [{"role": "user", "content": content}]
-    return list(
-        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    )
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def sequence(rng: random.Random, segments: list[tuple[list[int], bool]]) -> ScoredSequence:
@@ -111,7 +110,11 @@ def demo_group(tok, rng: random.Random) -> ScoredGroup:
     a, b = rng.sample(range(10), 2)
     prompt = chat_ids(tok, f"Which is larger, {a} or {b}? Give only the number.")
     answers = [[rng.randrange(3, 512) for _ in range(rng.choice([2, 3, 4, 4, 4]))] for _ in range(16)]
-    return ScoredGroup(env="compare", item_id=str(rng.random()), sequences=[sequence(rng, [(prompt, False), (answer, True)]) for answer in answers])
+    return ScoredGroup(
+        env="compare",
+        item_id=str(rng.random()),
+        sequences=[sequence(rng, [(prompt, False), (answer, True)]) for answer in answers],
+    )
 
 
 def environment_steps(
@@ -128,9 +131,13 @@ def environment_steps(
     for _ in range(steps):
         groups = [rng.choice(makers[kind])(tok, rng) for _ in range(config.groups_per_step)]
         step = build_step(
-            groups, policy_version=0, token_budget=config.micro_batch_tokens, advantage_config=config.advantages,
-            token_work=token_work, share_prompts=config.share_prompts,
-        )  # fmt: skip
+            groups,
+            policy_version=0,
+            token_budget=config.micro_batch_tokens,
+            advantage_config=config.advantages,
+            token_work=token_work,
+            share_prompts=config.share_prompts,
+        )
         result.append((step, training_sequences(groups, config.advantages)))
     return result
 
@@ -141,10 +148,15 @@ def bench_model(directory: Path) -> Path:
 
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=512, hidden_size=BENCH_HIDDEN, intermediate_size=4 * BENCH_HIDDEN, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        vocab_size=512,
+        hidden_size=BENCH_HIDDEN,
+        intermediate_size=4 * BENCH_HIDDEN,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
         tie_word_embeddings=False,
-    )  # fmt: skip
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
     return directory
 
@@ -154,10 +166,14 @@ def padded_batches(whole: list[TrainingSequence], token_budget: int) -> list[dic
     per row, right-padded to the longest of its batch, a 2D padding mask, rows in sequence order,
     as many rows per batch as the token budget holds."""
     sequences = [
-        {"input_ids": torch.tensor(s.tokens), "mask": torch.tensor(s.mask), "old_logprobs": torch.tensor(s.old_logprobs, dtype=torch.float32),
-         "advantages": torch.tensor(s.advantages, dtype=torch.float32)}
+        {
+            "input_ids": torch.tensor(s.tokens),
+            "mask": torch.tensor(s.mask),
+            "old_logprobs": torch.tensor(s.old_logprobs, dtype=torch.float32),
+            "advantages": torch.tensor(s.advantages, dtype=torch.float32),
+        }
         for s in whole
-    ]  # fmt: skip
+    ]
     longest = max(len(s["input_ids"]) for s in sequences)
     per_batch = max(token_budget // longest, 1)
     batches = []
@@ -168,14 +184,32 @@ def padded_batches(whole: list[TrainingSequence], token_budget: int) -> list[dic
         def padded(name: str, fill, chunk=chunk, width=width) -> torch.Tensor:
             return torch.stack([torch.nn.functional.pad(s[name], (0, width - len(s[name])), value=fill) for s in chunk])
 
-        attention = torch.stack([torch.nn.functional.pad(torch.ones(len(s["input_ids"]), dtype=torch.long), (0, width - len(s["input_ids"]))) for s in chunk])
-        batches.append({"input_ids": padded("input_ids", 0), "attention_mask": attention, "mask": padded("mask", False),
-                        "old_logprobs": padded("old_logprobs", 0.0), "advantages": padded("advantages", 0.0)})  # fmt: skip
+        attention = torch.stack(
+            [
+                torch.nn.functional.pad(
+                    torch.ones(len(s["input_ids"]), dtype=torch.long), (0, width - len(s["input_ids"]))
+                )
+                for s in chunk
+            ]
+        )
+        batches.append(
+            {
+                "input_ids": padded("input_ids", 0),
+                "attention_mask": attention,
+                "mask": padded("mask", False),
+                "old_logprobs": padded("old_logprobs", 0.0),
+                "advantages": padded("advantages", 0.0),
+            }
+        )
     return batches
 
 
 def plain_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: StepBatch, whole: list[TrainingSequence], config: TrainerConfig
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: StepBatch,
+    whole: list[TrainingSequence],
+    config: TrainerConfig,
 ) -> None:
     """The same step the best plain way: the sequences as padded batches (padded_batches) through
     the model with a 2D padding mask, the same loss over the step's counts, backward, clipping and
@@ -184,9 +218,14 @@ def plain_step(
     for padded in padded_batches(whole, config.micro_batch_tokens):
         logits = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"], use_cache=False).logits
         loss, _ = policy_loss(
-            token_logprobs(logits, padded["input_ids"]), padded["old_logprobs"], padded["advantages"], padded["mask"],
-            config.loss, step_num_sequences=share.num_sequences, step_num_tokens=share.num_trained_tokens,
-        )  # fmt: skip
+            token_logprobs(logits, padded["input_ids"]),
+            padded["old_logprobs"],
+            padded["advantages"],
+            padded["mask"],
+            config.loss,
+            step_num_sequences=share.num_sequences,
+            step_num_tokens=share.num_trained_tokens,
+        )
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
@@ -214,18 +253,24 @@ def main() -> None:
         micro_batches = sum(len(s.micro_batches) for s, _ in steps) / len(steps)
         waste = padding_waste([b for s, _ in steps for b in s.micro_batches])
         padded = [b for _, whole in steps for b in padded_batches(whole, defaults.micro_batch_tokens)]
-        control_waste = 1 - sum(int(b["attention_mask"].sum()) for b in padded) / sum(b["attention_mask"].numel() for b in padded)
+        control_waste = 1 - sum(int(b["attention_mask"].sum()) for b in padded) / sum(
+            b["attention_mask"].numel() for b in padded
+        )
         padding[kind] = round(waste, 4)
         control_padding[kind] = round(control_waste, 4)
-        print(f"  {kind:13s} {waste:6.2%}  ({tokens:.0f} tokens, {micro_batches:.1f} micro-batches a step; padded batches waste {control_waste:.2%})")
+        print(
+            f"  {kind:13s} {waste:6.2%}  ({tokens:.0f} tokens, {micro_batches:.1f} micro-batches a step; padded batches waste {control_waste:.2%})"
+        )
 
     cases = {}
     with tempfile.TemporaryDirectory(prefix="bench-trainer-") as temporary:
         model_dir = bench_model(Path(temporary) / "model")
         config = TrainerConfig(
-            model=str(model_dir), lr=1e-5, groups_per_step=args.groups_per_step,
+            model=str(model_dir),
+            lr=1e-5,
+            groups_per_step=args.groups_per_step,
             micro_batch_tokens=args.micro_batch_tokens,
-        )  # fmt: skip
+        )
         rank, world_size = init_distributed()
         for kind in ("mixed", "demo"):
             # demo: the demo's RL step, 8 prompts x 16 answers of a few tokens (all about one length).
@@ -239,20 +284,32 @@ def main() -> None:
         print(f"  trainer (DeepSpeed) {case['trainer_tokens_per_s']:8.0f} tokens/s")
         print(f"  plain torch, padded {case['plain_tokens_per_s']:8.0f} tokens/s")
         print(f"  ratio               {case['ratio']:8.3f}  (target >= 0.95)")
-        print(f"  median step ratio   {case['median_step_ratio']:8.3f}  (steps {case['step_ratio_range'][0]:.3f}-{case['step_ratio_range'][1]:.3f})")
+        print(
+            f"  median step ratio   {case['median_step_ratio']:8.3f}  (steps {case['step_ratio_range'][0]:.3f}-{case['step_ratio_range'][1]:.3f})"
+        )
         print(f"  max weight difference after training: {case['max_weight_difference']:.2e}")
     mixed = cases["mixed"]
-    write_result("trainer", {
-        "targets": {"ratio": ">= 0.95", "demo_ratio": ">= 0.95"}, "control": "padded batches of whole sequences, 2D mask, plain torch",
-        "steps": args.steps, "control_padding_waste": control_padding, "padding_waste": padding,
-        **{key: value for key, value in mixed.items() if key != "tokens_per_step"},
-        "demo": {key: value for key, value in cases["demo"].items() if key != "tokens_per_step"},
-        "demo_ratio": cases["demo"]["ratio"],
-    })  # fmt: skip
+    write_result(
+        "trainer",
+        {
+            "targets": {"ratio": ">= 0.95", "demo_ratio": ">= 0.95"},
+            "control": "padded batches of whole sequences, 2D mask, plain torch",
+            "steps": args.steps,
+            "control_padding_waste": control_padding,
+            "padding_waste": padding,
+            **{key: value for key, value in mixed.items() if key != "tokens_per_step"},
+            "demo": {key: value for key, value in cases["demo"].items() if key != "tokens_per_step"},
+            "demo_ratio": cases["demo"]["ratio"],
+        },
+    )
 
 
 def time_trainer_and_plain(
-    config: TrainerConfig, batches: list[tuple[StepBatch, list[TrainingSequence]]], warmup: int, rank: int, world_size: int
+    config: TrainerConfig,
+    batches: list[tuple[StepBatch, list[TrainingSequence]]],
+    warmup: int,
+    rank: int,
+    world_size: int,
 ) -> dict:
     """The trainer's step and the plain padded step on the same batches from the same weights,
     taking turns step by step; tokens/s of each, their ratio and how far the weights ended apart."""
@@ -282,11 +339,14 @@ def time_trainer_and_plain(
     step_ratios = [p / t for p, t in zip(spent["plain"], spent["trainer"], strict=True)]
     return {
         "tokens_per_step": tokens / len(spent["trainer"]),
-        "trainer_tokens_per_s": round(trainer_speed), "plain_tokens_per_s": round(plain_speed),
-        "ratio": round(trainer_speed / plain_speed, 3), "median_step_ratio": round(statistics.median(step_ratios), 3),
-        "step_ratio_range": [round(min(step_ratios), 3), round(max(step_ratios), 3)], "max_weight_difference": difference,
+        "trainer_tokens_per_s": round(trainer_speed),
+        "plain_tokens_per_s": round(plain_speed),
+        "ratio": round(trainer_speed / plain_speed, 3),
+        "median_step_ratio": round(statistics.median(step_ratios), 3),
+        "step_ratio_range": [round(min(step_ratios), 3), round(max(step_ratios), 3)],
+        "max_weight_difference": difference,
         "shared_prefix_fraction": round(statistics.fmean(shared), 3),  # of the tokens: laid out once per group
-    }  # fmt: skip
+    }
 
 
 if __name__ == "__main__":

@@ -70,8 +70,14 @@ def groups(count: int, lengths: tuple[int, int], prompt: int, vocab: int, seed: 
         for _ in range(2):
             total = rng.randint(*lengths)
             tokens = [rng.randrange(3, vocab) for _ in range(total)]
-            sequences.append(ScoredSequence(tokens=tokens, mask=[False] * prompt + [True] * (total - prompt),
-                                            logprobs=[0.0] * prompt + [-3.0] * (total - prompt), score=rng.random()))  # fmt: skip
+            sequences.append(
+                ScoredSequence(
+                    tokens=tokens,
+                    mask=[False] * prompt + [True] * (total - prompt),
+                    logprobs=[0.0] * prompt + [-3.0] * (total - prompt),
+                    score=rng.random(),
+                )
+            )
         made.append(ScoredGroup(env="gpu-step", item_id=f"{seed}-{index}", sequences=sequences))
     return made
 
@@ -116,9 +122,14 @@ def run(args: argparse.Namespace) -> dict:
     vocab = min(model.config.vocab_size, 512)  # the small tokenizer's ids, as sampling reaches them
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     steps = [
-        build_step(groups(args.sequences // 2, (args.min_tokens, args.max_tokens), args.prompt, vocab, seed),
-                   policy_version=0, token_budget=args.micro_batch_tokens, advantage_config=AdvantageConfig(),
-                   token_work=6 * model.config.hidden_size, share_prompts=False)  # fmt: skip
+        build_step(
+            groups(args.sequences // 2, (args.min_tokens, args.max_tokens), args.prompt, vocab, seed),
+            policy_version=0,
+            token_budget=args.micro_batch_tokens,
+            advantage_config=AdvantageConfig(),
+            token_work=6 * model.config.hidden_size,
+            share_prompts=False,
+        )
         for seed in range(args.warmup + args.steps)
     ]
     # Checked on a micro-batch whose rows sequences share, where there is one: what the bounds keep apart.
@@ -147,18 +158,29 @@ def run(args: argparse.Namespace) -> dict:
     flops_per_token = (8 if args.gradient_checkpointing else 6) * parameters
     first = checked
     return {
-        "size": args.size, "device": name, "dtype": args.dtype, "parameters": parameters,
-        "attention": "dense mask" if args.attention == "mask" else
-        ("flash varlen" if device.startswith("cuda") and dtype != torch.float32 else "sdpa buckets")
-        if first.shares_rows() else "sdpa causal, one sequence a row",
+        "size": args.size,
+        "device": name,
+        "dtype": args.dtype,
+        "parameters": parameters,
+        "attention": "dense mask"
+        if args.attention == "mask"
+        else ("flash varlen" if device.startswith("cuda") and dtype != torch.float32 else "sdpa buckets")
+        if first.shares_rows()
+        else "sdpa causal, one sequence a row",
         "rows": [list(mb.input_ids.shape) for mb in steps[0].micro_batches],
-        "sequences_per_step": args.sequences, "micro_batch_tokens": args.micro_batch_tokens,
-        "micro_batches": [len(step.micro_batches) for step in steps], "tokens_per_step": tokens,
-        "step_seconds": [round(s, 4) for s in seconds], "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": float(f"{flops_per_token * tokens_per_s / peak:.4g}") if peak else None, "peak_flops": peak,
-        "peak_memory_gib": round(peak_memory(device), 3), "logprob_check": check,
-        "gradient_checkpointing": args.gradient_checkpointing, "torch": torch.__version__,
-    }  # fmt: skip
+        "sequences_per_step": args.sequences,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "micro_batches": [len(step.micro_batches) for step in steps],
+        "tokens_per_step": tokens,
+        "step_seconds": [round(s, 4) for s in seconds],
+        "tokens_per_s": round(tokens_per_s, 1),
+        "mfu": float(f"{flops_per_token * tokens_per_s / peak:.4g}") if peak else None,
+        "peak_flops": peak,
+        "peak_memory_gib": round(peak_memory(device), 3),
+        "logprob_check": check,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "torch": torch.__version__,
+    }
 
 
 def main() -> None:
@@ -174,8 +196,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--attention", default="bounds", choices=["bounds", "mask"],
-                        help="Rows shared by sequences kept apart by their bounds (the trainer) or a dense mask (before).")
+    parser.add_argument(
+        "--attention",
+        default="bounds",
+        choices=["bounds", "mask"],
+        help="Rows shared by sequences kept apart by their bounds (the trainer) or a dense mask (before).",
+    )
     parser.add_argument("--peak-tflops", type=float, help="The device's bf16 dense peak (default: by its name).")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

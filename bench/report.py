@@ -23,7 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 LISTED = "environments/bundled/capitals.py"
-LISTING_START, LISTING_END = f"<!-- listing:start {LISTED} (python bench/report.py --readme) -->", "<!-- listing:end -->"
+LISTING_START, LISTING_END = (
+    f"<!-- listing:start {LISTED} (python bench/report.py --readme) -->",
+    "<!-- listing:end -->",
+)
 START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
 DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
 PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
@@ -47,17 +50,37 @@ def rows() -> list[list[str]]:
     table = []
     if storage := _load("storage"):
         r = storage["result"]
-        table.append(["`bench_storage.py`", "ShardWriter / ShardReader vs bare `pq.write_table` / `pyarrow.dataset`; bytes vs Atropos JSON lines",
-                      ">= 0.8, >= 0.8, <= 1/3", f"{r['write_ratio']}, {r['read_ratio']}, {r['bytes_ratio']}", _measured(storage)])  # fmt: skip
+        table.append(
+            [
+                "`bench_storage.py`",
+                "ShardWriter / ShardReader vs bare `pq.write_table` / `pyarrow.dataset`; bytes vs Atropos JSON lines",
+                ">= 0.8, >= 0.8, <= 1/3",
+                f"{r['write_ratio']}, {r['read_ratio']}, {r['bytes_ratio']}",
+                _measured(storage),
+            ]
+        )
     if rollout := _load("rollout"):
         parts = []
         for w in rollout["result"]["workloads"]:
             interval = w.get("ratio_interval_vs_both_bare") or {}
             control = w.get("ratio_bare_again")
-            rounds = f", geometric mean of rounds {interval['mean']} [{interval['low']}-{interval['high']}]" if interval else ""
-            parts.append(f"{w['max_tokens']}-token samples: total {w['ratio_tokens_per_s']}{rounds} (control {control})")
-        table.append(["`bench_rollout.py`", "the Prefect rollout flow vs a bare asyncio client sending the same requests (control: the bare client again)",
-                      ">= 0.95", "; ".join(parts), _measured(rollout)])  # fmt: skip
+            rounds = (
+                f", geometric mean of rounds {interval['mean']} [{interval['low']}-{interval['high']}]"
+                if interval
+                else ""
+            )
+            parts.append(
+                f"{w['max_tokens']}-token samples: total {w['ratio_tokens_per_s']}{rounds} (control {control})"
+            )
+        table.append(
+            [
+                "`bench_rollout.py`",
+                "the Prefect rollout flow vs a bare asyncio client sending the same requests (control: the bare client again)",
+                ">= 0.95",
+                "; ".join(parts),
+                _measured(rollout),
+            ]
+        )
     if trainer := _load("trainer"):
         r = trainer["result"]
         waste = ", ".join(f"{v:.1%}" for v in r["padding_waste"].values())
@@ -68,32 +91,67 @@ def rows() -> list[list[str]]:
             if "demo" in r:  # the demo's RL step, answers of about one length (issue 35)
                 demo_low, demo_high = r["demo"]["step_ratio_range"]
                 demo = f"; demo step {r['demo']['ratio']} (steps {demo_low}-{demo_high})"
-            table.append(["`bench_trainer.py`", "the DeepSpeed trainer (its rows: packed, padded, a group's prompt laid out once) vs the best plain way: "
-                          "the same whole sequences as padded batches in plain PyTorch + AdamW, on mixed steps and on the demo's RL step; padding waste of each (arithmetic, guess_number, mixed)",
-                          ">= 0.95", f"mixed {r['ratio']} (steps {low}-{high}){demo}; padding {waste} vs {control}", _measured(trainer)])  # fmt: skip
+            table.append(
+                [
+                    "`bench_trainer.py`",
+                    "the DeepSpeed trainer (its rows: packed, padded, a group's prompt laid out once) vs the best plain way: "
+                    "the same whole sequences as padded batches in plain PyTorch + AdamW, on mixed steps and on the "
+                    "demo's RL step; padding waste of each (arithmetic, guess_number, mixed)",
+                    ">= 0.95",
+                    f"mixed {r['ratio']} (steps {low}-{high}){demo}; padding {waste} vs {control}",
+                    _measured(trainer),
+                ]
+            )
         else:
-            table.append(["`bench_trainer.py`", "the DeepSpeed trainer vs a plain PyTorch AdamW loop on the same packed batches; padding waste",
-                          ">= 0.9, <= 5%", f"{r['ratio']}, {waste}", _measured(trainer)])  # fmt: skip
+            table.append(
+                [
+                    "`bench_trainer.py`",
+                    "the DeepSpeed trainer vs a plain PyTorch AdamW loop on the same packed batches; padding waste",
+                    ">= 0.9, <= 5%",
+                    f"{r['ratio']}, {waste}",
+                    _measured(trainer),
+                ]
+            )
     if reload := _load("reload"):
         r = reload["result"]
-        table.append(["`bench_reload.py`", "publish + hot reload vs restarting vLLM on the new weights", ">= 100x",
-                      f"{r['speedup_publish_plus_swap']:.0f}x ({r['speedup_publish_to_announce_with_parity']:.0f}x with the parity check)",
-                      _measured(reload)])  # fmt: skip
+        table.append(
+            [
+                "`bench_reload.py`",
+                "publish + hot reload vs restarting vLLM on the new weights",
+                ">= 100x",
+                f"{r['speedup_publish_plus_swap']:.0f}x ({r['speedup_publish_to_announce_with_parity']:.0f}x with the parity check)",
+                _measured(reload),
+            ]
+        )
     if inflight := _load("inflight"):
         r = inflight["result"]
         ratio, pause = r["pause_ratio_in_flight_to_drain"], r["median_pause_s"]
-        table.append(["`bench_inflight.py`", f"how long a reload stops sampling, in-flight vs drain, with {r['streams']} generations of {r['tokens']} tokens in flight",
-                      "<= 0.2x", f"{ratio['mean']}x [{ratio['low']}-{ratio['high']}] ({pause['in-flight']:.3f} s vs {pause['drain']:.2f} s)",
-                      _measured(inflight)])  # fmt: skip
+        table.append(
+            [
+                "`bench_inflight.py`",
+                f"how long a reload stops sampling, in-flight vs drain, with {r['streams']} generations of {r['tokens']} tokens in flight",
+                "<= 0.2x",
+                f"{ratio['mean']}x [{ratio['low']}-{ratio['high']}] ({pause['in-flight']:.3f} s vs {pause['drain']:.2f} s)",
+                _measured(inflight),
+            ]
+        )
     if inflight_pipeline := _load("inflight_pipeline"):
         r = inflight_pipeline["result"]
         ratio = r["ratio_time_to_threshold_in-flight_interval"] or {}
         shown = f"{r['ratio_time_to_threshold_in-flight']}x" + (f" [{ratio['low']}-{ratio['high']}]" if ratio else "")
-        table.append(["`bench_inflight.py`", "`clotho run` on the repeat task with max_tokens 256, a reload every step: in-flight vs drain, wall time "
-                      "to a training reward and seconds per RL step (control: in-flight again), time each reload stops sampling, trainer idle fraction",
-                      "<= 0.9x", f"time {shown} (control {r['ratio_time_to_threshold_in-flight_again']}x); s/step {r['ratio_seconds_per_rl_step_in-flight']}x "
-                      f"(control {r['ratio_seconds_per_rl_step_in-flight_again']}x); stopped {r['swap_s_median_in-flight']} s vs {r['swap_s_median_drain']} s "
-                      f"per reload; idle {r['idle_fraction_in-flight']} vs {r['idle_fraction_drain']}", _measured(inflight_pipeline)])  # fmt: skip
+        table.append(
+            [
+                "`bench_inflight.py`",
+                "`clotho run` on the repeat task with max_tokens 256, a reload every step: in-flight vs drain, wall time "
+                "to a training reward and seconds per RL step (control: in-flight again), time each reload stops sampling, trainer idle fraction",
+                "<= 0.9x",
+                f"time {shown} (control {r['ratio_time_to_threshold_in-flight_again']}x); s/step {r['ratio_seconds_per_rl_step_in-flight']}x "
+                f"(control {r['ratio_seconds_per_rl_step_in-flight_again']}x); stopped "
+                f"{r['swap_s_median_in-flight']} s vs {r['swap_s_median_drain']} s "
+                f"per reload; idle {r['idle_fraction_in-flight']} vs {r['idle_fraction_drain']}",
+                _measured(inflight_pipeline),
+            ]
+        )
     if pipeline := _load("pipeline"):
         r = pipeline["result"]
         lags = [side for side in ("async_k1", "async_k2") if f"ratio_time_to_threshold_{side}" in r]
@@ -106,16 +164,31 @@ def rows() -> list[list[str]]:
             measured_groups = m.get("measured_groups", m["groups"])
             warmup = f" after {m['warmup_groups']:,} warm-up groups" if m.get("warmup_groups") else ""
             memory = f"; RSS of every process over {measured_groups:,.0f} sampled groups{warmup} grew at most {m['rss_growth_max']:.1%}"
-        table.append(["`bench_pipeline.py`", "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward (control: k = 0 again), sample utilization, RSS of every process",
-                      "<= 0.8x, >= 0.9, < 10%", f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
-                      _measured(pipeline)])  # fmt: skip
+        table.append(
+            [
+                "`bench_pipeline.py`",
+                "`clotho run` asynchronous (k = 1, 2) vs synchronous (k = 0): wall time to a training reward "
+                "(control: k = 0 again), sample utilization, RSS of every process",
+                "<= 0.8x, >= 0.9, < 10%",
+                f"time {times} (control {r.get('ratio_time_to_threshold_sync_again')}); s/step {paces}; utilization {utilization}{memory}",
+                _measured(pipeline),
+            ]
+        )
     if reprocess := _load("reprocess"):
         r = reprocess["result"]
         interval = r.get("ratio_rows_per_s_interval") or {}
         rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
-        table.append(["`bench_reprocess.py`", f"`clotho reprocess {r['operation']}` vs a bare `pyarrow.dataset` scan + write of the same rows over {r['input_gib']} GiB of shards (control: bare again); peak RSS",
-                      ">= 0.7", f"{r['ratio_rows_per_s']}{rounds} (control {r['ratio_control']}); peak RSS {r['peak_rss_mb_ours']:.0f} MB vs {r['peak_rss_mb_bare']:.0f} MB",
-                      _measured(reprocess)])  # fmt: skip
+        table.append(
+            [
+                "`bench_reprocess.py`",
+                f"`clotho reprocess {r['operation']}` vs a bare `pyarrow.dataset` scan + write of the same rows over "
+                f"{r['input_gib']} GiB of shards (control: bare again); peak RSS",
+                ">= 0.7",
+                f"{r['ratio_rows_per_s']}{rounds} (control {r['ratio_control']}); peak RSS "
+                f"{r['peak_rss_mb_ours']:.0f} MB vs {r['peak_rss_mb_bare']:.0f} MB",
+                _measured(reprocess),
+            ]
+        )
     if run_length := _load("run_length"):
         r = run_length["result"]
         local = r["local"]
@@ -123,36 +196,69 @@ def rows() -> list[list[str]]:
         s3 = r.get("s3", {})
         s3_sizes = sorted((side for side in s3 if side.isdigit()), key=int)
         lists = ", ".join(f"{int(size):,}: {s3[size]['list_requests_per_poll']:g}" for size in s3_sizes)
-        table.append(["`bench_run_length.py`", "the trainer's poll (list new shards, filter by the ledger) at 1k..100k shards vs at 1k (control: 1k again); ledger bytes; S3 LIST requests per poll",
-                      "<= 2x, < 64 KB, <= 2x",
-                      f"{int(largest):,} shards {local[largest]['ratio_poll_to_1000']}x (control {local['control_1000']['ratio_poll_to_1000']}x, "
-                      f"full listing {local[largest]['full_listing_s']} s vs poll {local[largest]['poll_s_median'] * 1e3:.1f} ms); ledger at most {r['ledger_bytes_max'] / 1024:.1f} KB; "
-                      f"LIST per poll {lists}", _measured(run_length)])  # fmt: skip
+        table.append(
+            [
+                "`bench_run_length.py`",
+                "the trainer's poll (list new shards, filter by the ledger) at 1k..100k shards vs at 1k (control: 1k "
+                "again); ledger bytes; S3 LIST requests per poll",
+                "<= 2x, < 64 KB, <= 2x",
+                f"{int(largest):,} shards {local[largest]['ratio_poll_to_1000']}x (control {local['control_1000']['ratio_poll_to_1000']}x, "
+                f"full listing {local[largest]['full_listing_s']} s vs poll "
+                f"{local[largest]['poll_s_median'] * 1e3:.1f} ms); ledger at most {r['ledger_bytes_max'] / 1024:.1f} KB; "
+                f"LIST per poll {lists}",
+                _measured(run_length),
+            ]
+        )
     if sandbox := _load("sandbox"):
         r = sandbox["result"]
         interval = r.get("ratio_interval") or {}
         rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
         levels = ", ".join(f"{level} {ratio}x" for level, ratio in r["ratio_by_level"].items())
-        table.append(["`bench_sandbox.py`", f"`{r['program']}` in the sandbox ({r['isolation']}: namespaces, rlimits, own uid) vs a bare `python -c` subprocess, wall time per launch (control: bare again)",
-                      "none set", f"{r['ratio_sandbox_to_bare']}x{rounds} (control {r['ratio_control']}x), {r['mean_s'][r['isolation']] * 1e3:.0f} ms vs {r['mean_s']['bare'] * 1e3:.0f} ms; by level {levels}",
-                      _measured(sandbox)])  # fmt: skip
+        table.append(
+            [
+                "`bench_sandbox.py`",
+                f"`{r['program']}` in the sandbox ({r['isolation']}: namespaces, rlimits, own uid) vs a bare `python "
+                "-c` subprocess, wall time per launch (control: bare again)",
+                "none set",
+                f"{r['ratio_sandbox_to_bare']}x{rounds} (control {r['ratio_control']}x), "
+                f"{r['mean_s'][r['isolation']] * 1e3:.0f} ms vs {r['mean_s']['bare'] * 1e3:.0f} ms; by level {levels}",
+                _measured(sandbox),
+            ]
+        )
     if peer := _load("peer"):
         cells = []
         for name, task in peer["result"]["tasks"].items():
             pace, minutes = task["ratio_seconds_per_step"], task["ratio_minutes_to_threshold"]
             cells.append(f"{name}: s/step {_ratio(pace)}, minutes to {task['threshold']} {_ratio(minutes)}")
-        table.append(["`bench_peer.py`", "clotho (`clotho run`) vs TRL's GRPOTrainer, same task, start, settings and seeds, one evaluator outside both (the table below)",
-                      "<= 1.0", "; ".join(cells), _measured(peer)])  # fmt: skip
+        table.append(
+            [
+                "`bench_peer.py`",
+                "clotho (`clotho run`) vs TRL's GRPOTrainer, same task, start, settings and seeds, one evaluator outside both (the table below)",
+                "<= 1.0",
+                "; ".join(cells),
+                _measured(peer),
+            ]
+        )
     if remote := _load("remote"):
         adapters = remote["result"]["adapters"]
 
         def cell(name: str, r: dict) -> str:
             interval = r.get("ratio_interval") or {}
             rounds = f" [{interval['low']}-{interval['high']}]" if interval else ""
-            return f"{name} {r['ratio_remote_to_inproc']}x{rounds} ({r['added_ms_per_group']:+} ms, control {r['ratio_control']}x, venv {r['venv_mb'] / 1024:.2f} GB)"
+            return (
+                f"{name} {r['ratio_remote_to_inproc']}x{rounds} ({r['added_ms_per_group']:+} ms, control "
+                f"{r['ratio_control']}x, venv {r['venv_mb'] / 1024:.2f} GB)"
+            )
 
-        table.append(["`bench_remote.py`", "a group collected through `clotho env serve` vs in process, same venv and config, per adapter (control: in process again)",
-                      "none set", "; ".join(cell(name, r) for name, r in adapters.items()), _measured(remote)])  # fmt: skip
+        table.append(
+            [
+                "`bench_remote.py`",
+                "a group collected through `clotho env serve` vs in process, same venv and config, per adapter (control: in process again)",
+                "none set",
+                "; ".join(cell(name, r) for name, r in adapters.items()),
+                _measured(remote),
+            ]
+        )
     return table
 
 
@@ -175,31 +281,40 @@ def peer_text(name: str = "peer") -> str:
         return f"No such run is recorded yet (`python bench/bench_peer.py --result {name}`)."
     first, second = record["result"].get("sides", ["clotho", "trl"])
     lines = [
-        "| task (steps, start) | side | seconds per step | minutes to threshold | reward at the last step | held out, last | late drop | runs reaching it | start-up s |",
+        "| task (steps, start) | side | seconds per step | minutes to threshold | reward at the last step | held "
+        "out, last | late drop | runs reaching it | start-up s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for task_name, task in record["result"]["tasks"].items():
         for side in (first, second):
             runs = [run[side] for run in task["runs"]]
 
-            def spread(key: str, digits: int = 2) -> str:
+            def spread(key: str, digits: int = 2, runs: list = runs) -> str:
                 values = [run[key] for run in runs if run.get(key) is not None]
                 if not values:
                     return "-"
                 middle = sorted(values)[len(values) // 2]
-                return f"{middle:.{digits}f}" + (f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else "")
+                return f"{middle:.{digits}f}" + (
+                    f" ({min(values):.{digits}f}-{max(values):.{digits}f})" if len(values) > 1 else ""
+                )
 
             label = f"{task_name} ({task['steps']}, {task['start']})" if side == first else ""
-            lines.append(f"| {label} | {SIDE_LABELS[side]} | {spread('seconds_per_step')} | "
-                         f"{spread('minutes_to_threshold')} (to {task['threshold']}) | {spread('reward_last')} | {spread('held_out_last')} | "
-                         f"{spread('late_drop')} | {task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |")  # fmt: skip
+            lines.append(
+                f"| {label} | {SIDE_LABELS[side]} | {spread('seconds_per_step')} | "
+                f"{spread('minutes_to_threshold')} (to {task['threshold']}) | {spread('reward_last')} | {spread('held_out_last')} | "
+                f"{spread('late_drop')} | {task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |"
+            )
         ratio = f"**{SIDE_LABELS[first]} / {SIDE_LABELS[second]}**"
-        lines.append(f"| | {ratio} | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | | |")
+        lines.append(
+            f"| | {ratio} | {_ratio(task['ratio_seconds_per_step'])} | {_ratio(task['ratio_minutes_to_threshold'])} | | | | | |"
+        )
     seeds = len(next(iter(record["result"]["tasks"].values()))["runs"])
     lines.append("")
-    lines.append(f"Medians over {seeds} seeds (range in brackets); the late drop is a run's best evaluated reward minus its reward at the "
-                 "last step; ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
-                 f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/{name}.json`).")  # fmt: skip
+    lines.append(
+        f"Medians over {seeds} seeds (range in brackets); the late drop is a run's best evaluated reward minus its reward at the "
+        "last step; ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
+        f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/{name}.json`)."
+    )
     return "\n".join(lines)
 
 
@@ -225,23 +340,36 @@ def demo_text() -> str:
     if not training:
         return f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
     window = verdict.get("window", 1)
-    plateau_is, end_is = ("its best evaluation", "its last evaluation") if window == 1 else (
-        f"its best mean of {window} evaluations in a row", f"the mean of its last {window} evaluations")  # fmt: skip
+    plateau_is, end_is = (
+        ("its best evaluation", "its last evaluation")
+        if window == 1
+        else (f"its best mean of {window} evaluations in a row", f"the mean of its last {window} evaluations")
+    )
     stopped = r.get("stopped_by_rule")
-    ending = (f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}" if stopped
-              else f"RL ran all its steps, to step {last['step']}")  # fmt: skip
+    ending = (
+        f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}"
+        if stopped
+        else f"RL ran all its steps, to step {last['step']}"
+    )
     if best := r.get("best"):
-        ending += f" (its best checkpoint, step {best['step']} at held-out {best['reward']:.2f}, kept as `checkpoints/BEST`)"
-    whole = (f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
-             if "demo_minutes" in r else ".")  # fmt: skip
+        ending += (
+            f" (its best checkpoint, step {best['step']} at held-out {best['reward']:.2f}, kept as `checkpoints/BEST`)"
+        )
+    whole = (
+        f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
+        if "demo_minutes" in r
+        else "."
+    )
     runs = r.get("runs", [])
     history = ""
     if len(runs) > 1:
         gains = ", ".join(f"{run['rl_gain']:+.2f}" for run in runs)
-        history = (f" All {len(runs)} demos recorded with this `runs/demo.yaml`, oldest first: RL added {gains} over the SFT "
-                   f"plateau; {sum(run['criterion_met'] for run in runs)} of {len(runs)} met the criterion, "
-                   f"{sum(run['stopped_by_rule'] for run in runs)} stopped on the rule, the longest took "
-                   f"{max(run['demo_minutes'] for run in runs):.1f} minutes.")  # fmt: skip
+        history = (
+            f" All {len(runs)} demos recorded with this `runs/demo.yaml`, oldest first: RL added {gains} over the SFT "
+            f"plateau; {sum(run['criterion_met'] for run in runs)} of {len(runs)} met the criterion, "
+            f"{sum(run['stopped_by_rule'] for run in runs)} stopped on the rule, the longest took "
+            f"{max(run['demo_minutes'] for run in runs):.1f} minutes."
+        )
     return (
         f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
         f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
@@ -280,7 +408,11 @@ def scale_memory_text() -> str:
         if "error" in case:
             peak, over, seconds = f"killed: {case['error']}", "-", "-"
         else:
-            peak, over, seconds = f"{case['peak_rss'] / 2**30:.2f}", f"+{case['peak_rss'] / state - 1:.0%}", f"{min(case['step_seconds']):.1f}"
+            peak, over, seconds = (
+                f"{case['peak_rss'] / 2**30:.2f}",
+                f"+{case['peak_rss'] / state - 1:.0%}",
+                f"{min(case['step_seconds']):.1f}",
+            )
         lines.append(
             f"| {case['size']} | {case['vocab']:,} | {case['logprobs']} | {'on' if case['checkpointing'] else 'off'} | {peak} | "
             f"{state / 2**30:.2f} | {over} | {4 * case['vocab'] * r['tokens'] / 2**30:.2f} | {seconds} |"
@@ -303,7 +435,8 @@ def scale_loop_text() -> str:
         "and saves its resume state every 10 minutes and at the last step: its seconds are those of one save; "
         "publish + state + reload counts one save spread over the steps of 10 minutes.",
         "",
-        "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | delta / full bytes | resume state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
+        "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | delta / full bytes | resume "
+        "state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in r["sizes"]:
@@ -312,10 +445,17 @@ def scale_loop_text() -> str:
             parts, shares = clotho["parts_s"], clotho["shares"]
             overhead = clotho.get("overhead_share", shares["publish_s"] + shares["save_state_s"] + shares["reload_s"])
             state_mb = f"{clotho['state_bytes'] / 1e6:,.0f}" if clotho.get("state_bytes") else "-"
-            cells = [f"{clotho['wall_step_s']:.2f} ({clotho['step_s']:.2f})", f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
-                     f"{parts['update_s']:.2f} ({shares['update_s']:.0%})", f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",
-                     f"{clotho['delta_fraction']:.1%}" if clotho.get("delta_fraction") else "-", f"{clotho.get('state_save_s', parts['save_state_s']):.2f} ({state_mb})", f"{parts['reload_s']:.2f}", f"{overhead:.0%}",
-                     f"{clotho['trainer_peak_rss_gib']:.2f}"]  # fmt: skip
+            cells = [
+                f"{clotho['wall_step_s']:.2f} ({clotho['step_s']:.2f})",
+                f"{parts['sampling_s']:.2f} ({shares['sampling_s']:.0%})",
+                f"{parts['update_s']:.2f} ({shares['update_s']:.0%})",
+                f"{parts['publish_s']:.2f} ({clotho['publish_bytes'] / 1e6:,.0f})",
+                f"{clotho['delta_fraction']:.1%}" if clotho.get("delta_fraction") else "-",
+                f"{clotho.get('state_save_s', parts['save_state_s']):.2f} ({state_mb})",
+                f"{parts['reload_s']:.2f}",
+                f"{overhead:.0%}",
+                f"{clotho['trainer_peak_rss_gib']:.2f}",
+            ]
         else:
             cells = [clotho.get("error", "not run")[:60]] + ["-"] * 8
         cells.append(f"{trl['step_s']:.2f}" if "step_s" in trl else trl.get("error", "not run")[:60])
@@ -331,8 +471,13 @@ def cost_model_text() -> str:
     if not model:
         return "_no cost model yet: python bench/bench_scale.py_"
     target, node = model["target"], model["node_assumptions"]
-    names = {"sampling_s": "sampling", "update_s": "update", "publish_s": "publish (bf16)", "save_state_s": "resume state",
-             "reload_s": "reload"}  # fmt: skip
+    names = {
+        "sampling_s": "sampling",
+        "update_s": "update",
+        "publish_s": "publish (bf16)",
+        "save_state_s": "resume state",
+        "reload_s": "reload",
+    }
     rates = model["rates"]
     lines = [
         f"Each term extrapolated to Qwen2.5-7B ({target['parameters'] / 1e9:.2f}B parameters) at a step of {target['sequences']} "
@@ -350,14 +495,21 @@ def cost_model_text() -> str:
     ]
     here, gpu = model["this_machine"], model["node"]
     for key, name in names.items():
-        lines.append(f"| {name} | {here['parts_s'][key]:,.1f} | {here['shares'][key]:.0%} | {gpu['parts_s'][key]:,.1f} | {gpu['shares'][key]:.0%} |")
-    lines.append(f"| **step** | {here['step_s']:,.0f} | dominant: {names[here['dominant']]} | {gpu['step_s']:,.1f} | "
-                 f"dominant: {names[gpu['dominant']]} |")  # fmt: skip
+        lines.append(
+            f"| {name} | {here['parts_s'][key]:,.1f} | {here['shares'][key]:.0%} | {gpu['parts_s'][key]:,.1f} | {gpu['shares'][key]:.0%} |"
+        )
+    lines.append(
+        f"| **step** | {here['step_s']:,.0f} | dominant: {names[here['dominant']]} | {gpu['step_s']:,.1f} | "
+        f"dominant: {names[gpu['dominant']]} |"
+    )
     if "state" in gpu:
-        lines += ["", f"The resume state is written once every {model.get('state_every_minutes', 10):g} minutes (trainer.state_every_minutes): "
-                  f"one takes {here['state']['one_s']:,.0f} s here and {gpu['state']['one_s']:,.0f} s on the node's disk, shared by the "
-                  f"{here['state']['steps_per_state']} and {gpu['state']['steps_per_state']} steps between two; its upload to remote "
-                  "storage runs beside the steps."]  # fmt: skip
+        lines += [
+            "",
+            f"The resume state is written once every {model.get('state_every_minutes', 10):g} minutes (trainer.state_every_minutes): "
+            f"one takes {here['state']['one_s']:,.0f} s here and {gpu['state']['one_s']:,.0f} s on the node's disk, shared by the "
+            f"{here['state']['steps_per_state']} and {gpu['state']['steps_per_state']} steps between two; its upload to remote "
+            "storage runs beside the steps.",
+        ]
     return "\n".join(lines)
 
 
@@ -388,18 +540,43 @@ def record_demo(summary_path: Path) -> None:
     from results import current_commit, write_result
 
     summary = json.loads(summary_path.read_text())
-    kept = ("steps", "minutes", "demo_minutes", "curve", "verdict", "stopped_by_rule", "best", "groups_sampled", "groups_trained",
-            "reload_s_median")  # fmt: skip
+    kept = (
+        "steps",
+        "minutes",
+        "demo_minutes",
+        "curve",
+        "verdict",
+        "stopped_by_rule",
+        "best",
+        "groups_sampled",
+        "groups_trained",
+        "reload_s_median",
+    )
     sha, earlier = demo_config_sha(), _load("demo")
     runs = earlier["result"].get("runs", []) if earlier and earlier["result"].get("config_sha") == sha else []
     verdict = summary["verdict"]
-    runs.append({
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": current_commit(), "steps": summary["steps"],
-        "sft_plateau": round(verdict["sft_plateau"], 3), "end": round(verdict["end"], 3), "rl_gain": round(verdict["rl_gain"], 3),
-        "criterion_met": verdict["criterion_met"], "stopped_by_rule": bool(summary.get("stopped_by_rule")),
-        "demo_minutes": round(summary.get("demo_minutes", summary["minutes"]), 1),
-    })  # fmt: skip
-    write_result("demo", {"command": "make demo", **{key: summary[key] for key in kept if key in summary}, "config_sha": sha, "runs": runs})
+    runs.append(
+        {
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "commit": current_commit(),
+            "steps": summary["steps"],
+            "sft_plateau": round(verdict["sft_plateau"], 3),
+            "end": round(verdict["end"], 3),
+            "rl_gain": round(verdict["rl_gain"], 3),
+            "criterion_met": verdict["criterion_met"],
+            "stopped_by_rule": bool(summary.get("stopped_by_rule")),
+            "demo_minutes": round(summary.get("demo_minutes", summary["minutes"]), 1),
+        }
+    )
+    write_result(
+        "demo",
+        {
+            "command": "make demo",
+            **{key: summary[key] for key in kept if key in summary},
+            "config_sha": sha,
+            "runs": runs,
+        },
+    )
 
 
 def replace_block(text: str, start: str, end: str, block: str, where: Path = README) -> str:
@@ -412,8 +589,14 @@ def replace_block(text: str, start: str, end: str, block: str, where: Path = REA
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--readme", action="store_true", help="rewrite the blocks of the README and docs/benchmarks.md")
-    parser.add_argument("--record-demo", nargs="?", const=DEMO_SUMMARY, type=Path, metavar="SUMMARY",
-                        help="keep a demo's summary.json as bench/results/demo.json")  # fmt: skip
+    parser.add_argument(
+        "--record-demo",
+        nargs="?",
+        const=DEMO_SUMMARY,
+        type=Path,
+        metavar="SUMMARY",
+        help="keep a demo's summary.json as bench/results/demo.json",
+    )
     args = parser.parse_args()
     if args.record_demo:
         record_demo(args.record_demo)

@@ -53,8 +53,38 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
 
 
 # Two-sided 95% quantiles of Student's t, by degrees of freedom (1.96 beyond the table).
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]  # fmt: skip
+T_975 = [
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+]
 
 
 def interval(ratios: list[float]) -> dict[str, float] | None:
@@ -64,5 +94,11 @@ def interval(ratios: list[float]) -> dict[str, float] | None:
         return None
     logs = [math.log(r) for r in ratios]
     mean = statistics.fmean(logs)
-    half = (T_975[len(logs) - 2] if len(logs) - 1 <= len(T_975) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
-    return {"mean": round(math.exp(mean), 3), "low": round(math.exp(mean - half), 3), "high": round(math.exp(mean + half), 3)}
+    half = (
+        (T_975[len(logs) - 2] if len(logs) - 1 <= len(T_975) else 1.96) * statistics.stdev(logs) / math.sqrt(len(logs))
+    )
+    return {
+        "mean": round(math.exp(mean), 3),
+        "low": round(math.exp(mean - half), 3),
+        "high": round(math.exp(mean + half), 3),
+    }

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -49,11 +49,16 @@ def main() -> None:
     env = {**os.environ, "PREFECT_HOME": str(server.home), "PREFECT_API_URL": server.api_url, "DO_NOT_TRACK": "1"}
     demo = None
     moments: list[dict] = []
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     try:
         server.start()
-        demo = subprocess.Popen([str(BIN / "clotho"), "demo"], cwd=REPO, env=env,
-                                stdout=(args.out / "demo.log").open("w"), stderr=subprocess.STDOUT)  # fmt: skip
+        demo = subprocess.Popen(
+            [str(BIN / "clotho"), "demo"],
+            cwd=REPO,
+            env=env,
+            stdout=(args.out / "demo.log").open("w"),
+            stderr=subprocess.STDOUT,
+        )
         next_shot = args.every
         deadline = time.monotonic() + args.timeout_s
         while demo.poll() is None and time.monotonic() < deadline:
@@ -61,7 +66,10 @@ def main() -> None:
             found = card and re.search(r"step \*\*(\d+)\*\* of (\d+)", card["data"])
             if found and "`: running" in card["data"] and int(found[1]) >= next_shot:
                 moments.append(shoot(chromium, ui, card, int(found[1]), int(found[2]), args.out))
-                print(f"ui_watch: step {found[1]} of {found[2]}: {[s['png'] for s in moments[-1]['shots'].values()]}", flush=True)
+                print(
+                    f"ui_watch: step {found[1]} of {found[2]}: {[s['png'] for s in moments[-1]['shots'].values()]}",
+                    flush=True,
+                )
                 next_shot = int(found[1]) + args.every
             time.sleep(2.0)
     finally:
@@ -82,7 +90,12 @@ def main() -> None:
         for name, fraction in (("a third", 1 / 3), ("two thirds", 2 / 3)):
             moment = min(moments, key=lambda m: abs(m["step"] - fraction * steps))
             nearest[name] = {"step": moment["step"], "of_steps_run": steps, "shots": moment["shots"]}
-    report = {"demo_exit": demo.returncode if demo else None, "steps_run": steps, "nearest": nearest, "moments": moments}
+    report = {
+        "demo_exit": demo.returncode if demo else None,
+        "steps_run": steps,
+        "nearest": nearest,
+        "moments": moments,
+    }
     (args.out / "ui_watch.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 
@@ -111,24 +124,40 @@ def shoot(chromium: str, ui: str, card: dict, step: int, total: int, out: Path) 
         path = out / f"{name}-{kind}.png"
         # The UI renders the card's markdown after its API calls; on a busy machine that can take
         # longer than the virtual time budget (a blank card was seen once): check the DOM, retry once.
-        for attempt in range(2):
+        for attempt in range(2):  # noqa: B007 - the attempts taken are recorded after the loop
             rendered = chromium_run(chromium, ["--dump-dom", url]).stdout if kind == "live" else "Reward over steps"
             chromium_run(chromium, [f"--screenshot={path}", url])
             if "Reward over steps" in rendered:
                 break
-        shots[kind] = {"url": url, "png": str(path), "bytes": path.stat().st_size if path.exists() else 0,
-                       "rendered": "Reward over steps" in rendered, "attempts": attempt + 1}  # fmt: skip
+        shots[kind] = {
+            "url": url,
+            "png": str(path),
+            "bytes": path.stat().st_size if path.exists() else 0,
+            "rendered": "Reward over steps" in rendered,
+            "attempts": attempt + 1,
+        }
     text = card["data"]
     served = re.search(r"servers serve policy \*\*v(\d+)\*\* \(reloaded in ([\d.]+) s\)", text)
-    latest = text.split("newest first\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:] if "newest first\n\n" in text else []
+    latest = (
+        text.split("newest first\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:] if "newest first\n\n" in text else []
+    )
     chart = text.split("```text\n", 1)[1].split("```", 1)[0] if "```text\n" in text else ""
     return {
-        "step": step, "total_steps": total, "phase": re.search(r"\*\*(\w+)\*\* phase", text)[1],
-        "served_version": int(served[1]) if served else None, "reload_s": float(served[2]) if served else None,
-        "latest_steps_rows": len(latest), "newest_row": latest[0] if latest else None,
-        "chart_points": sum(line.split("┤", 1)[1].count("·") + line.split("┤", 1)[1].count("o") for line in chart.splitlines() if "┤" in line),
-        "card": text, "shots": shots,
-    }  # fmt: skip
+        "step": step,
+        "total_steps": total,
+        "phase": re.search(r"\*\*(\w+)\*\* phase", text)[1],
+        "served_version": int(served[1]) if served else None,
+        "reload_s": float(served[2]) if served else None,
+        "latest_steps_rows": len(latest),
+        "newest_row": latest[0] if latest else None,
+        "chart_points": sum(
+            line.split("┤", 1)[1].count("·") + line.split("┤", 1)[1].count("o")
+            for line in chart.splitlines()
+            if "┤" in line
+        ),
+        "card": text,
+        "shots": shots,
+    }
 
 
 def chromium_run(chromium: str, arguments: list[str]) -> subprocess.CompletedProcess:
@@ -136,12 +165,26 @@ def chromium_run(chromium: str, arguments: list[str]) -> subprocess.CompletedPro
     background-networking flags Chromium keeps dialling Google's hosts."""
     with tempfile.TemporaryDirectory(prefix="ui-watch-chromium-") as profile:
         return subprocess.run(
-            [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--hide-scrollbars", "--window-size=1400,2000",
-             "--virtual-time-budget=30000", *arguments],
-            capture_output=True, text=True, timeout=180,
-        )  # fmt: skip
+            [
+                chromium,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-quic",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                f"--user-data-dir={profile}",
+                "--hide-scrollbars",
+                "--window-size=1400,2000",
+                "--virtual-time-budget=30000",
+                *arguments,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,14 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-from clotho.flow_runtime import PrefectStartError, Stopped, make_prefect_home, quiet_terminal, run_flow, start_local_prefect_server
+from clotho.flow_runtime import (
+    PrefectStartError,
+    Stopped,
+    make_prefect_home,
+    quiet_terminal,
+    run_flow,
+    start_local_prefect_server,
+)
 from clotho.input_checks import check_model, check_server_url, check_tokenizer
 from clotho.shortfall import SHORTFALL_EXIT, shortfall
 from core.validation import describe_validation_error
@@ -50,8 +57,6 @@ class OneLineErrors(TyperGroup):
         sys.exit(result if isinstance(result, int) else 0)  # an Exit's code, else success
 
 
-
-
 app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True, cls=OneLineErrors)
 model_app = typer.Typer(help="Build or inspect policy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
@@ -76,9 +81,17 @@ app.add_typer(env_app, name="env")
 @model_app.command("tiny")
 def model_tiny(
     out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
-    tie_embeddings: bool | None = typer.Option(None, "--tie-embeddings/--no-tie-embeddings", help="Share input and output embeddings (default: the shape's own; the real shapes tie)."),
+    tie_embeddings: bool | None = typer.Option(
+        None,
+        "--tie-embeddings/--no-tie-embeddings",
+        help="Share input and output embeddings (default: the shape's own; the real shapes tie).",
+    ),
     seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights (deterministic)."),
-    size: str = typer.Option("tiny", help="tiny (2 layers, hidden 128: tests), small (4 layers, hidden 256: the demo), or a real model's shape with random weights: smollm2-135m, qwen2.5-0.5b."),
+    size: str = typer.Option(
+        "tiny",
+        help="tiny (2 layers, hidden 128: tests), small (4 layers, hidden 256: the demo), or a real model's shape "
+        "with random weights: smollm2-135m, qwen2.5-0.5b.",
+    ),
 ) -> None:
     """Build a model of a known shape and a byte-level BPE tokenizer, offline (random weights)."""
     from inference.tiny_model import build_tiny_model
@@ -97,7 +110,9 @@ def _interrupt(*_) -> None:
 
 @app.command()
 def serve(
-    model: str = typer.Option(..., help="Local model directory, storage URL of one (s3://...) or Hugging Face model id."),
+    model: str = typer.Option(
+        ..., help="Local model directory, storage URL of one (s3://...) or Hugging Face model id."
+    ),
     port: int = typer.Option(8000, min=1, max=65535, help="Port of the OpenAI-compatible API."),
     host: str = typer.Option("127.0.0.1", help="Bind address; anything but loopback needs --api-key."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key the server requires."),
@@ -109,7 +124,8 @@ def serve(
     run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN: hot-reload each new STABLE checkpoint of that run."),
     poll_s: float = typer.Option(2.0, min=0.01, help="With --run: seconds between looks at the run."),
     priority: str = typer.Option(
-        None, help="CPU priority of vLLM's processes: normal, low (niceness 10) or idle (SCHED_IDLE: only cycles "
+        None,
+        help="CPU priority of vLLM's processes: normal, low (niceness 10) or idle (SCHED_IDLE: only cycles "
         "nothing else wants). Default: idle for vLLM on CPUs, below the rollout clients and Prefect sharing its "
         "cores; normal for GPUs.",
     ),
@@ -127,9 +143,16 @@ def serve(
         _split_run(run)
     try:
         server = PolicyServer(
-            model, host=host, port=port, api_key=api_key, served_model_name=served_model_name,
-            log_path=log_file, dtype=dtype, max_model_len=max_model_len, priority=priority,
-        )  # fmt: skip
+            model,
+            host=host,
+            port=port,
+            api_key=api_key,
+            served_model_name=served_model_name,
+            log_path=log_file,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            priority=priority,
+        )
         if run:
             from inference.cli import check_watch
 
@@ -154,7 +177,7 @@ def serve(
         raise typer.Exit(1)
     except ServerStartError as error:
         typer.echo(str(error), err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("stopping policy server")
     finally:
@@ -176,24 +199,46 @@ def _split_run(run_url: str, option: str = "--run") -> tuple[str, str]:
 
 @app.command()
 def rollout(
-    env: list[str] = typer.Option(..., help="Environment: an installed name (clotho env list) or an import path "
-                                  "module.path:ClassName (repeatable; mixed by equal weight)."),
-    run: str = typer.Option(..., help="Run URL STORAGE_URL/RUN: a local dir, file://, s3://bucket/prefix/RUN, memory://."),
+    env: list[str] = typer.Option(
+        ...,
+        help="Environment: an installed name (clotho env list) or an import path "
+        "module.path:ClassName (repeatable; mixed by equal weight).",
+    ),
+    run: str = typer.Option(
+        ..., help="Run URL STORAGE_URL/RUN: a local dir, file://, s3://bucket/prefix/RUN, memory://."
+    ),
     server: list[str] = typer.Option(["http://127.0.0.1:8000"], help="Policy server base URL (repeatable)."),
-    api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the policy servers (clotho serve --api-key)."),
+    api_key: str = typer.Option(
+        None, envvar="CLOTHO_API_KEY", help="API key of the policy servers (clotho serve --api-key)."
+    ),
     groups: int = typer.Option(64, min=1, help="Groups to collect (see --forever)."),
     forever: bool = typer.Option(False, "--forever", help="Collect until Ctrl-C or a cancel, ignoring --groups."),
     tokenizer: str = typer.Option(None, help="Tokenizer path or HF id (default: the model the first server serves)."),
-    set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value with a YAML value, "
-                                   "e.g. --set group_size=8 (applies to every --env)."),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="Environment config field, key.path=value with a YAML value, "
+        "e.g. --set group_size=8 (applies to every --env).",
+    ),
     max_concurrent_groups: int = typer.Option(8, min=1, max=4096, help="Groups in flight at once."),
     shard_max_groups: int = typer.Option(64, min=1, help="Flush a shard after this many groups."),
-    shard_max_age_s: float = typer.Option(30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."),
-    max_policy_lag: int = typer.Option(None, min=0, help="Bounded staleness K: start a group only if the trainer will train it at most K policy versions after the one it samples with (reads the trainer's progress; 0 is the synchronous loop)."),
+    shard_max_age_s: float = typer.Option(
+        30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."
+    ),
+    max_policy_lag: int = typer.Option(
+        None,
+        min=0,
+        help="Bounded staleness K: start a group only if the trainer will train it at most K policy versions after "
+        "the one it samples with (reads the trainer's progress; 0 is the synchronous loop).",
+    ),
     dask: str = typer.Option(None, help="Address of a Dask scheduler to run the tasks on (prefect-dask)."),
-    server_concurrency: int = typer.Option(None, min=1, help="Groups in flight per server across all flows (a Prefect concurrency limit)."),
+    server_concurrency: int = typer.Option(
+        None, min=1, help="Groups in flight per server across all flows (a Prefect concurrency limit)."
+    ),
     task_run_s: float = typer.Option(
-        10.0, min=0.0, help="A lane's Prefect task run samples groups one after another for about this many seconds "
+        10.0,
+        min=0.0,
+        help="A lane's Prefect task run samples groups one after another for about this many seconds "
         "(0: a task run per group); Prefect's per-task-run cost is paid once per task run.",
     ),
 ) -> None:
@@ -229,10 +274,11 @@ def rollout(
         except PolicyServerAuthError as error:
             typer.echo(f"clotho rollout: {error}", err=True)
             raise typer.Exit(2) from None
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - whatever failed, the fix is the same option
             raise typer.BadParameter(
                 f"--tokenizer not given and {server[0]}/v1/models did not say the model ({error}); pass --tokenizer "
-                "or check --server and --api-key", param_hint="--tokenizer",
+                "or check --server and --api-key",
+                param_hint="--tokenizer",
             ) from None
     check_tokenizer(tokenizer)
     start_local_prefect_server()
@@ -250,11 +296,19 @@ def rollout(
     try:
         summary = run_flow(
             flow(
-                environments=specs, servers=server, run_url=run, tokenizer=tokenizer,
-                groups=None if forever else groups, max_concurrent_groups=max_concurrent_groups,
-                shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s, max_policy_lag=max_policy_lag,
-                distributed=bool(dask), server_concurrency=server_concurrency, task_run_s=task_run_s,
-            )  # fmt: skip
+                environments=specs,
+                servers=server,
+                run_url=run,
+                tokenizer=tokenizer,
+                groups=None if forever else groups,
+                max_concurrent_groups=max_concurrent_groups,
+                shard_max_groups=shard_max_groups,
+                shard_max_age_s=shard_max_age_s,
+                max_policy_lag=max_policy_lag,
+                distributed=bool(dask),
+                server_concurrency=server_concurrency,
+                task_run_s=task_run_s,
+            )
         )
     except PolicyServerAuthError as error:
         typer.echo(f"clotho rollout: {error}", err=True)
@@ -277,10 +331,19 @@ app.command("watch")(watch_command)
 
 @app.command("run")
 def run_pipeline(
-    config: Path = typer.Argument(..., exists=True, dir_okay=False, help="Pipeline YAML (flows.pipeline_config.PipelineConfig), e.g. runs/demo.yaml."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set max_lag=0 (repeatable)."),
+    config: Path = typer.Argument(
+        ...,
+        exists=True,
+        dir_okay=False,
+        help="Pipeline YAML (flows.pipeline_config.PipelineConfig), e.g. runs/demo.yaml.",
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field, key.path=value with a YAML value: --set max_lag=0 (repeatable)."
+    ),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of the policy servers."),
-    verbose: bool = typer.Option(False, "--verbose", help="Also print every task run's state and the model-loading progress bars."),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also print every task run's state and the model-loading progress bars."
+    ),
 ) -> None:
     """Run the whole loop for one run: policy servers with hot reload, rollout flows and the
     trainer, asynchronous with bounded staleness, phase after phase, until the last step."""
@@ -295,7 +358,9 @@ def run_pipeline(
     try:
         summary = run_flow(pipeline(config_path=str(config), overrides=list(set_)))
     except Stopped as stopped:
-        typer.echo(f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True)
+        typer.echo(
+            f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True
+        )
         raise typer.Exit(128 + stopped.signum) from None
     typer.echo(json.dumps({key: value for key, value in summary.items() if key != "curve"}, indent=1))
 
@@ -326,8 +391,11 @@ def check_pipeline(path: Path, overrides: list[str]) -> Any:
     check_model(config.model, option=f"{path}: model")
     for index, url in enumerate(config.servers.urls):
         check_server_url(url, option=f"{path}: servers.urls.{index}")
-    entries = [(f"phases.{p}.environments.{e}", entry.env, entry.config)
-               for p, phase in enumerate(config.phases) for e, entry in enumerate(phase.environments)]  # fmt: skip
+    entries = [
+        (f"phases.{p}.environments.{e}", entry.env, entry.config)
+        for p, phase in enumerate(config.phases)
+        for e, entry in enumerate(phase.environments)
+    ]
     if config.evaluation is not None:
         entries.append(("evaluation", config.evaluation.env, config.evaluation.config))
     for field, name, env_config in entries:
@@ -341,7 +409,9 @@ def check_pipeline(path: Path, overrides: list[str]) -> Any:
             TrainerConfig.model_validate(fields)
         except ValidationError as error:
             problem = describe_validation_error(error, TrainerConfig)
-            raise bad(f"trainer (phases.{index}, {phase.name})", f"{problem}; set it in trainer or phases.{index}.trainer") from None
+            raise bad(
+                f"trainer (phases.{index}, {phase.name})", f"{problem}; set it in trainer or phases.{index}.trainer"
+            ) from None
     return config
 
 
@@ -354,8 +424,12 @@ app.command("evaluate")(evaluate_command)
 @app.command()
 def demo(
     workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, the run and the curve go."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."),
-    verbose: bool = typer.Option(False, "--verbose", help="Also print every task run's state and the model-loading progress bars."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", help="Also print every task run's state and the model-loading progress bars."
+    ),
 ) -> None:
     """The pipeline of runs/demo.yaml from nothing: build the small model, warm-start it with SFT
     through the same pipe, then RL; ends with the learning curve (summary.json, reward-curve.png)."""

@@ -30,7 +30,10 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     console = Console()
     workdir = workdir.resolve()
     model = workdir / "model"
-    if not (model / "clotho_model.json").exists() or json.loads((model / "clotho_model.json").read_text()).get("size") != "small":
+    if (
+        not (model / "clotho_model.json").exists()
+        or json.loads((model / "clotho_model.json").read_text()).get("size") != "small"
+    ):
         console.print(f"building the small demo model in {model}")
         shutil.rmtree(model, ignore_errors=True)
         build_tiny_model(model, seed=0, size="small")
@@ -44,7 +47,9 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
     curve = summary.get("curve", [])
     verdict = learning_verdict(curve, window=stop_window(DEMO_CONFIG, settings))
     demo_minutes = (time.monotonic() - started) / 60  # the local Prefect server's start included
-    (workdir / "summary.json").write_text(json.dumps({**summary, "verdict": verdict, "demo_minutes": demo_minutes}, indent=1))
+    (workdir / "summary.json").write_text(
+        json.dumps({**summary, "verdict": verdict, "demo_minutes": demo_minutes}, indent=1)
+    )
     draw_curve(curve, workdir / "reward-curve.png")
 
     table = Table(title=f"clotho demo: {summary['steps']} steps in {demo_minutes:.1f} min")
@@ -55,10 +60,14 @@ def run_demo(workdir: Path, run_flow, overrides: list[str] | None = None) -> dic
         table.add_row(row["phase"], str(row["step"]), f"{row['reward']:.3f}", training, f"{row['minutes']:.1f}")
     console.print(table)
     if summary.get("stopped_by_rule"):
-        console.print(f"stopped at version {summary['stopped_by_rule']['version']}: {summary['stopped_by_rule']['rule']}")
+        console.print(
+            f"stopped at version {summary['stopped_by_rule']['version']}: {summary['stopped_by_rule']['rule']}"
+        )
     if summary.get("best"):
         best = summary["best"]
-        console.print(f"best checkpoint: step {best['step']} (held-out {best['reward']:.3f}), kept as {best['checkpoint']}")
+        console.print(
+            f"best checkpoint: step {best['step']} (held-out {best['reward']:.3f}), kept as {best['checkpoint']}"
+        )
     console.print(verdict["line"])
     console.print(f"summary: {workdir / 'summary.json'}  curve: {workdir / 'reward-curve.png'}")
     return {**summary, "verdict": verdict}
@@ -96,9 +105,21 @@ def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0, window:
     line = (
         f"held-out reward{measure} {start:.2f} at the start, {plateau:.2f} after the SFT warm start, {end:.2f} at the end "
         f"(RL added {gain:+.2f}) in {curve[-1]['minutes']:.1f} minutes: "
-        + ("learned (>= 0.8 or +0.5, and RL +0.2 over SFT, within 15 minutes)" if met else "the learning criterion is not met")
+        + (
+            "learned (>= 0.8 or +0.5, and RL +0.2 over SFT, within 15 minutes)"
+            if met
+            else "the learning criterion is not met"
+        )
     )
-    return {"start": start, "sft_plateau": plateau, "end": end, "window": window, "rl_gain": gain, "criterion_met": met, "line": line}
+    return {
+        "start": start,
+        "sft_plateau": plateau,
+        "end": end,
+        "window": window,
+        "rl_gain": gain,
+        "criterion_met": met,
+        "line": line,
+    }
 
 
 def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (760, 460)) -> None:
@@ -134,19 +155,31 @@ def draw_curve(curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = 
         draw.text((x - 10, height - bottom + 24), f"{row['minutes']:.1f}", fill=(90, 90, 90))
     draw.text((8, height - bottom + 8), "step", fill="black")
     draw.text((8, height - bottom + 24), "minutes", fill=(90, 90, 90))
-    draw.text((left, height - 22), "x: trainer step (policy version), minutes since the start under it", fill=(90, 90, 90))
+    draw.text(
+        (left, height - 22), "x: trainer step (policy version), minutes since the start under it", fill=(90, 90, 90)
+    )
 
     trained = [row for row in curve if row.get("train_reward") is not None]
     for previous, row in zip(trained, trained[1:]):
-        draw.line([point(previous["step"], previous["train_reward"]), point(row["step"], row["train_reward"])], fill=TRAINING_COLOR, width=1)
+        draw.line(
+            [point(previous["step"], previous["train_reward"]), point(row["step"], row["train_reward"])],
+            fill=TRAINING_COLOR,
+            width=1,
+        )
     for previous, row in zip(curve, curve[1:]):
-        draw.line([point(previous["step"], previous["reward"]), point(row["step"], row["reward"])], fill=COLORS.get(row["phase"], "gray"), width=3)
+        draw.line(
+            [point(previous["step"], previous["reward"]), point(row["step"], row["reward"])],
+            fill=COLORS.get(row["phase"], "gray"),
+            width=3,
+        )
     for row in curve:
         x, y = point(row["step"], row["reward"])
         draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=COLORS.get(row["phase"], "gray"))
 
     draw.text((left, 8), "clotho demo: greedy reward on held-out items (never trained on)", fill="black")
-    legend = [(f"held out, {phase}", color, 3) for phase, color in COLORS.items()] + [("training (sampled)", TRAINING_COLOR, 1)]
+    legend = [(f"held out, {phase}", color, 3) for phase, color in COLORS.items()] + [
+        ("training (sampled)", TRAINING_COLOR, 1)
+    ]
     x = left
     for label, color, line_width in legend:
         draw.line([(x, 32), (x + 18, 32)], fill=color, width=line_width)

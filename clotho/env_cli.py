@@ -71,7 +71,8 @@ def list_command() -> None:
 @env_app.command("check")
 def check_command(
     environment: str = typer.Argument(
-        ..., help="Installed name (clotho env list), import path module.path:ClassName, or the URL of `clotho env serve`."
+        ...,
+        help="Installed name (clotho env list), import path module.path:ClassName, or the URL of `clotho env serve`.",
     ),
     server: str = typer.Option(None, help="Policy server URL (default: start a tiny-model vLLM server for the check)."),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
@@ -84,12 +85,11 @@ def check_command(
 
     from rich.console import Console
 
+    from clotho.input_checks import check_server_url, check_tokenizer
     from core.overrides import apply_overrides
     from environments.conformance import run_checks
     from environments.loading import load_config, load_environment_class
     from inference.client import PolicyServerAuthError, served_model
-
-    from clotho.input_checks import check_server_url, check_tokenizer
 
     try:
         env_class = load_environment_class(environment)
@@ -115,9 +115,13 @@ def check_command(
 
         def show(result) -> None:
             style = {"passed": "green", "failed": "red", "skipped": "yellow"}[result.status]
-            console.print(f"[{style}]{result.status:>7}[/{style}]  {result.name}  ({result.seconds:.2f}s)  {result.detail}")
+            console.print(
+                f"[{style}]{result.status:>7}[/{style}]  {result.name}  ({result.seconds:.2f}s)  {result.detail}"
+            )
 
-        results = asyncio.run(run_checks(env_class, config, server_url=server, tokenizer=tokenizer, api_key=api_key, on_result=show))
+        results = asyncio.run(
+            run_checks(env_class, config, server_url=server, tokenizer=tokenizer, api_key=api_key, on_result=show)
+        )
     except PolicyServerAuthError as error:
         typer.echo(f"clotho env check: {error}", err=True)
         raise typer.Exit(2) from None
@@ -132,11 +136,22 @@ def check_command(
 
 @env_app.command("serve")
 def serve_command(
-    environment: str = typer.Argument(..., help="Installed name (clotho env list) or import path module.path:ClassName."),
+    environment: str = typer.Argument(
+        ..., help="Installed name (clotho env list) or import path module.path:ClassName."
+    ),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (loopback by default; the API has no key)."),
     port: int = typer.Option(8100, min=1, max=65535, help="Port to listen on."),
-    with_: list[str] = typer.Option([], "--with", help="A package the environment needs beyond this Python environment (repeatable): gymnasium, 'numpy<2'."),
-    requirements: list[str] = typer.Option([], "--requirements", "-r", help="The environment's requirements file, or its project directory (pyproject.toml) (repeatable)."),
+    with_: list[str] = typer.Option(
+        [],
+        "--with",
+        help="A package the environment needs beyond this Python environment (repeatable): gymnasium, 'numpy<2'.",
+    ),
+    requirements: list[str] = typer.Option(
+        [],
+        "--requirements",
+        "-r",
+        help="The environment's requirements file, or its project directory (pyproject.toml) (repeatable).",
+    ),
 ) -> None:
     """Serve one environment over HTTP, in this Python environment, for rollouts elsewhere to use by
     URL: `clotho rollout --env http://HOST:PORT ...`, `clotho env check http://HOST:PORT`. With

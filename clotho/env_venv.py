@@ -58,7 +58,9 @@ def pip_arguments(packages: list[str], requirement_files: list[str]) -> list[str
         path = Path(given).expanduser().resolve()
         if path.is_dir():
             if not any((path / name).exists() for name in ("pyproject.toml", "setup.py")):
-                raise LayerError(f"--requirements {given}: a directory without pyproject.toml or setup.py; give its requirements file")
+                raise LayerError(
+                    f"--requirements {given}: a directory without pyproject.toml or setup.py; give its requirements file"
+                )
             arguments.append(str(path))
         elif path.is_file():
             arguments += ["-r", str(path)]
@@ -102,8 +104,12 @@ def candidate_pythons() -> list[str]:
 def python_version(executable: str) -> str | None:
     """Its version ("3.12.1"), or None when it does not run (a pyenv shim of a version not selected)."""
     try:
-        done = subprocess.run([executable, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
-                              capture_output=True, text=True, timeout=20)  # fmt: skip
+        done = subprocess.run(
+            [executable, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.strip() if done.returncode == 0 else None
@@ -133,7 +139,7 @@ def find_python(required: list[tuple[str, str]]) -> tuple[str, str]:
 
 
 def platform_version() -> str:
-    return "%d.%d.%d" % sys.version_info[:3]
+    return ".".join(map(str, sys.version_info[:3]))
 
 
 def installed() -> list:
@@ -184,7 +190,9 @@ def source_files(project: Path) -> list[Path]:
     files = []
     for directory, subdirectories, names in os.walk(project):
         subdirectories[:] = sorted(d for d in subdirectories if not any(fnmatch.fnmatch(d, p) for p in NOT_SOURCE))
-        files += [Path(directory) / name for name in sorted(names) if not any(fnmatch.fnmatch(name, p) for p in NOT_SOURCE)]
+        files += [
+            Path(directory) / name for name in sorted(names) if not any(fnmatch.fnmatch(name, p) for p in NOT_SOURCE)
+        ]
     return files
 
 
@@ -217,27 +225,42 @@ def environment_layer(arguments: list[str], root: Path | None = None, echo=print
     if interpreter is None:
         echo(f"the environment's own dependencies: building {layer} over {sys.prefix} ({' '.join(arguments)})")
         subprocess.run([sys.executable, "-m", "venv", str(layer)], check=True)
-        site_packages = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                            check=True, capture_output=True, text=True).stdout.strip())  # fmt: skip
+        site_packages = Path(
+            subprocess.run(
+                [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+        )
         base = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
         # An executable .pth line: addsitedir also runs the base's own .pth files (editable installs).
         lines = [f"import site; site.addsitedir({path!r})" for path in sorted(base)]
         (site_packages / "_clotho_base.pth").write_text("\n".join(lines) + "\n")
     else:
         asks = ", ".join(f"{spec} ({Path(where).parent.name})" for spec, where in required)
-        echo(f"the environment asks for Python {asks} and this one is {platform_version()}: building a whole venv "
-             f"{layer} on Python {version} ({interpreter}) with this environment's packages at their versions, "
-             f"then {' '.join(arguments)} (minutes, once)")  # fmt: skip
+        echo(
+            f"the environment asks for Python {asks} and this one is {platform_version()}: building a whole venv "
+            f"{layer} on Python {version} ({interpreter}) with this environment's packages at their versions, "
+            f"then {' '.join(arguments)} (minutes, once)"
+        )
         subprocess.run([interpreter, "-m", "venv", str(layer)], check=True)
         _pip(python, ["--no-deps", *base_pins()], layer, f"this environment's packages on Python {version}")
     _pip(python, built_elsewhere(arguments, layer / "src"), layer, " ".join(arguments))
-    (layer / READY).write_text(json.dumps({"base": sys.prefix, "installed": arguments, "python": interpreter or sys.executable}))
+    (layer / READY).write_text(
+        json.dumps({"base": sys.prefix, "installed": arguments, "python": interpreter or sys.executable})
+    )
     return python
 
 
 def _pip(python: Path, arguments: list[str], layer: Path, what: str) -> None:
-    install = subprocess.run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-                              *arguments], capture_output=True, text=True)  # fmt: skip
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", *arguments],
+        capture_output=True,
+        text=True,
+    )
     if install.returncode != 0:
         tail = "\n".join((install.stdout + install.stderr).strip().splitlines()[-15:])
-        raise LayerError(f"pip install {what} failed in {layer}:\n{tail}\nFix the requirement (a name, a version pin that exists) and run again")
+        raise LayerError(
+            f"pip install {what} failed in {layer}:\n{tail}\nFix the requirement (a name, a version pin that exists) and run again"
+        )

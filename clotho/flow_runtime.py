@@ -74,8 +74,11 @@ def start_local_prefect_server() -> None:
         atexit.register(stop_server, int(os.environ.pop(SERVER_VARIABLE)))
         return
     from prefect.settings import (
-        PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
-    )  # fmt: skip
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value() or not is_the_command():
         return
@@ -85,8 +88,11 @@ def start_local_prefect_server() -> None:
     make_prefect_home(home)
     timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     url, server = serve_prefect(home, timeout_s)
-    print(f"clotho: Prefect UI at {url.removesuffix('/api')} while this command runs (its runs stay in {home}; "
-          "`prefect server start` shows them later)", file=sys.stderr)  # fmt: skip
+    print(
+        f"clotho: Prefect UI at {url.removesuffix('/api')} while this command runs (its runs stay in {home}; "
+        "`prefect server start` shows them later)",
+        file=sys.stderr,
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     environment = {**os.environ, "PREFECT_API_URL": url, SERVER_VARIABLE: str(server.pid)}
@@ -115,13 +121,18 @@ def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
         port = free_port()
         with open(log_path, "ab") as log:
             server = subprocess.Popen(
-                tethered([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                tethered(
+                    [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+                ),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
                 env={**os.environ, "PREFECT_HOME": str(home)},
-            )  # fmt: skip
+            )
         url = f"http://127.0.0.1:{port}/api"
         left_s = timeout_s - (time.monotonic() - started)
-        if wait_answering(f"{url}/health", lambda: server.poll() is None, left_s):
+        if wait_answering(f"{url}/health", lambda server=server: server.poll() is None, left_s):
             return url, server
         if server.poll() is None:
             break
@@ -174,7 +185,7 @@ class FlowThread(threading.Thread):
         self.started.set()
         try:
             self.outcome.set_result(self.loop.run_until_complete(self.task))
-        except BaseException as error:  # handed to the caller
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
             self.outcome.set_exception(error)
         finally:
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())

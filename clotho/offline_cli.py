@@ -15,15 +15,17 @@ from tasks.api_key import API_KEY_VARIABLE
 def reprocess_command(
     input_run: str = typer.Argument(..., help="The run to read, STORAGE_URL/RUN; it is never changed."),
     output: str = typer.Argument(..., help="A new run URL, or a dataset directory for export-sft / export-dpo."),
-    operations: list[str] = typer.Argument(..., help="OP or OP:key=value,...: filter, advantages, dedupe, rescore, "
-                                           "compact, export-sft, export-dpo, applied in order (tasks/reprocess.py)."),
+    operations: list[str] = typer.Argument(
+        ...,
+        help="OP or OP:key=value,...: filter, advantages, dedupe, rescore, "
+        "compact, export-sft, export-dpo, applied in order (tasks/reprocess.py).",
+    ),
 ) -> None:
     """Reprocess stored shards offline into a new dataset: rescore, recompute advantages, filter,
     dedupe, compact, or export SFT / DPO sets (a Prefect flow; lineage in OUTPUT/lineage.json)."""
     from clotho.flow_runtime import drain_prefect_reporting, start_local_prefect_server
     from flows.reprocess import check_job
     from flows.reprocess import reprocess as reprocess_flow
-
     from storage.cli import check_url
 
     for argument, url in (("INPUT_RUN", input_run), ("OUTPUT", output)):
@@ -50,11 +52,15 @@ def reprocess_command(
 
 def evaluate_command(
     env: str = typer.Option(..., help="Environment: an installed name (clotho env list) or module.path:ClassName."),
-    checkpoint: str = typer.Option("LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST or BEST (the best evaluated) of --run."),
+    checkpoint: str = typer.Option(
+        "LATEST", help="A published step URL (.../checkpoints/step-N), or LATEST or BEST (the best evaluated) of --run."
+    ),
     run: str = typer.Option(None, help="Run URL STORAGE_URL/RUN, for --checkpoint LATEST or BEST."),
     set_: list[str] = typer.Option([], "--set", help="Environment config field, key.path=value (YAML value)."),
     items: int = typer.Option(50, min=1, help="Held-out items to answer (greedy)."),
-    server: str = typer.Option(None, help="Use this running server (it must serve the checkpoint's version) instead of serving it here."),
+    server: str = typer.Option(
+        None, help="Use this running server (it must serve the checkpoint's version) instead of serving it here."
+    ),
     api_key: str = typer.Option(None, envvar="CLOTHO_API_KEY", help="API key of --server."),
     force: bool = typer.Option(False, "--force", help="Evaluate again even if a result for this step and env exists."),
 ) -> None:
@@ -75,8 +81,9 @@ def evaluate_command(
         os.environ[API_KEY_VARIABLE] = api_key  # read by the flow, never one of its parameters
     start_local_prefect_server()
     try:
-        result = evaluate_flow(env=env, checkpoint=checkpoint, run_url=run, env_config=env_config, items=items,
-                               server=server, force=force)  # fmt: skip
+        result = evaluate_flow(
+            env=env, checkpoint=checkpoint, run_url=run, env_config=env_config, items=items, server=server, force=force
+        )
     except EvaluationError as error:
         typer.echo(f"clotho evaluate: {error}", err=True)
         raise typer.Exit(2) from None
@@ -84,7 +91,9 @@ def evaluate_command(
         drain_prefect_reporting()
     report = result["report"]
     typer.echo(json.dumps({"step": result["step"], "env": result["env"], **report}))
-    reasons = {key.removeprefix("failures/"): int(count) for key, count in report.items() if key.startswith("failures/")}
+    reasons = {
+        key.removeprefix("failures/"): int(count) for key, count in report.items() if key.startswith("failures/")
+    }
     answered = int(report.get("items", 0))
     failed = shortfall("clotho evaluate", "items answered", answered, reasons, server or "")
     if failed:

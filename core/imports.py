@@ -28,6 +28,8 @@ def import_module_at(where: str):
     if getattr(sys.modules.get(name), "__file__", None) == str(file):
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{file}: not a Python module that can be loaded")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # before it runs: dataclasses and pickling look their module up
     try:

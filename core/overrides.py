@@ -15,27 +15,35 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     for override in overrides:
         key, separator, raw = override.partition("=")
         if not separator or not key.strip():
-            raise ValueError(f"--set {override!r}: write it as key.path=value, e.g. --set loss.name=dapo or --set group_size=8")
+            raise ValueError(
+                f"--set {override!r}: write it as key.path=value, e.g. --set loss.name=dapo or --set group_size=8"
+            )
         parts = key.strip().split(".")
         node: Any = result
+        index: str | int = ""
         for depth, part in enumerate(parts):
             where = ".".join(parts[: depth + 1])
+            index = part
             if isinstance(node, list):
                 if not part.isdigit() or int(part) >= len(node):
-                    raise ValueError(f"--set {override!r}: {where}: index a list of {len(node)} with 0..{len(node) - 1}")
-                part = int(part)
+                    raise ValueError(
+                        f"--set {override!r}: {where}: index a list of {len(node)} with 0..{len(node) - 1}"
+                    )
+                index = int(part)
             elif not isinstance(node, dict):
                 raise ValueError(f"--set {override!r}: {'.'.join(parts[:depth])} is a value, not a section")
             if depth == len(parts) - 1:
                 break
             if isinstance(node, dict):
-                node = node.setdefault(part, {})
+                node = node.setdefault(index, {})
             else:
-                node = node[part]
+                node = node[index]
         try:
-            node[part] = yaml.safe_load(raw)
+            node[index] = yaml.safe_load(raw)
         except yaml.YAMLError as error:
-            raise ValueError(f"--set {override!r}: the value is not YAML ({error}); quote strings that look like YAML") from None
+            raise ValueError(
+                f"--set {override!r}: the value is not YAML ({error}); quote strings that look like YAML"
+            ) from None
     return result
 
 

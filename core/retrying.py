@@ -51,7 +51,7 @@ def policy(
     errors, and the last one, are raised as they are (or handed to `on_give_up`, which raises
     the caller's own error). Each retry is one warning line on the caller's `logger`, naming
     `what` failed, the error, the try and the wait."""
-    stops = [tenacity.stop_after_attempt(tries)] if tries is not None else []
+    stops: list[tenacity.stop.stop_base] = [tenacity.stop_after_attempt(tries)] if tries is not None else []
     stops += [tenacity.stop_before_delay(budget_s)] if budget_s is not None else []
     return {
         "retry": tenacity.retry_if_exception(retry_on),
@@ -66,8 +66,14 @@ def policy(
 def _say_retry(logger: logging.Logger, what: str, state: tenacity.RetryCallState) -> None:
     error = state.outcome.exception() if state.outcome else None
     text = " ".join(str(error).split())[:300]
-    logger.warning("%s: %s: %s; try %d failed, next in %.2f s", what, type(error).__name__, text, state.attempt_number,
-                   state.next_action.sleep if state.next_action else 0.0)  # fmt: skip
+    logger.warning(
+        "%s: %s: %s; try %d failed, next in %.2f s",
+        what,
+        type(error).__name__,
+        text,
+        state.attempt_number,
+        state.next_action.sleep if state.next_action else 0.0,
+    )
 
 
 def attempts(**kwargs: Any) -> tenacity.Retrying:

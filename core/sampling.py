@@ -3,7 +3,7 @@ score the same distribution."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 # are of the distribution that drew the token (after temperature, min_p, top-k and top-p, the kept
 # set renormalised); raw_logprobs (vLLM's default) are of the model before any of them.
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
-LOGPROBS_MODES: tuple[str, ...] = LogprobsMode.__args__
+LOGPROBS_MODES: tuple[str, ...] = get_args(LogprobsMode)
 # vLLM samples greedily below this temperature, and then scales nothing (vllm/v1/sample/sampler.py).
 GREEDY_BELOW = 1e-5
 

@@ -6,7 +6,7 @@ import math
 import os
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -29,7 +29,7 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # two sequences, the higher score chosen) or "distill" (on-policy distillation: the advantage of
 # each sampled token is the teacher's logprob minus the student's).
 Objective = Literal["rl", "sft", "dpo", "distill"]
-OBJECTIVES: tuple[str, ...] = Objective.__args__
+OBJECTIVES: tuple[str, ...] = get_args(Objective)
 
 
 class InvalidGroupError(Exception):
@@ -48,7 +48,14 @@ class InvalidGroupError(Exception):
 # negative), per-token lists of another length than the tokens, NaN or inf values, no sequence or
 # no token, nothing trained, a group over max_group_tokens or group_size, anything else.
 CONTRACT_REASONS = (
-    "out-of-vocab", "ragged", "non-finite", "empty", "no-trained-token", "too-large", "too-many-sequences", "invalid",
+    "out-of-vocab",
+    "ragged",
+    "non-finite",
+    "empty",
+    "no-trained-token",
+    "too-large",
+    "too-many-sequences",
+    "invalid",
 )
 
 
@@ -139,9 +146,11 @@ class ScoredSequence(BaseModel):
         as the sampler returned it, trained, with its finish reason and the policy versions that
         sampled it."""
         fields = {
-            "finish_reason": completion.finish_reason, "policy_versions": completion.policy_versions,
-            "sampling": completion.sampling, **fields,
-        }  # fmt: skip
+            "finish_reason": completion.finish_reason,
+            "policy_versions": completion.policy_versions,
+            "sampling": completion.sampling,
+            **fields,
+        }
         return cls.from_prompt(prompt_tokens, completion.token_ids, completion.logprobs, score, **fields)
 
     @property
@@ -162,9 +171,7 @@ class ScoredSequence(BaseModel):
         for name in ("mask", "logprobs") + optional:
             length = len(getattr(self, name))
             if length != n:
-                found.append(
-                    ("ragged", f"{name}: length {length} != len(tokens) {n}; give one {name} entry per token")
-                )
+                found.append(("ragged", f"{name}: length {length} != len(tokens) {n}; give one {name} entry per token"))
         if n and not any(self.mask):
             found.append(("no-trained-token", "mask: no trained token (all False); mark the sampled tokens True"))
         if not math.isfinite(self.score):
@@ -182,11 +189,13 @@ class ScoredSequence(BaseModel):
         if self.finish_reason not in FINISH_REASONS:
             found.append(("invalid", f"finish_reason: {self.finish_reason!r}; use one of {FINISH_REASONS}"))
         if self.policy_versions is not None and not 0 <= self.policy_versions[0] <= self.policy_versions[1]:
-            found.append((
-                "invalid",
-                f"policy_versions: {self.policy_versions} is not (first, last) with 0 <= first <= last; "
-                "give Completion.policy_versions of the completions it holds, or leave it unset",
-            ))  # fmt: skip
+            found.append(
+                (
+                    "invalid",
+                    f"policy_versions: {self.policy_versions} is not (first, last) with 0 <= first <= last; "
+                    "give Completion.policy_versions of the completions it holds, or leave it unset",
+                )
+            )
         return found
 
 
@@ -257,9 +266,7 @@ class ScoredGroup(BaseModel):
         "to the trainer's `objective` setting (by default: sft for a group of one sequence without "
         "advantages, rl otherwise).",
     )
-    extras: dict[str, Any] = Field(
-        default_factory=dict, description="Open group data for trainer extensions."
-    )
+    extras: dict[str, Any] = Field(default_factory=dict, description="Open group data for trainer extensions.")
     created_at: float = Field(default_factory=time.time, description="Unix time of creation.")
     schema_version: int = SCHEMA_VERSION
 
@@ -274,11 +281,13 @@ class ScoredGroup(BaseModel):
         found = [(r, f"sequences[{i}].{p}") for i, s in enumerate(self.sequences) for r, p in s.problems_by_reason()]
         found += [("invalid", problem) for problem in objective_problems(self)]
         if self.schema_version != SCHEMA_VERSION:
-            found.append((
-                "invalid",
-                f"schema_version: {self.schema_version} != {SCHEMA_VERSION}; "
-                "convert the data with the matching clotho version",
-            ))  # fmt: skip
+            found.append(
+                (
+                    "invalid",
+                    f"schema_version: {self.schema_version} != {SCHEMA_VERSION}; "
+                    "convert the data with the matching clotho version",
+                )
+            )
         if found:
             raise InvalidGroupError(
                 f"group {self.group_id} (env {self.env}, item {self.item_id}) is invalid:\n  "
@@ -288,7 +297,10 @@ class ScoredGroup(BaseModel):
         return self
 
     def check_limits(
-        self, vocab_size: int | None = None, max_group_size: int | None = None, max_tokens: int | None = None,
+        self,
+        vocab_size: int | None = None,
+        max_group_size: int | None = None,
+        max_tokens: int | None = None,
         expected: str | None = None,
     ) -> None:
         """Checks that need the run's context: the most sequences a group may hold (its

@@ -46,7 +46,9 @@ def main(argv: list[str]) -> int:
     parent = int(argv[0])
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's signal is COMMAND's to act on
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    child = subprocess.Popen(argv[2:], preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)])
+    child = subprocess.Popen(
+        argv[2:], preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)]
+    )
     while True:
         if parent_gone(parent):
             end_group(child)

@@ -26,13 +26,25 @@ from tests.prefect_server import start_prefect_server  # noqa: E402
 def screenshot(url: str, out: Path, profile: Path) -> None:
     subprocess.run(
         [
-            "chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={profile}", "--window-size=1500,1000", "--virtual-time-budget=20000",
-            f"--screenshot={out}", url,
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={profile}",
+            "--window-size=1500,1000",
+            "--virtual-time-budget=20000",
+            f"--screenshot={out}",
+            url,
         ],
-        check=True, capture_output=True, timeout=120,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     print(f"wrote {out}")
 
 
@@ -47,11 +59,33 @@ def main() -> None:
     try:
         clotho = str(Path(sys.executable).with_name("clotho"))
         subprocess.run(
-            [clotho, "rollout", "--env", "environments.bundled.arithmetic:Arithmetic", "--env", "environments.bundled.guess_number:GuessNumber",
-             "--storage", f"file://{work}/store", "--run", "ui-demo", "--server", args.server, "--tokenizer", args.tokenizer,
-             "--groups", str(args.groups), "--shard-max-groups", "8", "--set", "group_size=4", "--set", "max_tokens=8"],
-            env=prefect.env(), check=True,
-        )  # fmt: skip
+            [
+                clotho,
+                "rollout",
+                "--env",
+                "environments.bundled.arithmetic:Arithmetic",
+                "--env",
+                "environments.bundled.guess_number:GuessNumber",
+                "--storage",
+                f"file://{work}/store",
+                "--run",
+                "ui-demo",
+                "--server",
+                args.server,
+                "--tokenizer",
+                args.tokenizer,
+                "--groups",
+                str(args.groups),
+                "--shard-max-groups",
+                "8",
+                "--set",
+                "group_size=4",
+                "--set",
+                "max_tokens=8",
+            ],
+            env=prefect.env(),
+            check=True,
+        )
         time.sleep(3)  # let the server settle the last task-run records
         runs = httpx.post(f"{prefect.api_url}/flow_runs/filter", json={}, timeout=30).json()
         run_id = runs[0]["id"]
@@ -62,7 +96,11 @@ def main() -> None:
             json={"artifacts": {"flow_run_id": {"any_": [run_id]}, "type": {"any_": ["table"]}}},
             timeout=30,
         ).json()
-        screenshot(f"{prefect.ui_url}/artifacts/artifact/{artifacts[0]['id']}", REPO / "docs" / "prefect-rollout-stats.png", work / "chrome2")
+        screenshot(
+            f"{prefect.ui_url}/artifacts/artifact/{artifacts[0]['id']}",
+            REPO / "docs" / "prefect-rollout-stats.png",
+            work / "chrome2",
+        )
     finally:
         prefect.stop()
 

@@ -80,7 +80,7 @@ def from_atropos(
     for i in range(n):
         mask = [m != IGNORE_INDEX for m in data["masks"][i]]
 
-        def trained_only(values: list[float] | None) -> list[float] | None:
+        def trained_only(values: list[float] | None, mask: list[bool] = mask) -> list[float] | None:
             return None if values is None else [lp if m else 0.0 for lp, m in zip(values, mask)]
 
         sequences.append(
@@ -187,17 +187,22 @@ def trained_runs(mask: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def sampled_cover(tokens: list[int], runs: list[tuple[int, int]],
-                  sampled: dict[tuple[int, ...], list[Completion]]) -> list[tuple[int, Completion]] | None:  # fmt: skip
+def sampled_cover(
+    tokens: list[int], runs: list[tuple[int, int]], sampled: dict[tuple[int, ...], list[Completion]]
+) -> list[tuple[int, Completion]] | None:
     """The completions that make up every trained run, each where it starts, each sampled from
     exactly the ids before it; None when a run is anything else (re-tokenized text)."""
     cover = []
     for start, end in runs:
         position = start
         while position < end:
-            fits = [c for c in sampled.get(tuple(tokens[:position]), ())
-                    if c.token_ids and tokens[position : position + len(c.token_ids)] == c.token_ids
-                    and position + len(c.token_ids) <= end]  # fmt: skip
+            fits = [
+                c
+                for c in sampled.get(tuple(tokens[:position]), ())
+                if c.token_ids
+                and tokens[position : position + len(c.token_ids)] == c.token_ids
+                and position + len(c.token_ids) <= end
+            ]
             if not fits:
                 return None
             completion = max(fits, key=lambda c: len(c.token_ids))
@@ -217,8 +222,9 @@ class SequenceCheck:
     policy_versions: tuple[int, int] | None = None  # of the completions that cover it, when they say
 
 
-def check_sequence(tokens: list[int], masks: list[int], given: list[float] | None,
-                   sampled: dict[tuple[int, ...], list[Completion]]) -> SequenceCheck:  # fmt: skip
+def check_sequence(
+    tokens: list[int], masks: list[int], given: list[float] | None, sampled: dict[tuple[int, ...], list[Completion]]
+) -> SequenceCheck:
     """Exact when every trained run is sampled completions (sampled_cover) and the environment's
     logprobs, if it gave them, are theirs. Logprobs of 1.0 on trained tokens (managed_server's
     filler where one was unknown) are no sampler's: they count as not given."""
@@ -248,8 +254,12 @@ def decoded_messages(tokenizer, tokens: list[int], runs: list[tuple[int, int]]) 
     messages, position = [], 0
     for start, end in [*runs, (len(tokens), len(tokens))]:
         if start > position:
-            messages.append({"role": "user", "content": tokenizer.decode(tokens[position:start], skip_special_tokens=True)})
+            messages.append(
+                {"role": "user", "content": tokenizer.decode(tokens[position:start], skip_special_tokens=True)}
+            )
         if end > start:
-            messages.append({"role": "assistant", "content": tokenizer.decode(tokens[start:end], skip_special_tokens=True)})
+            messages.append(
+                {"role": "assistant", "content": tokenizer.decode(tokens[start:end], skip_special_tokens=True)}
+            )
         position = end
     return messages

@@ -9,16 +9,29 @@ import logging
 import random
 import traceback
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
-from typing import Any, ClassVar, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ClassVar
 
-from environments.config import EnvironmentConfig, Item
+from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
 from environments.chat import ChatRenderer, ChatSession, Messages, load_tokenizer
-from environments.failures import FAILURE_REASONS, DroppedByEnvironment, GroupTimeoutError, InfraError, RolloutFailure, failure_reason
+from environments.config import EnvironmentConfig, Item
+from environments.failures import (
+    FAILURE_REASONS,
+    DroppedByEnvironment,
+    GroupTimeoutError,
+    InfraError,
+    RolloutFailure,
+    failure_reason,
+)
 from environments.items import ItemStream, Rows, as_item
 from environments.trajectory import complete_record, version_stamp
-from core.scored_group import InvalidGroupError, Objective, ScoredGroup, ScoredSequence
-from inference.client import Completion, PolicyClient, PolicyServerAuthError, PolicyServerUnreachable, recording_completions
+from inference.client import (
+    Completion,
+    PolicyClient,
+    PolicyServerAuthError,
+    PolicyServerUnreachable,
+    recording_completions,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +108,7 @@ class Environment(ABC):
         self._made = 0  # items new_item made
 
     # ---- what an environment author writes -------------------------------------------------
-    async def setup(self) -> None:
+    async def setup(self) -> None:  # noqa: B027 - optional: most environments load nothing
         """Loads data once (offline)."""
 
     def items(self, split: str) -> Rows | None:
@@ -139,9 +152,18 @@ class Environment(ABC):
         if split not in self._item_streams:  # items(split) is asked once per instance
             rows = self.items(split)
             train = split == "train"
-            self._item_streams[split] = None if rows is None else ItemStream(
-                rows, self.item_class, split=split, seed=self.config.seed, cycle=self.config.cycle and train, shuffle=train
-            )  # fmt: skip
+            self._item_streams[split] = (
+                None
+                if rows is None
+                else ItemStream(
+                    rows,
+                    self.item_class,
+                    split=split,
+                    seed=self.config.seed,
+                    cycle=self.config.cycle and train,
+                    shuffle=train,
+                )
+            )
         return self._item_streams[split]
 
     @abstractmethod
@@ -167,7 +189,7 @@ class Environment(ABC):
         """A final answer that must score top (for the conformance suite); None if there is none."""
         return None
 
-    async def observe(self, group: ScoredGroup) -> None:
+    async def observe(self, group: ScoredGroup) -> None:  # noqa: B027 - optional: a curriculum's hook
         """Called by the rollout flow on the instance that handed out the group's item, once the
         group is stored, whichever server or worker sampled it: where a curriculum learns."""
 
@@ -227,13 +249,15 @@ class Environment(ABC):
                 )
             complete_record(group, sampled)
             group.check_limits(
-                vocab_size=self.vocab_size, max_group_size=self.max_group_sequences, max_tokens=self.config.max_group_tokens,
+                vocab_size=self.vocab_size,
+                max_group_size=self.max_group_sequences,
+                max_tokens=self.config.max_group_tokens,
                 expected=self.group_sequences_expected(),
             )
         except RUN_ERRORS:
             version.cancel()
             raise
-        except Exception as error:  # a bad rollout is data, not a crash
+        except Exception as error:  # noqa: BLE001 - a bad rollout is data, not a crash
             version.cancel()
             if isinstance(error, TimeoutError) and deadline.expired():
                 error = GroupTimeoutError(
@@ -306,8 +330,12 @@ class Environment(ABC):
     def scored_completion(self, item: Item, prompt_ids: list[int], completion: Completion) -> ScoredSequence:
         """One single-turn sample as a sequence: its exact ids and logprobs, the conversation,
         and `reward` of that conversation."""
-        messages = prompt_messages(item) + [{"role": "assistant", "content": self.renderer.decode(completion.token_ids)}]
-        return ScoredSequence.from_completion(prompt_ids, completion, score=self.reward(item, messages), messages=messages)
+        messages = prompt_messages(item) + [
+            {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}
+        ]
+        return ScoredSequence.from_completion(
+            prompt_ids, completion, score=self.reward(item, messages), messages=messages
+        )
 
     async def rollout_group(self, item: Item, play: Callable[[Item], Awaitable[ChatSession]]) -> ScoredGroup:
         """group_size conversations played concurrently by `play(item)`, each scored by `reward`
@@ -320,7 +348,9 @@ class Environment(ABC):
         sequences, errors = await self.gather_sequences([one() for _ in range(self.config.group_size)])
         return self.make_group(item, sequences, errors=errors)
 
-    async def gather_sequences(self, rollouts: list[Coroutine[Any, Any, ScoredSequence]]) -> tuple[list[ScoredSequence], list[str]]:
+    async def gather_sequences(
+        self, rollouts: list[Coroutine[Any, Any, ScoredSequence]]
+    ) -> tuple[list[ScoredSequence], list[str]]:
         """Runs rollouts concurrently; a failed one is recorded as an error string, not raised (a
         broken run, RUN_ERRORS, is raised; so is InfraError, which fails the whole group as `infra`:
         a group missing the rollouts the machinery failed on would be biased)."""

@@ -6,8 +6,8 @@ import threading
 from functools import cached_property
 from typing import Any
 
-from inference.client import Completion, PolicyClient
 from environments.trajectory import Trajectory
+from inference.client import Completion, PolicyClient
 
 Messages = list[dict[str, Any]]
 

@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, Item, RolloutFailure, final_answer, prompt_messages
 from environments.loading import load_config
-from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import PolicyClient
 
 # Answers no environment's gold answer may score below.
@@ -77,14 +77,22 @@ class Conformance:
             require(self.item is not None, "get_item returned None before any item")
             result = await self.env.collect_group(self.item)
             if isinstance(result, RolloutFailure):
-                raise CheckFailed(f"collect_trajectories failed on item {result.item_id}: {result.error}\n{result.traceback}")
+                raise CheckFailed(
+                    f"collect_trajectories failed on item {result.item_id}: {result.error}\n{result.traceback}"
+                )
             self.group = result
         return self.item, self.group
 
     async def items_load(self) -> str:
         items = [await self.env.get_item() for _ in range(4)]
-        require(all(isinstance(item, Item) for item in items), f"get_item returned {[type(i).__name__ for i in items]}; return Item objects")
-        require(len({item.id for item in items}) == 4, f"item ids {[item.id for item in items]} repeat; give every item a unique id")
+        require(
+            all(isinstance(item, Item) for item in items),
+            f"get_item returned {[type(i).__name__ for i in items]}; return Item objects",
+        )
+        require(
+            len({item.id for item in items}) == 4,
+            f"item ids {[item.id for item in items]} repeat; give every item a unique id",
+        )
         return f"ids {items[0].id} .. {items[-1].id}"
 
     async def group_validates(self) -> str:
@@ -92,19 +100,31 @@ class Conformance:
         env = self.env
         require(group.env == env.name, f"group.env {group.env!r} != environment name {env.name!r}")
         most = env.max_group_sequences
-        require(1 <= len(group.sequences) <= most, f"{len(group.sequences)} sequences; return 1..{most} ({env.group_sequences_expected()})")
+        require(
+            1 <= len(group.sequences) <= most,
+            f"{len(group.sequences)} sequences; return 1..{most} ({env.group_sequences_expected()})",
+        )
         group.check_limits(vocab_size=env.vocab_size, max_group_size=most, expected=env.group_sequences_expected())
         for index, sequence in enumerate(group.sequences):
             where = f"sequences[{index}]"
             require(not sequence.mask[0], f"{where}: the first token is trained; the prompt is context (mask False)")
-            require(all(lp == 0.0 for lp, m in zip(sequence.logprobs, sequence.mask) if not m), f"{where}: logprobs on untrained tokens must be 0.0")
-            require(all(lp <= 0.0 for lp, m in zip(sequence.logprobs, sequence.mask) if m), f"{where}: a trained token's logprob is > 0; pass the sampler's logprobs")
+            require(
+                all(lp == 0.0 for lp, m in zip(sequence.logprobs, sequence.mask) if not m),
+                f"{where}: logprobs on untrained tokens must be 0.0",
+            )
+            require(
+                all(lp <= 0.0 for lp, m in zip(sequence.logprobs, sequence.mask) if m),
+                f"{where}: a trained token's logprob is > 0; pass the sampler's logprobs",
+            )
         return f"{len(group.sequences)} sequences, {group.num_tokens} tokens"
 
     async def policy_version_is_stamped(self) -> str:
         _, group = await self.sampled()
         served = await self.env.client.weight_version()
-        require(group.policy_version == served, f"group stamped with version {group.policy_version}, the server serves {served}")
+        require(
+            group.policy_version == served,
+            f"group stamped with version {group.policy_version}, the server serves {served}",
+        )
         return f"version {served}"
 
     async def tokens_match_messages(self) -> str:
@@ -112,11 +132,17 @@ class Conformance:
         checked = 0
         for index, sequence in enumerate(group.sequences):
             where = f"sequences[{index}]"
-            require(sequence.messages is not None, f"{where}: no messages; keep the conversation so rewards can be re-run on it")
+            require(
+                sequence.messages is not None,
+                f"{where}: no messages; keep the conversation so rewards can be re-run on it",
+            )
             turns = [m for m in sequence.messages if m.get("role") == "assistant"]
             segments = trained_segments(sequence)
             checked += len(segments)
-            require(len(segments) == len(turns), f"{where}: {len(segments)} trained segments but {len(turns)} assistant messages")
+            require(
+                len(segments) == len(turns),
+                f"{where}: {len(segments)} trained segments but {len(turns)} assistant messages",
+            )
             for turn, (start, end) in enumerate(segments):
                 decoded = self.env.tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True)
                 require(
@@ -171,7 +197,10 @@ class Conformance:
         best_wrong = max(score(wrong) for wrong in WRONG_ANSWERS)
         require(score(gold) >= best_wrong, f"gold answer {gold!r} scores {score(gold)} < {best_wrong} of a wrong one")
         require(score(gold) > score(""), f"gold answer {gold!r} scores no more than an empty answer ({score('')})")
-        require(final_answer([{"role": "assistant", "content": gold}]) == gold, "final_answer must return the last assistant message")
+        require(
+            final_answer([{"role": "assistant", "content": gold}]) == gold,
+            "final_answer must return the last assistant message",
+        )
         return f"gold {score(gold)} > empty {score('')}"
 
     async def evaluate_is_greedy(self) -> str:
@@ -209,9 +238,13 @@ async def run_checks(
             try:
                 detail = await getattr(suite, _method(name))()
                 status = "skipped" if detail.startswith("skipped") else "passed"
-            except Exception as error:  # every failure is reported, not raised
+            except Exception as error:  # noqa: BLE001 - every failure is reported, not raised
                 status = "failed"
-                detail = str(error) if isinstance(error, CheckFailed) else f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"
+                detail = (
+                    str(error)
+                    if isinstance(error, CheckFailed)
+                    else f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=6)}"
+                )
             result = CheckResult(name, status, detail, time.monotonic() - started)
             results.append(result)
             if on_result is not None:

@@ -33,8 +33,13 @@ INFRA_FIRST_WAIT_S = 1.0  # then twice as long each time (core.retrying)
 
 
 def _retry_infra(what: str) -> dict:
-    return dict(retry_on=lambda error: isinstance(error, InfraError), first_s=INFRA_FIRST_WAIT_S, max_s=8 * INFRA_FIRST_WAIT_S,
-                what=what, tries=INFRA_TRIES)  # fmt: skip
+    return dict(
+        retry_on=lambda error: isinstance(error, InfraError),
+        first_s=INFRA_FIRST_WAIT_S,
+        max_s=8 * INFRA_FIRST_WAIT_S,
+        what=what,
+        tries=INFRA_TRIES,
+    )
 
 
 def infra_attempts(what: str):
@@ -88,14 +93,24 @@ class RolloutFailure(BaseModel):
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + f"... ({len(message):,} characters)"
         return cls(
-            env=env, item_id=item_id, error=message, traceback=traceback[-MAX_TRACEBACK_CHARS:],
+            env=env,
+            item_id=item_id,
+            error=message,
+            traceback=traceback[-MAX_TRACEBACK_CHARS:],
             reason=failure_reason(error),
-        )  # fmt: skip
+        )
 
 
 _NLTK_RESOURCE = re.compile(r"Resource '?([\w/.-]+?)'? not found")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # older NLTK colours the resource's name
-_DOWNLOAD_ERRORS = {"URLError", "ConnectionError", "ConnectError", "gaierror", "OfflineModeIsEnabled", "LocalEntryNotFoundError"}
+_DOWNLOAD_ERRORS = {
+    "URLError",
+    "ConnectionError",
+    "ConnectError",
+    "gaierror",
+    "OfflineModeIsEnabled",
+    "LocalEntryNotFoundError",
+}
 
 
 def run_time_fetch(error: BaseException) -> str | None:
@@ -107,7 +122,9 @@ def run_time_fetch(error: BaseException) -> str | None:
         seen.append(error)
         if isinstance(error, LookupError) and (match := _NLTK_RESOURCE.search(_ANSI.sub("", str(error)))):
             resource = match.group(1)
-            return f"NLTK's {resource!r} data (fetch it where the environment runs: python -m nltk.downloader {resource})"
+            return (
+                f"NLTK's {resource!r} data (fetch it where the environment runs: python -m nltk.downloader {resource})"
+            )
         if type(error).__name__ in _DOWNLOAD_ERRORS:
             return f"a download ({type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else 'no message'})"
         error = error.__cause__ or error.__context__
@@ -120,5 +137,7 @@ def fetch_failed(what: str, error: BaseException) -> str | None:
     fetch = run_time_fetch(error)
     if fetch is None:
         return None
-    return f"{what}: it downloads data at run time and could not: it tried to fetch {fetch}; provide it beforehand or give the environment the network"
-
+    return (
+        f"{what}: it downloads data at run time and could not: it tried to fetch {fetch}; provide it beforehand or "
+        "give the environment the network"
+    )

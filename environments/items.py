@@ -21,7 +21,9 @@ class ItemStream:
     or None `id` becomes "{split}-{index}", the row's place in the split, so a problem keeps its id.
     """
 
-    def __init__(self, rows: Rows, make_item: Callable[..., BaseModel], *, split: str, seed: int, cycle: bool, shuffle: bool):
+    def __init__(
+        self, rows: Rows, make_item: Callable[..., BaseModel], *, split: str, seed: int, cycle: bool, shuffle: bool
+    ):
         self.rows, self.make_item, self.split = rows, make_item, split
         self.seed, self.cycle, self.shuffle = seed, cycle, shuffle
         self.passes = 0

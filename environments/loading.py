@@ -72,8 +72,10 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
         module_name, _, class_name = import_path.partition(":")
         package, _, leaf = module_name.rpartition(".")
         if package == "environments" and importlib.util.find_spec(f"{BUNDLED}.{leaf}") is not None:
-            raise EnvironmentLoadError(f"{error}; the bundled environments are in {BUNDLED}: use "
-                                       f"'{BUNDLED}.{leaf}:{class_name}' or the name {leaf!r}") from None  # fmt: skip
+            raise EnvironmentLoadError(
+                f"{error}; the bundled environments are in {BUNDLED}: use "
+                f"'{BUNDLED}.{leaf}:{class_name}' or the name {leaf!r}"
+            ) from None
         raise
     class_name = import_path.rpartition(":")[2]
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
@@ -87,7 +89,7 @@ def load_environment_class(name_or_path: str) -> type[Environment]:
     name = getattr(cls, "name", None)
     if not isinstance(name, str):
         raise EnvironmentLoadError(
-            f"environment {import_path!r}: {class_name}.name is not set; give the class a name, e.g. name = \"my_env\""
+            f'environment {import_path!r}: {class_name}.name is not set; give the class a name, e.g. name = "my_env"'
         )
     try:
         check_env_name(name)
@@ -106,9 +108,7 @@ def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConf
         for problem in error.errors():  # a remote environment's service already named the field
             if isinstance(problem.get("ctx", {}).get("error"), EnvironmentLoadError):
                 raise problem["ctx"]["error"] from None
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or '(config)'}: {e['msg']}" for e in error.errors()
-        )
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(config)'}: {e['msg']}" for e in error.errors())
         fields = ", ".join(cls.config_class.model_fields)
         raise EnvironmentLoadError(
             f"environment {cls.name} config: {problems} (fields of {cls.config_class.__name__}: {fields})"

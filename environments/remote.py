@@ -23,10 +23,10 @@ import httpx
 from pydantic import ConfigDict, ValidationError, model_validator
 
 from core.retrying import async_attempts
+from core.scored_group import InvalidGroupError, ScoredGroup
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item, RolloutFailure
 from environments.chat import Messages
 from environments.failures import InfraError, async_infra_attempts
-from core.scored_group import InvalidGroupError, ScoredGroup
 from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import check_env_name
 
@@ -59,7 +59,9 @@ def _answer(url: str, call: str, response: httpx.Response) -> dict[str, Any]:
     if response.status_code == 503 and body.get("run_error") in RUN_ERRORS:
         raise RUN_ERRORS[body["run_error"]](body.get("message", ""))
     if response.status_code >= 400:
-        raise RemoteServiceError(f"environment service {url}: {call} -> {response.status_code}: {body.get('error') or response.text[:300]}")
+        raise RemoteServiceError(
+            f"environment service {url}: {call} -> {response.status_code}: {body.get('error') or response.text[:300]}"
+        )
     return body
 
 
@@ -125,9 +127,11 @@ class RemoteEnvironment(Environment):
         tokenizer = getattr(self.tokenizer, "name_or_path", None)
         body = {
             # What the service validated (exclude_unset): never a field only this side's clotho has.
-            "config": self.config.model_dump(mode="json", exclude_unset=True), "server_url": self.client.base_url,
-            "api_key": self.client.api_key, "tokenizer": tokenizer,
-        }  # fmt: skip
+            "config": self.config.model_dump(mode="json", exclude_unset=True),
+            "server_url": self.client.base_url,
+            "api_key": self.client.api_key,
+            "tokenizer": tokenizer,
+        }
         try:
             response = await self._http.post("/sessions", json=body)
         except httpx.TransportError as error:
@@ -139,9 +143,13 @@ class RemoteEnvironment(Environment):
 
     async def get_item(self) -> Item | None:
         async for attempt in async_attempts(  # a service restarting: wait a little (about 15 s in all)
-            retry_on=lambda error: isinstance(error, RemoteServiceError), first_s=GET_ITEM_FIRST_WAIT_S,
-            max_s=8.0, tries=GET_ITEM_TRIES, what=f"{self.url}/get_item", logger=log,
-        ):  # fmt: skip
+            retry_on=lambda error: isinstance(error, RemoteServiceError),
+            first_s=GET_ITEM_FIRST_WAIT_S,
+            max_s=8.0,
+            tries=GET_ITEM_TRIES,
+            what=f"{self.url}/get_item",
+            logger=log,
+        ):
             with attempt:
                 answer = await self._call("/get_item")
         self._metrics = answer.get("metrics") or {}
@@ -163,8 +171,12 @@ class RemoteEnvironment(Environment):
             return RolloutFailure.model_validate(answer["failure"])
         try:  # what the service sent is checked here too, against this side's vocabulary
             group = ScoredGroup.model_validate(answer["group"])
-            group.check_limits(vocab_size=self.vocab_size, max_group_size=self.max_group_sequences, max_tokens=self.config.max_group_tokens,
-                               expected=self.group_sequences_expected())
+            group.check_limits(
+                vocab_size=self.vocab_size,
+                max_group_size=self.max_group_sequences,
+                max_tokens=self.config.max_group_tokens,
+                expected=self.group_sequences_expected(),
+            )
         except (InvalidGroupError, ValidationError) as error:
             return RolloutFailure.of(self.name, item.id, error)
         return group
@@ -186,7 +198,9 @@ class RemoteEnvironment(Environment):
         if not self.observes:
             return
         try:
-            self._metrics = (await self._call("/observe", {"group": group.model_dump(mode="json")})).get("metrics") or {}
+            self._metrics = (await self._call("/observe", {"group": group.model_dump(mode="json")})).get(
+                "metrics"
+            ) or {}
         except RemoteServiceError:
             pass  # the service is gone: its next get_item says so, and the flow lets it go
 
@@ -194,11 +208,17 @@ class RemoteEnvironment(Environment):
         return self._metrics  # as the service reported with its last answer
 
     def reward(self, item: Item, messages: Messages) -> float:
-        return call_sync(self.url, "POST", f"/sessions/{self.session}/reward",
-                         {"item": item.model_dump(mode="json"), "messages": messages})["reward"]  # fmt: skip
+        return call_sync(
+            self.url,
+            "POST",
+            f"/sessions/{self.session}/reward",
+            {"item": item.model_dump(mode="json"), "messages": messages},
+        )["reward"]
 
     def gold_completion(self, item: Item) -> str | None:
-        return call_sync(self.url, "POST", f"/sessions/{self.session}/gold", {"item": item.model_dump(mode="json")})["completion"]
+        return call_sync(self.url, "POST", f"/sessions/{self.session}/gold", {"item": item.model_dump(mode="json")})[
+            "completion"
+        ]
 
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:
         return (await self._call("/evaluate", {"num_items": num_items}))["report"]
@@ -236,7 +256,15 @@ def remote_environment_class(url: str) -> type[RemoteEnvironment]:
     except ValueError as error:
         raise EnvironmentLoadError(f"environment service {url}: its name: {error}") from None
     config_class = type(f"{info['name']}RemoteConfig", (RemoteConfig,), {"service_url": url})
-    return type(f"Remote_{info['name']}", (RemoteEnvironment,),
-                {"name": info["name"], "url": url, "config_class": config_class, "served_import_path": info["import_path"],
-                 "observes": bool(info.get("observes")),
-                 "__module__": __name__})  # fmt: skip
+    return type(
+        f"Remote_{info['name']}",
+        (RemoteEnvironment,),
+        {
+            "name": info["name"],
+            "url": url,
+            "config_class": config_class,
+            "served_import_path": info["import_path"],
+            "observes": bool(info.get("observes")),
+            "__module__": __name__,
+        },
+    )

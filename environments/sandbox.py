@@ -61,17 +61,26 @@ class Limits(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    cpu_seconds: int = Field(default=2, ge=1, description="CPU time (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later).")
-    wall_seconds: float = Field(default=6.0, gt=0, description="Wall-clock time before the whole process group is killed.")
+    cpu_seconds: int = Field(
+        default=2, ge=1, description="CPU time (RLIMIT_CPU; SIGXCPU, then SIGKILL a second later)."
+    )
+    wall_seconds: float = Field(
+        default=6.0, gt=0, description="Wall-clock time before the whole process group is killed."
+    )
     memory_mb: int = Field(default=256, ge=32, description="Address space of each process (RLIMIT_AS).")
-    processes: int = Field(default=16, ge=2, description="Processes and threads of the program's uid (RLIMIT_NPROC; as root only).")
+    processes: int = Field(
+        default=16, ge=2, description="Processes and threads of the program's uid (RLIMIT_NPROC; as root only)."
+    )
     file_mb: int = Field(
-        default=8, ge=1,
+        default=8,
+        ge=1,
         description="Largest file it may write, stdout and stderr included (RLIMIT_FSIZE); under bwrap also the size of "
         "its work directory and of its /tmp, all files together.",
-    )  # fmt: skip
+    )
     open_files: int = Field(default=64, ge=8, description="Open file descriptors (RLIMIT_NOFILE).")
-    output_bytes: int = Field(default=65_536, ge=256, description="The last this many bytes of stdout and of stderr are returned.")
+    output_bytes: int = Field(
+        default=65_536, ge=256, description="The last this many bytes of stdout and of stderr are returned."
+    )
 
 
 @dataclass(frozen=True)
@@ -140,23 +149,38 @@ def seccomp_filter(machine: str = platform.machine()) -> bytes | None:
     if machine not in _SYSCALLS:
         return None
     arch, clone, unshare, clone3 = _SYSCALLS[machine]
-    load, equal, at_least, any_bit, give = 0x20, 0x15, 0x35, 0x45, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
+    load, equal, at_least, any_bit, give = (
+        0x20,
+        0x15,
+        0x35,
+        0x45,
+        0x06,
+    )  # BPF_LD|W|ABS, BPF_JMP|JEQ|JGE|JSET|K, BPF_RET|K
     allow, kill, refuse = 0x7FFF0000, 0x80000000, 0x00050000  # SECCOMP_RET_ALLOW, _KILL_PROCESS, _ERRNO | errno
     steps = [  # (label, code, k, jump if true, jump if false); seccomp_data: nr at 0, arch at 4, args[0] at 16
-        ("", load, 4, None, None), ("", equal, arch, None, "kill"),
-        ("", load, 0, None, None), ("", at_least, 0x40000000, "kill", None),  # x32: 0x40000000 | nr
+        ("", load, 4, None, None),
+        ("", equal, arch, None, "kill"),
+        ("", load, 0, None, None),
+        ("", at_least, 0x40000000, "kill", None),  # x32: 0x40000000 | nr
         ("", equal, clone3, "no clone3", None),  # its flags sit behind a pointer a filter cannot read
-        ("", equal, unshare, "flags", None), ("", equal, clone, "flags", None), ("", give, allow, None, None),
-        ("flags", load, 16, None, None), ("", any_bit, _CLONE_NEWUSER, "refuse", None), ("", give, allow, None, None),
-        ("refuse", give, refuse | errno.EPERM, None, None), ("no clone3", give, refuse | errno.ENOSYS, None, None),
+        ("", equal, unshare, "flags", None),
+        ("", equal, clone, "flags", None),
+        ("", give, allow, None, None),
+        ("flags", load, 16, None, None),
+        ("", any_bit, _CLONE_NEWUSER, "refuse", None),
+        ("", give, allow, None, None),
+        ("refuse", give, refuse | errno.EPERM, None, None),
+        ("no clone3", give, refuse | errno.ENOSYS, None, None),
         ("kill", give, kill, None, None),
-    ]  # fmt: skip
+    ]
     at = {label: index for index, (label, *_) in enumerate(steps) if label}
 
     def hop(index: int, label: str | None) -> int:  # a jump counts the instructions it skips
         return 0 if label is None else at[label] - index - 1
 
-    return b"".join(struct.pack("=HBBI", code, hop(i, yes), hop(i, no), k) for i, (_, code, k, yes, no) in enumerate(steps))
+    return b"".join(
+        struct.pack("=HBBI", code, hop(i, yes), hop(i, no), k) for i, (_, code, k, yes, no) in enumerate(steps)
+    )
 
 
 def _bwrap_arguments(limits: Limits, drop_uid: bool, source_fd: int, seccomp_fd: int | None) -> list[str]:
@@ -174,8 +198,28 @@ def _bwrap_arguments(limits: Limits, drop_uid: bool, source_fd: int, seccomp_fd:
     size = str(limits.file_mb << 20)
     arguments += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp"]
     # Created by bwrap before the uid drop: open to that uid, which unlinks main.py (code_exec's harness does).
-    arguments += ["--perms", "0777", "--size", size, "--tmpfs", "/sandbox", "--perms", "0644", "--file", str(source_fd), "/sandbox/main.py"]
-    arguments += ["--chdir", "/sandbox", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    arguments += [
+        "--perms",
+        "0777",
+        "--size",
+        size,
+        "--tmpfs",
+        "/sandbox",
+        "--perms",
+        "0644",
+        "--file",
+        str(source_fd),
+        "/sandbox/main.py",
+    ]
+    arguments += [
+        "--chdir",
+        "/sandbox",
+        "--unshare-ipc",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+    ]
     arguments += ["--die-with-parent", "--new-session", "--clearenv", "--setenv", "PATH", PATH]
     if seccomp_fd is not None:
         arguments += ["--seccomp", str(seccomp_fd)]
@@ -185,12 +229,30 @@ def _bwrap_arguments(limits: Limits, drop_uid: bool, source_fd: int, seccomp_fd:
 
 
 def _command(level: str, limits: Limits, uid: int | None, fds: dict[str, int]) -> list[str]:
-    rlimits = ["prlimit", f"--as={limits.memory_mb << 20}", f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
-               f"--fsize={limits.file_mb << 20}", f"--nofile={limits.open_files}", "--core=0"]  # fmt: skip
+    rlimits = [
+        "prlimit",
+        f"--as={limits.memory_mb << 20}",
+        f"--cpu={limits.cpu_seconds}:{limits.cpu_seconds + 1}",
+        f"--fsize={limits.file_mb << 20}",
+        f"--nofile={limits.open_files}",
+        "--core=0",
+    ]
     if uid is not None:  # RLIMIT_NPROC of a non-root caller would count all of its own processes
         rlimits.append(f"--nproc={limits.processes}")
-    drop = [] if uid is None else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
-                                   "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
+    drop = (
+        []
+        if uid is None
+        else [
+            "setpriv",
+            f"--reuid={uid}",
+            f"--regid={uid}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            "--",
+        ]
+    )
     inner = [*rlimits, "--", *drop, INTERPRETER, "-I", "-X", "utf8", "main.py"]
     if level == "bwrap":
         return _bwrap_arguments(limits, uid is not None, fds["source"], fds.get("seccomp")) + inner
@@ -198,7 +260,20 @@ def _command(level: str, limits: Limits, uid: int | None, fds: dict[str, int]) -
         user = [] if _AS_ROOT else ["--user", "--map-root-user"]
         # util-linux 2.38's unshare exits 0 or 1 when its child dies of a signal; sh says 128 + N.
         reaper = ["/bin/sh", "-c", '"$@"; exit $?', "sh"]
-        return ["unshare", *user, "--net", "--pid", "--fork", "--kill-child", "--ipc", "--uts", "--mount-proc", "--", *reaper, *inner]
+        return [
+            "unshare",
+            *user,
+            "--net",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--ipc",
+            "--uts",
+            "--mount-proc",
+            "--",
+            *reaper,
+            *inner,
+        ]
     return inner
 
 
@@ -228,7 +303,10 @@ def _why_killed(level: str, exit_code: int, timed_out: bool, stderr: str) -> str
     return f"signal {signal.Signals(number).name}" if number in signal.valid_signals() else None
 
 
-def run_python(source: str, limits: Limits = Limits(), level: str | None = None) -> SandboxResult:
+DEFAULT_LIMITS = Limits()
+
+
+def run_python(source: str, limits: Limits = DEFAULT_LIMITS, level: str | None = None) -> SandboxResult:
     """Runs `source` as main.py in an empty directory under isolation `level` (default: the
     strongest this machine has); never raises for anything the program does."""
     level = level or isolation()
@@ -250,9 +328,15 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
                 os.chown(cwd, uid, uid)
         started = time.perf_counter()
         process = subprocess.Popen(
-            _command(level, limits, uid, fds), cwd=cwd, env={"PATH": PATH}, stdin=subprocess.DEVNULL,
-            stdout=stdout, stderr=stderr, start_new_session=True, pass_fds=tuple(fds.values()),
-        )  # fmt: skip
+            _command(level, limits, uid, fds),
+            cwd=cwd,
+            env={"PATH": PATH},
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            pass_fds=tuple(fds.values()),
+        )
         cpu, waited = _ended(process, limits.wall_seconds)
         timed_out = cpu is None
         if cpu is None:
@@ -263,14 +347,20 @@ def run_python(source: str, limits: Limits = Limits(), level: str | None = None)
         seconds = time.perf_counter() - started
         if level == "rlimits" and uid is not None:  # no pid namespace: kill whatever its uid left behind
             sweep = "import os, signal; os.kill(-1, signal.SIGKILL)"  # -1: every process of the uid but the caller
-            subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", INTERPRETER, "-I", "-c", sweep],
-                           env={"PATH": PATH}, capture_output=True, check=False)  # fmt: skip
+            subprocess.run(
+                ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", INTERPRETER, "-I", "-c", sweep],
+                env={"PATH": PATH},
+                capture_output=True,
+                check=False,
+            )
         if uid is not None:
             _wait_until_gone(uid)
         out, err = _tail(stdout, limits.output_bytes), _tail(stderr, limits.output_bytes)
     code = process.returncode
     starved = timed_out and cpu < limits.cpu_seconds and waited >= STARVED_SHARE * limits.wall_seconds
-    return SandboxResult(code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds, cpu, waited, starved)
+    return SandboxResult(
+        code, out, err, timed_out, _why_killed(level, code, timed_out, err), level, seconds, cpu, waited, starved
+    )
 
 
 def _ended(process: subprocess.Popen, timeout_s: float) -> tuple[float | None, float]:

@@ -36,10 +36,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from core.scored_group import ScoredGroup
 from environments.base import Environment, Item, RolloutFailure
 from environments.failures import fetch_failed
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class, resolve_import_path
-from core.scored_group import ScoredGroup
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 log = logging.getLogger(__name__)
@@ -67,12 +67,16 @@ class EnvironmentService:
         return env.item_class.model_validate(body["item"])
 
     async def info(self, request: Request) -> JSONResponse:
-        return JSONResponse({
-            "name": self.env_class.name, "import_path": self.import_path, "protocol": PROTOCOL,
-            "config_schema": self.env_class.config_class.model_json_schema(),
-            # Whether stored groups should come back to /observe (most environments learn nothing).
-            "observes": self.env_class.observe is not Environment.observe,
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "name": self.env_class.name,
+                "import_path": self.import_path,
+                "protocol": PROTOCOL,
+                "config_schema": self.env_class.config_class.model_json_schema(),
+                # Whether stored groups should come back to /observe (most environments learn nothing).
+                "observes": self.env_class.observe is not Environment.observe,
+            }
+        )
 
     async def config(self, request: Request) -> JSONResponse:
         body = await request.json()
@@ -81,7 +85,9 @@ class EnvironmentService:
     async def open_session(self, request: Request) -> JSONResponse:
         body = await request.json()
         client = PolicyClient(body["server_url"], api_key=body.get("api_key"))
-        env = self.env_class(load_config(self.env_class, body.get("config")), client=client, tokenizer=body["tokenizer"])
+        env = self.env_class(
+            load_config(self.env_class, body.get("config")), client=client, tokenizer=body["tokenizer"]
+        )
         try:
             await env.setup()
         except Exception as error:
@@ -90,8 +96,14 @@ class EnvironmentService:
             raise
         session = secrets.token_hex(8)
         self.sessions[session] = env
-        return JSONResponse({"session": session, "name": env.name, "max_group_sequences": env.max_group_sequences,
-                             "group_sequences_expected": env.group_sequences_expected()})  # fmt: skip
+        return JSONResponse(
+            {
+                "session": session,
+                "name": env.name,
+                "max_group_sequences": env.max_group_sequences,
+                "group_sequences_expected": env.group_sequences_expected(),
+            }
+        )
 
     async def close_session(self, request: Request) -> JSONResponse:
         env = self.sessions.pop(request.path_params["session"], None)

@@ -21,6 +21,7 @@ import fcntl
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -128,12 +129,16 @@ def serve_environment(
     log_path = CACHE / "logs" / f"env-serve-{port}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
-        process = subprocess.Popen([str(clotho), "env", "serve", environment, "--port", str(port), *options], stdout=log, stderr=log)
+        process = subprocess.Popen(
+            [str(clotho), "env", "serve", environment, "--port", str(port), *options], stdout=log, stderr=log
+        )
     served = ServedEnvironment(f"http://127.0.0.1:{port}", process, log_path)
     if wait_answering(served.url + "/info", lambda: process.poll() is None, timeout, poll_s=0.2):
         return served
     if process.poll() is not None:
-        raise RuntimeError(f"clotho env serve {environment} exited with {process.returncode}: {log_path.read_text()[-2000:]}")
+        raise RuntimeError(
+            f"clotho env serve {environment} exited with {process.returncode}: {log_path.read_text()[-2000:]}"
+        )
     served.stop()
     raise TimeoutError(f"clotho env serve {environment} did not answer within {timeout:.0f}s; see {log_path}")
 
@@ -151,9 +156,12 @@ class EnvironmentConformance:
         cls = request.cls
         results = asyncio.run(
             run_checks(
-                cls.environment_class, cls.config, server_url=policy_server.base_url,
-                tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
-            )  # fmt: skip
+                cls.environment_class,
+                cls.config,
+                server_url=policy_server.base_url,
+                tokenizer=policy_tokenizer,
+                api_key=getattr(policy_server, "api_key", None),
+            )
         )
         return {result.name: result for result in results}
 

@@ -92,7 +92,9 @@ def complete_record(group: ScoredGroup, sampled: list[Completion | None]) -> Non
     the sequence is unknown, and the trainer would score it under the wrong distribution.
     """
     whole = version_range(None if completion is None else completion.policy_versions for completion in sampled)
-    drawn = {completion.sampling for completion in sampled if completion is not None and completion.sampling is not None}
+    drawn = {
+        completion.sampling for completion in sampled if completion is not None and completion.sampling is not None
+    }
     for index, sequence in enumerate(group.sequences):
         if not any(sequence.mask):
             continue

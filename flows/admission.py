@@ -196,9 +196,13 @@ class Admission:
         if end is not None and training_step(pending, trainer.steps, trainer.groups_per_step) > end:
             return False
         return admits(
-            pending=pending, steps=trainer.steps, served_version=self.version,
-            groups_per_step=trainer.groups_per_step, save_every=trainer.save_every, max_lag=self.max_lag,
-        )  # fmt: skip
+            pending=pending,
+            steps=trainer.steps,
+            served_version=self.version,
+            groups_per_step=trainer.groups_per_step,
+            save_every=trainer.save_every,
+            max_lag=self.max_lag,
+        )
 
     def flush_due(self) -> bool:
         """Whether the buffered groups make a step for the trainer: write them now rather than
@@ -300,8 +304,15 @@ class Admission:
         now = time.monotonic()
         if self.slot is None or (not force and counts == self.written and now - self.written_at < self.HEARTBEAT_S):
             return
-        position = SamplerPosition(self.slot, committed=counts[0], in_flight=counts[1], closed=closed,
-                                   holder=self.sampler, adopted=self.adopted, generation=self.generation)  # fmt: skip
+        position = SamplerPosition(
+            self.slot,
+            committed=counts[0],
+            in_flight=counts[1],
+            closed=closed,
+            holder=self.sampler,
+            adopted=self.adopted,
+            generation=self.generation,
+        )
         await asyncio.to_thread(
             write_sampler_position, self.storage, self.run, position, storage_options=self.storage_options
         )

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 from uuid import UUID
 
 Content = str | list[dict[str, Any]]  # markdown, or a table's rows

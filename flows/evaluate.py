@@ -29,7 +29,14 @@ from prefect.artifacts import create_table_artifact
 
 from flows.artifacts import artifact_key
 from inference.client import PolicyClient
-from storage.checkpoints import CheckpointError, CheckpointInfo, best_checkpoint, fetch_checkpoint, latest_checkpoint, read_checkpoint
+from storage.checkpoints import (
+    CheckpointError,
+    CheckpointInfo,
+    best_checkpoint,
+    fetch_checkpoint,
+    latest_checkpoint,
+    read_checkpoint,
+)
 from storage.filesystem import resolve, storage_errors
 from storage.layout import join, split_run_url
 from tasks.api_key import API_KEY_VARIABLE
@@ -48,7 +55,9 @@ def find_checkpoint(checkpoint: str, run: str | None) -> CheckpointInfo:
     if checkpoint in ("LATEST", "BEST"):
         which = "newest" if checkpoint == "LATEST" else "best evaluated"
         if run is None:
-            raise EvaluationError(f"--checkpoint {checkpoint} needs --run RUN_URL (whose {which} checkpoint to evaluate)")
+            raise EvaluationError(
+                f"--checkpoint {checkpoint} needs --run RUN_URL (whose {which} checkpoint to evaluate)"
+            )
         root, name = split_run_url(run)
         try:
             info = (latest_checkpoint if checkpoint == "LATEST" else best_checkpoint)(root, name)
@@ -56,10 +65,11 @@ def find_checkpoint(checkpoint: str, run: str | None) -> CheckpointInfo:
             raise EvaluationError(f"--checkpoint {checkpoint}: {error}") from None
         if info is None:
             raise EvaluationError(
-                f"{run} has no published checkpoint yet" if checkpoint == "LATEST" else
-                f"{run} has no best checkpoint: its pipeline marks one at each held-out evaluation that beats the "
+                f"{run} has no published checkpoint yet"
+                if checkpoint == "LATEST"
+                else f"{run} has no best checkpoint: its pipeline marks one at each held-out evaluation that beats the "
                 "ones before (a config with `evaluation:`); name a step URL or LATEST instead"
-            )  # fmt: skip
+            )
         return info
     try:
         return read_checkpoint(checkpoint)
@@ -67,7 +77,9 @@ def find_checkpoint(checkpoint: str, run: str | None) -> CheckpointInfo:
         raise EvaluationError(f"--checkpoint {checkpoint}: {error}") from None
 
 
-async def evaluate_on(url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int) -> dict[str, float]:
+async def evaluate_on(
+    url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int
+) -> dict[str, float]:
     from environments.loading import load_config, load_environment_class
 
     env_class = load_environment_class(env)
@@ -115,16 +127,28 @@ def evaluate(
         with PolicyServer(local, max_model_len=2048) as policy:
             report = asyncio.run(evaluate_on(policy.base_url, None, env, env_config or {}, str(local), items))
     result = {
-        "checkpoint": info.url, "step": info.step, "policy_version": info.policy_version, "env": env,
-        "env_config": env_config or {}, "items": items, "report": report, "seconds": round(time.monotonic() - started, 1),
+        "checkpoint": info.url,
+        "step": info.step,
+        "policy_version": info.policy_version,
+        "env": env,
+        "env_config": env_config or {},
+        "items": items,
+        "report": report,
+        "seconds": round(time.monotonic() - started, 1),
         "evaluated_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }  # fmt: skip
+    }
     with storage_errors(target):
         fs.pipe_file(path, json.dumps(result, indent=1).encode())
     run = info.url.rstrip("/").rsplit("/", 3)[-3]
     create_table_artifact(
         key=artifact_key("evaluation", run),
-        table=[{"step": info.step, "env": env, **{k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()}}],
+        table=[
+            {
+                "step": info.step,
+                "env": env,
+                **{k: round(v, 4) if isinstance(v, float) else v for k, v in report.items()},
+            }
+        ],
         description=f"{env} on {info.url}",
     )
     logger.info("step %d on %s: %s (%s)", info.step, env, json.dumps(report), target)

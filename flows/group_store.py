@@ -16,7 +16,14 @@ import anyio
 from core.scored_group import ScoredGroup
 from environments.base import Environment, RolloutFailure
 from flows.admission import Admission
-from flows.rollout_report import RolloutStats, emit_shard_event, progress_artifact, publish_report, stats_card, stats_table
+from flows.rollout_report import (
+    RolloutStats,
+    emit_shard_event,
+    progress_artifact,
+    publish_report,
+    stats_card,
+    stats_table,
+)
 from inference.client import PolicyClient
 from storage.writer import ShardWriter
 from tasks.rollout import EnvSpec
@@ -29,8 +36,17 @@ class GroupStore:
     flow is cancelled meanwhile: a group that finished is never lost to Ctrl-C. Opened with
     `GroupStore.open()`, which owns the shard writer and the admission's clients."""
 
-    def __init__(self, storage: str, run: str, sources: dict[str, Environment], writer: ShardWriter, progress: Any, log: Any):
-        self.storage, self.run, self.sources, self.writer, self.progress, self.log = storage, run, sources, writer, progress, log
+    def __init__(
+        self, storage: str, run: str, sources: dict[str, Environment], writer: ShardWriter, progress: Any, log: Any
+    ):
+        self.storage, self.run, self.sources, self.writer, self.progress, self.log = (
+            storage,
+            run,
+            sources,
+            writer,
+            progress,
+            log,
+        )
         self.stats = {key: RolloutStats(env=env.name) for key, env in sources.items()}
         self.card = stats_card(run)  # failures by reason as they happen, not only at the end
         self.admission: Admission | None = None
@@ -39,26 +55,51 @@ class GroupStore:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, storage: str, run: str, sources: dict[str, Environment], *, tokenizer: str, groups: int | None,
-        shard_max_groups: int, shard_max_age_s: float, servers: list[str], api_key: str | None,
-        max_policy_lag: int | None, until_step: int | None, sampler: str, log: Any,
-    ) -> AsyncIterator[GroupStore]:  # fmt: skip
+        cls,
+        storage: str,
+        run: str,
+        sources: dict[str, Environment],
+        *,
+        tokenizer: str,
+        groups: int | None,
+        shard_max_groups: int,
+        shard_max_age_s: float,
+        servers: list[str],
+        api_key: str | None,
+        max_policy_lag: int | None,
+        until_step: int | None,
+        sampler: str,
+        log: Any,
+    ) -> AsyncIterator[GroupStore]:
         """The store with its progress card, its writer and, with `max_policy_lag`, its admission
         (which reads the version the servers serve). On leaving, the writer goes first (its exit
         flushes every stored group), then the admission's clients."""
-        open_ended = f"ends once the trainer has taken step {until_step}'s groups" if until_step else "runs until cancelled"
+        open_ended = (
+            f"ends once the trainer has taken step {until_step}'s groups" if until_step else "runs until cancelled"
+        )
         progress = await progress_artifact(groups, run, open_ended)
         async with (
             contextlib.AsyncExitStack() as clients,
-            ShardWriter(storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s) as writer,
+            ShardWriter(
+                storage, run, tokenizer=tokenizer, max_groups=shard_max_groups, max_age_s=shard_max_age_s
+            ) as writer,
         ):
             store = cls(storage, run, sources, writer, progress, log)
             if max_policy_lag is not None:
-                version_clients = [await clients.enter_async_context(PolicyClient(url, api_key=api_key)) for url in servers]
+                version_clients = [
+                    await clients.enter_async_context(PolicyClient(url, api_key=api_key)) for url in servers
+                ]
                 store.admission = Admission(
-                    storage, run, max_lag=max_policy_lag, served_version=functools.partial(lowest_served_version, version_clients),
-                    buffered=lambda: writer.pending_groups, flush=store.flush, sampler=sampler, logger=log, last_step=until_step,
-                )  # fmt: skip
+                    storage,
+                    run,
+                    max_lag=max_policy_lag,
+                    served_version=functools.partial(lowest_served_version, version_clients),
+                    buffered=lambda: writer.pending_groups,
+                    flush=store.flush,
+                    sampler=sampler,
+                    logger=log,
+                    last_step=until_step,
+                )
                 clients.push_async_callback(store.admission.close)  # after the heartbeat stopped: its last word
                 await clients.enter_async_context(store.admission.heartbeat())
             yield store
@@ -93,7 +134,7 @@ class GroupStore:
             for group in scored:
                 await self.sources[key].observe(group)
             self.stats[key].metrics = self.sources[key].metrics()  # e.g. the level of a curriculum
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - an environment's hook never loses a counted group
             self.log.warning("env %s: observe/metrics failed: %s", self.stats[key].env, error)
 
     def gone(self, spec: EnvSpec, error: Exception) -> None:
@@ -123,7 +164,9 @@ class GroupStore:
         storing them), its report artifact and its last card."""
         seconds = time.monotonic() - self.started
         await self.progress.close()
-        return await publish_report(self.stats, self.writer.written, seconds, self.run, self.storage, task_runs, self.card)
+        return await publish_report(
+            self.stats, self.writer.written, seconds, self.run, self.storage, task_runs, self.card
+        )
 
 
 async def lowest_served_version(clients: list[PolicyClient]) -> int:

@@ -29,10 +29,17 @@ LATEST_STEPS = 10
 CHART_WIDTH, CHART_HEIGHT = 60, 10
 # The latest-steps table: (column, metric), the first metric of a column the step has.
 STEP_COLUMNS = (
-    ("step", ("step",)), ("reward", ("score_mean",)), ("sft nll", ("sft/nll",)), ("loss", ("loss",)),
-    ("policy", ("policy_version",)), ("staleness max", ("staleness_max",)), ("groups/s", ("groups_per_s",)),
-    ("tokens", ("tokens",)), ("step s", ("step_time_s",)), ("data wait s", ("data_wait_s",)),
-)  # fmt: skip
+    ("step", ("step",)),
+    ("reward", ("score_mean",)),
+    ("sft nll", ("sft/nll",)),
+    ("loss", ("loss",)),
+    ("policy", ("policy_version",)),
+    ("staleness max", ("staleness_max",)),
+    ("groups/s", ("groups_per_s",)),
+    ("tokens", ("tokens",)),
+    ("step s", ("step_time_s",)),
+    ("data wait s", ("data_wait_s",)),
+)
 
 
 def rounded(value: Any) -> str:
@@ -44,7 +51,9 @@ def rounded(value: Any) -> str:
     return f"{value:.4g}"
 
 
-def text_chart(series: dict[str, tuple[str, list[tuple[float, float]]]], width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> str:
+def text_chart(
+    series: dict[str, tuple[str, list[tuple[float, float]]]], width: int = CHART_WIDTH, height: int = CHART_HEIGHT
+) -> str:
     """A line chart in text (it renders in every Prefect UI and in the API's JSON): each series is
     (mark, [(x, y), ...]); x spans the width, y the height, later series drawn over earlier ones."""
     points = [point for _, values in series.values() for point in values]
@@ -70,10 +79,18 @@ def text_chart(series: dict[str, tuple[str, list[tuple[float, float]]]], width: 
 
 
 def live_markdown(
-    run: str, phase: str, total_steps: int, steps: list[dict[str, Any]], curve: list[dict[str, Any]],
-    reload_s: dict[int, float], elapsed_s: float, staleness: dict[str, float], seconds_per_step: float | None = None,
-    finished: bool = False, best: dict[str, Any] | None = None,
-) -> str:  # fmt: skip
+    run: str,
+    phase: str,
+    total_steps: int,
+    steps: list[dict[str, Any]],
+    curve: list[dict[str, Any]],
+    reload_s: dict[int, float],
+    elapsed_s: float,
+    staleness: dict[str, float],
+    seconds_per_step: float | None = None,
+    finished: bool = False,
+    best: dict[str, Any] | None = None,
+) -> str:
     """The card's text for the run so far: `steps` are the trainer's metrics rows, `curve` the
     held-out evaluations, `reload_s` the reload time of each served version, `seconds_per_step`
     the recent pace (StepLog.seconds_per_step), `best` the best evaluated checkpoint (Curve.best)."""
@@ -83,24 +100,42 @@ def live_markdown(
     facts = [f"**{phase}** phase, step **{step}** of {total_steps} ({100 * step / max(total_steps, 1):.0f}%)"]
     facts.append(f"{elapsed_s / 60:.1f} min elapsed")
     if seconds_per_step and not finished and step < total_steps:
-        facts.append(f"at most ~{seconds_per_step * (total_steps - step) / 60:.1f} min left at {seconds_per_step:.2f} s a step")
+        facts.append(
+            f"at most ~{seconds_per_step * (total_steps - step) / 60:.1f} min left at {seconds_per_step:.2f} s a step"
+        )
     if reload_s:
         version = max(reload_s)
         facts.append(f"servers serve policy **v{version}** (reloaded in {reload_s[version]:.2f} s)")
     if steps and steps[-1].get("groups_per_s") is not None:
         facts.append(f"{steps[-1]['groups_per_s']:.2f} groups/s trained")
     if best is not None:
-        facts.append(f"best checkpoint **step {best['step']}** (held-out {best['reward']:.3f}, kept as checkpoints/BEST)")
+        facts.append(
+            f"best checkpoint **step {best['step']}** (held-out {best['reward']:.3f}, kept as checkpoints/BEST)"
+        )
     total = sum(staleness.values())
     if total:
-        facts.append("staleness of trained groups: " + ", ".join(f"{lag} behind {100 * count / total:.0f}%" for lag, count in staleness.items()))
+        facts.append(
+            "staleness of trained groups: "
+            + ", ".join(f"{lag} behind {100 * count / total:.0f}%" for lag, count in staleness.items())
+        )
     lines = head + [" · ".join(facts), "", "## Reward over steps", "", "```text"]
     trained = [(row["step"], row["score_mean"]) for row in steps if row.get("score_mean") is not None]
     held_out = [(row["step"], row["reward"]) for row in curve]
-    lines += [text_chart({"training reward (sampled)": ("·", trained), "held-out reward (greedy)": ("o", held_out)}), "```", ""]
+    lines += [
+        text_chart({"training reward (sampled)": ("·", trained), "held-out reward (greedy)": ("o", held_out)}),
+        "```",
+        "",
+    ]
     losses = [(row["step"], row["loss"]) for row in steps if row.get("loss") is not None]
     if losses:
-        lines += ["## Loss over steps", "", "```text", text_chart({"loss": ("·", losses)}, height=CHART_HEIGHT // 2), "```", ""]
+        lines += [
+            "## Loss over steps",
+            "",
+            "```text",
+            text_chart({"loss": ("·", losses)}, height=CHART_HEIGHT // 2),
+            "```",
+            "",
+        ]
     shown = [(name, metrics) for name, metrics in STEP_COLUMNS if any(m in row for row in steps for m in metrics)]
     if steps:
         lines += [f"## Latest {min(LATEST_STEPS, len(steps))} steps, newest first", ""]
@@ -109,10 +144,21 @@ def live_markdown(
             cells = [rounded(next((row[m] for m in metrics if m in row), None)) for _, metrics in shown]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
-    lines += [f"Scores and failures by reason per environment, as groups land: artifact `{artifact_key('rollout-env-stats', run)}`.", ""]
+    lines += [
+        f"Scores and failures by reason per environment, as groups land: artifact `{artifact_key('rollout-env-stats', run)}`.",
+        "",
+    ]
     if curve:
-        lines += ["## Held-out evaluations, newest first", "", "| version | phase | reward | minutes |", "|---|---|---|---|"]
-        lines += [f"| {row['step']} | {row['phase']} | {rounded(row['reward'])} | {row['minutes']:.1f} |" for row in reversed(curve)]
+        lines += [
+            "## Held-out evaluations, newest first",
+            "",
+            "| version | phase | reward | minutes |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row['step']} | {row['phase']} | {rounded(row['reward'])} | {row['minutes']:.1f} |"
+            for row in reversed(curve)
+        ]
     return "\n".join(lines)
 
 
@@ -120,7 +166,11 @@ def emit_pipeline_event(run: str, row: dict[str, Any]) -> None:
     """A reload, an evaluation or a phase's start as a Prefect event (`clotho.pipeline.reload`, ...)
     about the run, in the UI's event feed beside the flow run's own (emitted in the flow run, so
     related to it)."""
-    emit_event(event=f"clotho.pipeline.{row['event']}", resource={"prefect.resource.id": f"clotho.run.{run}", "prefect.resource.name": run}, payload=row)
+    emit_event(
+        event=f"clotho.pipeline.{row['event']}",
+        resource={"prefect.resource.id": f"clotho.run.{run}", "prefect.resource.name": run},
+        payload=row,
+    )
 
 
 def config_markdown(config: PipelineConfig, path: str | None, overrides: list[str] | None) -> str:
@@ -128,7 +178,11 @@ def config_markdown(config: PipelineConfig, path: str | None, overrides: list[st
     only the file's path and the overrides."""
     import yaml
 
-    source = f"`{path}`" + (f" with `{' '.join(f'--set {o}' for o in overrides)}`" if overrides else "") if path else "a dict"
+    source = (
+        f"`{path}`" + (f" with `{' '.join(f'--set {o}' for o in overrides)}`" if overrides else "")
+        if path
+        else "a dict"
+    )
     return f"# Effective config\n\nFrom {source}.\n\n```yaml\n{yaml.safe_dump(config.model_dump(mode='json'), sort_keys=False)}```\n"
 
 
@@ -147,10 +201,18 @@ class RunView:
         self.steps = StepLog(storage, run_name, after_step=position.steps if position else 0)
         self.curve = Curve()
         self.measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
-        self.live = Card("markdown", f"{self.key}-live", f"Run {run} as it goes: reward chart, latest steps, served version", interval_s=LIVE_INTERVAL_S)
+        self.live = Card(
+            "markdown",
+            f"{self.key}-live",
+            f"Run {run} as it goes: reward chart, latest steps, served version",
+            interval_s=LIVE_INTERVAL_S,
+        )
         self.metrics_card = Card("table", f"{self.key}-metrics", f"Trainer metrics of run {run}, newest step first")
-        self.staleness_card = Card("table", f"{self.key}-staleness",
-                                   f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})")  # fmt: skip
+        self.staleness_card = Card(
+            "table",
+            f"{self.key}-staleness",
+            f"Trained groups of run {run} by how many policy versions old their samples were (max_lag {config.max_lag})",
+        )
         self.phase = config.phases[0].name
         self.progress = None
         self.shown_version: int | None = None  # the served version the live card last showed
@@ -160,9 +222,14 @@ class RunView:
 
     async def open(self, config_path: str | None, overrides: list[str] | None) -> None:
         """The progress bar, the effective config and the live card, there from the start."""
-        self.progress = await acreate_progress_artifact(0.0, key=f"{self.key}-progress", description=f"steps of {self.config.total_steps}")
-        await acreate_markdown_artifact(config_markdown(self.config, config_path, overrides), key=f"{self.key}-config",
-                                        description=f"Run {self.run}: the effective config, overrides applied")  # fmt: skip
+        self.progress = await acreate_progress_artifact(
+            0.0, key=f"{self.key}-progress", description=f"steps of {self.config.total_steps}"
+        )
+        await acreate_markdown_artifact(
+            config_markdown(self.config, config_path, overrides),
+            key=f"{self.key}-config",
+            description=f"Run {self.run}: the effective config, overrides applied",
+        )
         await self.show_live()
 
     async def show_live(self, finished: bool = False) -> None:
@@ -173,9 +240,19 @@ class RunView:
         def markdown() -> str:  # built only when the card is due an update
             steps = self.steps
             self.shown_version = served
-            return live_markdown(self.run, self.phase, self.config.total_steps, steps.rows, self.curve.rows, self.measured.reload_s,
-                                 time.monotonic() - self.started, steps.staleness_histogram(), steps.seconds_per_step(), finished,
-                                 self.curve.best)  # fmt: skip
+            return live_markdown(
+                self.run,
+                self.phase,
+                self.config.total_steps,
+                steps.rows,
+                self.curve.rows,
+                self.measured.reload_s,
+                time.monotonic() - self.started,
+                steps.staleness_histogram(),
+                steps.seconds_per_step(),
+                finished,
+                self.curve.best,
+            )
 
         await self.live.show(markdown, force=finished or served != self.shown_version)
 
@@ -183,7 +260,15 @@ class RunView:
         """The trainer's new steps: a log line each, the progress bar, the live card."""
         self.phase = phase.name
         for metrics in await asyncio.to_thread(self.steps.new):  # reads storage (retried for up to a minute)
-            log.info(progress_line(phase.name, metrics, time.monotonic() - self.started, self.config.total_steps, self.steps.seconds_per_step()))
+            log.info(
+                progress_line(
+                    phase.name,
+                    metrics,
+                    time.monotonic() - self.started,
+                    self.config.total_steps,
+                    self.steps.seconds_per_step(),
+                )
+            )
             await aupdate_progress_artifact(self.progress, 100.0 * metrics["step"] / self.config.total_steps)
         await self.show_live()
 

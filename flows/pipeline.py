@@ -29,10 +29,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
-from flows.pipeline_config import PipelineConfig, Phase
-from flows.live_view import RunView
-from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
 from core.processes import stop_process, tethered
+from flows.live_view import RunView
+from flows.pipeline_config import Phase, PipelineConfig
+from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
 from flows.rollout import rollout
 from flows.rollout_runs import run_rollout_deployment
 from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
@@ -60,11 +60,15 @@ async def pipeline(
     directory, e.g. runs/demo.yaml) with `--set`-style `overrides`, or `config` as a dict."""
     if (config_path is None) == (config is None):
         raise ValueError("pipeline: pass config_path (a YAML file, e.g. runs/demo.yaml) or config, not both")
-    config = PipelineConfig.from_yaml(config_path, overrides or []) if config_path else PipelineConfig.model_validate(config)
+    config = (
+        PipelineConfig.from_yaml(config_path, overrides or []) if config_path else PipelineConfig.model_validate(config)
+    )
     log = get_run_logger()
     storage, run = split_run_url(config.run)
     api_key = await resolve_api_key(None)  # $CLOTHO_API_KEY (clotho run --api-key sets it)
-    view = await asyncio.to_thread(RunView, config, run, default_work_dir(storage, run))  # reads storage, imports TensorBoard
+    view = await asyncio.to_thread(
+        RunView, config, run, default_work_dir(storage, run)
+    )  # reads storage, imports TensorBoard
     await view.open(config_path, overrides)
     # Resolved with the evaluated version when the last phase's stop rule is met.
     stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -84,22 +88,31 @@ async def pipeline(
                 await view.curve.wait_for(end_step, timeout_s=300)
     await view.close()
     summary = await asyncio.to_thread(run_summary, config, view, storage, run, stop_rule_met)
-    await acreate_markdown_artifact(report_markdown(run, view.curve, summary), key=f"{view.key}-report", description=f"Pipeline run {run}")
+    await acreate_markdown_artifact(
+        report_markdown(run, view.curve, summary), key=f"{view.key}-report", description=f"Pipeline run {run}"
+    )
     log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
     return summary
 
 
 async def start_services(
-    stack: contextlib.AsyncExitStack, config: PipelineConfig, api_key: str | None, view: RunView,
-    stop_rule_met: asyncio.Future[int], served_failed: asyncio.Future[str], log,
-) -> list[str]:  # fmt: skip
+    stack: contextlib.AsyncExitStack,
+    config: PipelineConfig,
+    api_key: str | None,
+    view: RunView,
+    stop_rule_met: asyncio.Future[int],
+    served_failed: asyncio.Future[str],
+    log,
+) -> list[str]:
     """The policy servers, the reload watcher and the evaluator, each stopped when `stack` closes;
     returns the servers' URLs (the pipeline's own first). `served_failed` gets the reason when every
     server rejected a checkpoint."""
     stack.callback(view.measured.close)
     # The model here, for what loads it here (servers, the watcher's parity check, the evaluator);
     # the trainer and rollout flows, maybe on other hosts, each fetch a model URL themselves.
-    loads_here = config.servers.count or (config.servers.reload_urls and config.servers.urls) or config.evaluation is not None
+    loads_here = (
+        config.servers.count or (config.servers.reload_urls and config.servers.urls) or config.evaluation is not None
+    )
     model = await asyncio.to_thread(local_model, config.model) if loads_here else config.model
     servers = await start_servers(config, model, api_key, log)
     stack.push_async_callback(stop_servers, servers)
@@ -123,19 +136,29 @@ async def start_services(
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=on_outcomes))
         stack.push_async_callback(finish, watching, stop_watching)
     else:
-        log.info("no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls))
+        log.info(
+            "no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls)
+        )
     if config.evaluation is not None:
         evaluating = asyncio.ensure_future(
-            evaluate_versions(config, urls[0], api_key, model, view.curve, view.measured, view.started, log, stop_rule_met)
+            evaluate_versions(
+                config, urls[0], api_key, model, view.curve, view.measured, view.started, log, stop_rule_met
+            )
         )
         stack.push_async_callback(cancel_and_wait, [evaluating])
     return urls
 
 
 async def run_phase(
-    config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], view: RunView, stop_rule_met: asyncio.Future[int],
-    served_failed: asyncio.Future[str], log,
-) -> None:  # fmt: skip
+    config: PipelineConfig,
+    phase: Phase,
+    end_step: int,
+    urls: list[str],
+    view: RunView,
+    stop_rule_met: asyncio.Future[int],
+    served_failed: asyncio.Future[str],
+    log,
+) -> None:
     """One phase up to `end_step`: its trainer and rollout flows, watched every second, until the
     trainer ends (or the stop rule stops it); skipped when the run is already past it."""
     storage, run = split_run_url(config.run)
@@ -144,7 +167,9 @@ async def run_phase(
         log.info("phase %s: the run is already at step %d, past its end %d", phase.name, position.steps, end_step)
         return
     log.info("phase %s: steps up to %d on %s", phase.name, end_step, ", ".join(e.env for e in phase.environments))
-    await asyncio.to_thread(clear_run_end, storage, run)  # a run its stop rule ended, resumed: its samplers sample again
+    await asyncio.to_thread(
+        clear_run_end, storage, run
+    )  # a run its stop rule ended, resumed: its samplers sample again
     view.measured.phase(phase.name, end_step)
     trainer = await start_trainer(config, phase, end_step, default_work_dir(storage, run))
     rollouts = [
@@ -157,8 +182,13 @@ async def run_phase(
             if outcome == "" or (outcome and not trainer.restarts_left):
                 break
             if outcome:
-                log.warning("phase %s: %s; starting the trainer's nodes again (%d more time(s) at most), each from the newest "
-                            "resume state", phase.name, outcome, trainer.restarts_left - 1)  # fmt: skip
+                log.warning(
+                    "phase %s: %s; starting the trainer's nodes again (%d more time(s) at most), each from the newest "
+                    "resume state",
+                    phase.name,
+                    outcome,
+                    trainer.restarts_left - 1,
+                )
                 await trainer.restart()
             await asyncio.sleep(1.0)
             await view.show_new_steps(phase, log)
@@ -168,8 +198,13 @@ async def run_phase(
             if served_failed.done():
                 raise RuntimeError(f"phase {phase.name}: {served_failed.result()}")
         if stop_rule_met.done():
-            log.info("phase %s: %s at version %d; stopping (%s)", phase.name, phase.stop.describe(), stop_rule_met.result(),
-                     view.curve.describe_best())  # fmt: skip
+            log.info(
+                "phase %s: %s at version %d; stopping (%s)",
+                phase.name,
+                phase.stop.describe(),
+                stop_rule_met.result(),
+                view.curve.describe_best(),
+            )
             await trainer.stop()  # it ends after its step in progress (trainer.stopping)
             await asyncio.to_thread(end_run_here, storage, run)
         elif outcome:
@@ -184,7 +219,9 @@ async def run_phase(
     await view.show_tables()
 
 
-def run_summary(config: PipelineConfig, view: RunView, storage: str, run: str, stop_rule_met: asyncio.Future[int]) -> dict[str, Any]:
+def run_summary(
+    config: PipelineConfig, view: RunView, storage: str, run: str, stop_rule_met: asyncio.Future[int]
+) -> dict[str, Any]:
     """What the pipeline returns and reports: steps, minutes, the trainer's and the servers'
     figures, the stop rule that ended it, the held-out curve with the training reward beside it."""
     summary = {"run": config.run, "steps": view.steps.last_step, "minutes": view.minutes(), **view.steps.summary()}
@@ -202,9 +239,11 @@ async def start_servers(config: PipelineConfig, model: str, api_key: str | None,
     """The pipeline's own policy servers, started at once (in parallel) on the initial model (`model`: its local directory)."""
     servers = [
         PolicyServer(
-            model, api_key=api_key, dtype=config.servers.dtype,
+            model,
+            api_key=api_key,
+            dtype=config.servers.dtype,
             max_model_len=config.servers.max_model_len,
-        )  # fmt: skip
+        )
         for _ in range(config.servers.count)
     ]
     try:
@@ -230,14 +269,18 @@ def end_run_here(storage: str, run: str) -> None:
         write_run_end(storage, run, position.steps)
 
 
-def reload_watcher(config: PipelineConfig, model: str, servers: list[PolicyServer], api_key: str | None) -> ReloadWatcher | None:
+def reload_watcher(
+    config: PipelineConfig, model: str, servers: list[PolicyServer], api_key: str | None
+) -> ReloadWatcher | None:
     """The watcher of the pipeline's own servers and of servers.urls unless they reload themselves;
     None when it would watch none. `model`: the initial model's local directory."""
     mode, timeout_s = config.servers.reload_mode, config.servers.reload_step_timeout_s
     policies = [ServedPolicy.of(server, reload_mode=mode, step_timeout_s=timeout_s) for server in servers]
     if config.servers.reload_urls:
-        policies += [ServedPolicy(url.rstrip("/"), Path(model), api_key=api_key, reload_mode=mode, step_timeout_s=timeout_s)
-                     for url in config.servers.urls]  # fmt: skip
+        policies += [
+            ServedPolicy(url.rstrip("/"), Path(model), api_key=api_key, reload_mode=mode, step_timeout_s=timeout_s)
+            for url in config.servers.urls
+        ]
     if not policies:
         return None
     guard = ParityGuard.for_model(model, dtype=config.servers.dtype)
@@ -249,14 +292,22 @@ async def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, wor
     (config.trainer_nodes)."""
     if config.trainer_nodes is not None:
         return await NodeRuns.start(config, phase, end_step)
-    arguments = trainer_arguments(config.run, config.model, end_step, config.trainer_overrides(phase), config.data_timeout_s, work_dir)
+    arguments = trainer_arguments(
+        config.run, config.model, end_step, config.trainer_overrides(phase), config.data_timeout_s, work_dir
+    )
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "trainer.log"
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # Its own process group: a Ctrl-C meant for the pipeline reaches it only through stop_process.
     with log_path.open("a") as log_file:  # the child holds its own copy
-        process = subprocess.Popen(tethered([sys.executable, "-m", "trainer.cli", *arguments]), stdout=log_file, stderr=subprocess.STDOUT,
-                                   env=environment, cwd=REPO, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            tethered([sys.executable, "-m", "trainer.cli", *arguments]),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=REPO,
+            start_new_session=True,
+        )
     return LocalTrainer(process, log_path)
 
 
@@ -280,17 +331,26 @@ class LocalTrainer:
         await asyncio.to_thread(stop_process, self.process, TRAINER_STOP_S)
 
 
-async def phase_rollout(config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int) -> Any:
+async def phase_rollout(
+    config: PipelineConfig, phase: Phase, end_step: int, urls: list[str], tokenizer: str, index: int
+) -> Any:
     """One rollout flow of a phase: a subflow here, or a run of the configured deployment (its
     worker may be on another machine; cancelling this cancels that flow run). It samples only
     groups that the phase's steps will train, and ends once the trainer took the last of them."""
     environments = [EnvSpec(import_path=e.env, weight=e.weight, config=e.config) for e in phase.environments]
     parameters = dict(
-        environments=[spec.model_dump() for spec in environments], servers=urls[index % len(urls):] + urls[: index % len(urls)],
-        run_url=config.run, tokenizer=tokenizer, groups=None, max_concurrent_groups=config.rollout.max_concurrent_groups,
-        shard_max_age_s=config.rollout.shard_max_age_s, max_policy_lag=config.max_lag, seed=index,
-        task_run_s=config.rollout.task_run_s, until_step=end_step,
-    )  # fmt: skip
+        environments=[spec.model_dump() for spec in environments],
+        servers=urls[index % len(urls) :] + urls[: index % len(urls)],
+        run_url=config.run,
+        tokenizer=tokenizer,
+        groups=None,
+        max_concurrent_groups=config.rollout.max_concurrent_groups,
+        shard_max_age_s=config.rollout.shard_max_age_s,
+        max_policy_lag=config.max_lag,
+        seed=index,
+        task_run_s=config.rollout.task_run_s,
+        until_step=end_step,
+    )
     name = f"{phase.name}-{index}"
     if config.rollout.deployment is None:
         return await rollout.with_options(flow_run_name=name)(**parameters)
@@ -311,7 +371,7 @@ async def finish(watching: asyncio.Future, stop: asyncio.Event) -> None:
     stop.set()
     try:
         await asyncio.wait_for(asyncio.shield(watching), timeout=60)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a timeout, a cancel or the watcher's error: it is cancelled either way
         await cancel_and_wait([watching])
 
 
@@ -334,8 +394,15 @@ def sample_utilization(storage: str, run: str, steps: StepLog) -> dict[str, floa
 
 
 async def evaluate_versions(
-    config: PipelineConfig, url: str, api_key: str | None, tokenizer: str, curve: Curve, measured: PipelineLog,
-    started: float, log, stop_rule_met: asyncio.Future[int],
+    config: PipelineConfig,
+    url: str,
+    api_key: str | None,
+    tokenizer: str,
+    curve: Curve,
+    measured: PipelineLog,
+    started: float,
+    log,
+    stop_rule_met: asyncio.Future[int],
 ) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
@@ -361,13 +428,25 @@ async def evaluate_versions(
             if evaluated is None or version >= min(evaluated + evaluation.every, last_step):
                 report = await env.evaluate(num_items=evaluation.items)
                 # A reload may land while it evaluates: record the version it started on.
-                row = curve.add(config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60)
+                row = curve.add(
+                    config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60
+                )
                 measured.evaluation(row)
-                log.info("evaluation at version %d (%s): mean score %.3f over %d items", version, row["phase"], report["mean_score"], report["items"])
+                log.info(
+                    "evaluation at version %d (%s): mean score %.3f over %d items",
+                    version,
+                    row["phase"],
+                    report["mean_score"],
+                    report["items"],
+                )
                 evaluated = version
                 if version > 0 and (curve.best is None or row["reward"] > curve.best["reward"]):
                     if await asyncio.to_thread(mark_best, storage, run, version, row["reward"]):
-                        curve.best = {"step": version, "reward": row["reward"], "checkpoint": checkpoint_url(storage, run, version)}
+                        curve.best = {
+                            "step": version,
+                            "reward": row["reward"],
+                            "checkpoint": checkpoint_url(storage, run, version),
+                        }
                 # The last phase's evaluations: of the versions it trained (not the one it started from).
                 last_phase, last_phase_start = config.phases[-1], last_step - config.phases[-1].steps
                 if last_phase.stop is not None and version > last_phase_start:
@@ -384,7 +463,9 @@ def with_training_reward(curve: list[dict[str, Any]], steps: list[dict[str, Any]
     reward, e.g. SFT's demonstrations), beside its greedy held-out `reward`."""
     rows, previous = [], -1
     for row in curve:
-        scores = [s["score_mean"] for s in steps if previous < s["step"] <= row["step"] and s.get("score_mean") is not None]
+        scores = [
+            s["score_mean"] for s in steps if previous < s["step"] <= row["step"] and s.get("score_mean") is not None
+        ]
         rows.append({**row, "train_reward": sum(scores) / len(scores) if scores else None})
         previous = row["step"]
     return rows

@@ -45,12 +45,14 @@ class ServersConfig(Strict):
     max_model_len: int = Field(default=2048, gt=0)
     startup_timeout_s: float = Field(default=600.0, gt=0)
     reload_poll_s: float = Field(
-        default=0.05, gt=0,
+        default=0.05,
+        gt=0,
         description="Seconds between looks for a new checkpoint (one small read each; the servers' health is asked every 2 s). "
         "The loop waits for each reload, so a look's delay is paid every step.",
     )
     reload_step_timeout_s: float = Field(
-        default=120.0, gt=0,
+        default=120.0,
+        gt=0,
         description="Seconds each call of a reload (pause, reload_weights, resume, a parity request) may take; a server "
         "that does not answer twice in a row is restored or restarted (inference.reload.reload_bound_s).",
     )
@@ -80,9 +82,15 @@ class StopRule(Strict):
     few held-out items neither ends the run early nor one unlucky one keeps it going."""
 
     reward: float = Field(description="The held-out reward (the evaluation's mean score) to reach.")
-    patience: int = Field(default=2, ge=1, description="Evaluations in a row without a new best that end the run, once `reward` is reached.")
+    patience: int = Field(
+        default=2,
+        ge=1,
+        description="Evaluations in a row without a new best that end the run, once `reward` is reached.",
+    )
     min_delta: float = Field(default=0.0, ge=0.0, description="How much a new best must beat the old one by.")
-    window: int = Field(default=1, ge=1, description="Evaluations in the running mean the rule reads (1: each evaluation as it is).")
+    window: int = Field(
+        default=1, ge=1, description="Evaluations in the running mean the rule reads (1: each evaluation as it is)."
+    )
 
     def smoothed(self, rewards: list[float]) -> list[float]:
         """The running mean over `window` evaluations, from the first full window on."""
@@ -128,7 +136,8 @@ class RolloutConfig(Strict):
         "work pool, so workers on other machines add capacity; None runs them in the pipeline's process.",
     )
     restarts: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="With a deployment: times each rollout flow run is started again after it crashed or was lost with "
         "its host (still Running, its sampler silent for a minute: it is marked crashed first).",
     )
@@ -154,12 +163,15 @@ class TrainerNodesConfig(Strict):
         description="The trainer's work dir on each node's own disk (metrics.jsonl, TensorBoard, resume state); "
         "None: .clotho/trainer/RUN under the node worker's working directory.",
     )
-    deployment: str = Field(default="train-node/train-node", description="The deployment of flows/train_node.py:train_node (prefect.yaml).")
+    deployment: str = Field(
+        default="train-node/train-node", description="The deployment of flows/train_node.py:train_node (prefect.yaml)."
+    )
     start_timeout_s: float = Field(
         default=600.0, gt=0, description="How long a node's flow run may wait for its worker before the phase fails."
     )
     restarts: int = Field(
-        default=3, ge=0,
+        default=3,
+        ge=0,
         description="Times a phase starts its nodes again after one failed or was lost with its host, each resuming "
         "from the newest resume state in storage (state_in_storage); 0: the phase fails with the node.",
     )
@@ -198,7 +210,9 @@ class PipelineConfig(Strict):
     @model_validator(mode="after")
     def _trainer_fields(self) -> PipelineConfig:
         owned = {"model", "steps", "max_staleness"}
-        for where, fields in [("trainer", self.trainer)] + [(f"phases.{p.name}.trainer", p.trainer) for p in self.phases]:
+        for where, fields in [("trainer", self.trainer)] + [
+            (f"phases.{p.name}.trainer", p.trainer) for p in self.phases
+        ]:
             clash = owned & set(fields)
             if clash:
                 raise ValueError(
@@ -229,7 +243,9 @@ class PipelineConfig(Strict):
                     "are counted from the end of the earlier ones); move the rule to the last phase"
                 )
             if self.evaluation is None:
-                raise ValueError(f"phases.{index}.stop: the rule reads the evaluation curve; add an `evaluation` section")
+                raise ValueError(
+                    f"phases.{index}.stop: the rule reads the evaluation curve; add an `evaluation` section"
+                )
         return self
 
     @model_validator(mode="after")
@@ -240,13 +256,19 @@ class PipelineConfig(Strict):
             if self.trainer_fields(phase).get("objective", "auto") not in ("auto", "rl", "distill"):
                 continue
             for number, entry in enumerate(phase.environments):
-                drawn = {name: entry.config[name] for name in ("temperature", "top_p", "top_k", "min_p") if name in entry.config}
+                drawn = {
+                    name: entry.config[name]
+                    for name in ("temperature", "top_p", "top_k", "min_p")
+                    if name in entry.config
+                }
                 try:
                     sampling = Sampling(**drawn, logprobs_mode="processed_logprobs")
                 except ValueError:
                     continue  # the environment's own config reports a bad value, with its field
                 if problems := policy_gradient_problems(sampling):
-                    raise ValueError(f"phases.{index}.environments.{number}.config.{problems[0].removeprefix('sampling.')}")
+                    raise ValueError(
+                        f"phases.{index}.environments.{number}.config.{problems[0].removeprefix('sampling.')}"
+                    )
         return self
 
     @property

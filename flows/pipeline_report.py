@@ -7,18 +7,32 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from storage.progress import read_step_metrics
 from trainer.metrics import TENSORBOARD_DIR
 
 # The per-step table's columns (what a person watches in a run), then the rest as logged.
 TABLE_COLUMNS = (
-    "step", "score_mean", "sft/nll", "loss", "policy_version", "staleness_mean", "staleness_max",
-    "stale_groups_skipped", "utilization", "idle_fraction", "groups", "groups_per_s", "tokens_per_s", "reload_s",
-    "step_time_s", "data_wait_s",
-)  # fmt: skip
+    "step",
+    "score_mean",
+    "sft/nll",
+    "loss",
+    "policy_version",
+    "staleness_mean",
+    "staleness_max",
+    "stale_groups_skipped",
+    "utilization",
+    "idle_fraction",
+    "groups",
+    "groups_per_s",
+    "tokens_per_s",
+    "reload_s",
+    "step_time_s",
+    "data_wait_s",
+)
 PIPELINE_LOG = "pipeline.jsonl"
 
 
@@ -44,7 +58,9 @@ class StepLog:
     def new(self) -> list[dict[str, float]]:
         """Steps written since the last call, in step order (a read per step, and one that finds none)."""
         rows = []
-        while (row := read_step_metrics(self.storage, self.run, self.next_step)) is not None and row["time"] >= self.since:
+        while (row := read_step_metrics(self.storage, self.run, self.next_step)) is not None and row[
+            "time"
+        ] >= self.since:
             # Groups per second of wall time over the last WINDOW steps.
             window = self.rows[-self.WINDOW :]
             if window and row["time"] > window[0]["time"]:
@@ -92,8 +108,11 @@ class StepLog:
             "idle_fraction": last.get("idle_fraction"),
             "staleness_histogram": self.staleness_histogram(),
             "stale_groups_skipped": sum(r.get("stale_groups_skipped", 0) for r in self.rows),
-            "groups_per_s": (last.get("groups_consumed", 0) - self.rows[0].get("groups_consumed", 0)) / seconds if seconds > 0 else None,
-            "tokens_per_s": sum(r.get("tokens", 0) for r in self.rows) / sum(r.get("step_time_s", 0) for r in self.rows),
+            "groups_per_s": (last.get("groups_consumed", 0) - self.rows[0].get("groups_consumed", 0)) / seconds
+            if seconds > 0
+            else None,
+            "tokens_per_s": sum(r.get("tokens", 0) for r in self.rows)
+            / sum(r.get("step_time_s", 0) for r in self.rows),
         }
 
 
@@ -107,7 +126,10 @@ def significant(value: Any, digits: int = 4) -> Any:
 def staleness_table(histogram: dict[str, float]) -> list[dict[str, Any]]:
     """The staleness histogram as a Prefect table: versions behind, groups, share of the trained."""
     total = sum(histogram.values()) or 1.0
-    return [{"versions_behind": int(lag), "groups": int(count), "share": round(count / total, 4)} for lag, count in histogram.items()]
+    return [
+        {"versions_behind": int(lag), "groups": int(count), "share": round(count / total, 4)}
+        for lag, count in histogram.items()
+    ]
 
 
 class PipelineLog:
@@ -143,12 +165,25 @@ class PipelineLog:
             if outcome.status == "reloaded" and outcome.total_s is not None:
                 seconds = max(self.reload_s.get(outcome.version, 0.0), outcome.total_s)
                 self.reload_s[outcome.version] = seconds
-                row = {"event": "reload", "version": outcome.version, "server": outcome.base_url, "reload_s": outcome.total_s,
-                       "fetch_s": outcome.fetch_s, "swap_s": outcome.swap_s, "parity_s": outcome.parity_s}  # fmt: skip
+                row = {
+                    "event": "reload",
+                    "version": outcome.version,
+                    "server": outcome.base_url,
+                    "reload_s": outcome.total_s,
+                    "fetch_s": outcome.fetch_s,
+                    "swap_s": outcome.swap_s,
+                    "parity_s": outcome.parity_s,
+                }
                 self._write(row, {"pipeline/reload_s": seconds}, outcome.version)
             elif outcome.status == "rejected":
-                self._write({"event": "reload_rejected", "server": outcome.base_url, "serving": outcome.version,
-                             "reason": outcome.detail})  # fmt: skip
+                self._write(
+                    {
+                        "event": "reload_rejected",
+                        "server": outcome.base_url,
+                        "serving": outcome.version,
+                        "reason": outcome.detail,
+                    }
+                )
 
     def phase(self, name: str, end_step: int) -> None:
         """A phase begins: its trainer and rollout flows start now."""
@@ -168,7 +203,9 @@ class PipelineLog:
         self._tensorboard.close()
 
 
-def progress_line(phase: str, metrics: dict[str, float], seconds: float, total_steps: int, seconds_per_step: float | None = None) -> str:
+def progress_line(
+    phase: str, metrics: dict[str, float], seconds: float, total_steps: int, seconds_per_step: float | None = None
+) -> str:
     """One line per step: where the run is (step of total, time so far and left), the reward, the
     served policy, and how busy the trainer and samplers are."""
     reward = metrics.get("score_mean")
@@ -194,7 +231,11 @@ class Curve:
 
     def describe_best(self) -> str:
         best = self.best
-        return "no checkpoint evaluated yet" if best is None else f"best: step {best['step']} (held-out {best['reward']:.3f})"
+        return (
+            "no checkpoint evaluated yet"
+            if best is None
+            else f"best: step {best['step']} (held-out {best['reward']:.3f})"
+        )
 
     def add(self, phase: str, step: int, reward: float, minutes: float) -> dict[str, Any]:
         row = {"phase": phase, "step": step, "reward": reward, "minutes": round(minutes, 3)}
@@ -213,18 +254,34 @@ class Curve:
 
 
 def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
-    lines = [f"# Pipeline run `{run}`", "", f"{summary.get('steps', 0)} steps in {summary.get('minutes', 0):.1f} minutes.", ""]
-    for name in ("sample_utilization", "utilization", "idle_fraction", "groups_per_s", "tokens_per_s", "reload_s_median"):
+    lines = [
+        f"# Pipeline run `{run}`",
+        "",
+        f"{summary.get('steps', 0)} steps in {summary.get('minutes', 0):.1f} minutes.",
+        "",
+    ]
+    for name in (
+        "sample_utilization",
+        "utilization",
+        "idle_fraction",
+        "groups_per_s",
+        "tokens_per_s",
+        "reload_s_median",
+    ):
         if summary.get(name) is not None:
             lines.append(f"- {name}: {summary[name]:.3g}")
     if summary.get("staleness_histogram"):
         histogram = summary["staleness_histogram"]
         total = sum(histogram.values()) or 1
-        shares = ", ".join(f"{lag} behind: {count:.0f} ({100 * count / total:.0f}%)" for lag, count in histogram.items())
+        shares = ", ".join(
+            f"{lag} behind: {count:.0f} ({100 * count / total:.0f}%)" for lag, count in histogram.items()
+        )
         lines.append(f"- trained groups by how many policy versions behind their samples were: {shares}")
     if curve.best is not None:
-        lines.append(f"- {curve.describe_best()}, kept as `{curve.best['checkpoint']}` (`checkpoints/BEST`; "
-                     "`clotho evaluate --checkpoint BEST --run RUN`)")  # fmt: skip
+        lines.append(
+            f"- {curve.describe_best()}, kept as `{curve.best['checkpoint']}` (`checkpoints/BEST`; "
+            "`clotho evaluate --checkpoint BEST --run RUN`)"
+        )
     if curve.rows:
         lines += ["", "| phase | step | reward (greedy, held out) | minutes |", "|---|---|---|---|"]
         lines += [f"| {r['phase']} | {r['step']} | {r['reward']:.3f} | {r['minutes']:.1f} |" for r in curve.rows]

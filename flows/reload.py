@@ -41,8 +41,10 @@ async def reload_watcher(
     _, run = split_run_url(run_url)
     key = artifact_key("reload", run)
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)
-    policies = [ServedPolicy(url.rstrip("/"), Path(base_model), api_key=api_key, model_name=served_model_name)
-                for url in servers]  # fmt: skip
+    policies = [
+        ServedPolicy(url.rstrip("/"), Path(base_model), api_key=api_key, model_name=served_model_name)
+        for url in servers
+    ]
     watcher = ReloadWatcher(run_url, policies, guard, cache_dir=cache_dir, poll_s=poll_s)
 
     async def report(outcomes: list[ReloadOutcome]) -> None:

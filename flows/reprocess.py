@@ -27,9 +27,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import flow, get_run_logger, task
-from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.artifacts import artifact_key
 from storage.filesystem import is_local, publish, resolve, storage_errors
@@ -164,7 +164,9 @@ def export_table(job: Job, table: pa.Table) -> pa.Table:
 
 
 @task(name="reprocess shards", retries=2, retry_delay_seconds=2)
-def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int]], written: str | None = None) -> dict[str, int]:
+def process_bin(
+    job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int]], written: str | None = None
+) -> dict[str, int]:
     """One output file from `shards` (already there: skipped; for a run, `written` is where an
     earlier run of the job wrote it); the counts in and out."""
     in_fs, _ = resolve(job.input_run_url)
@@ -211,16 +213,23 @@ def process_bin(job: Job, shards: list[ShardInfo], duplicates: dict[str, set[int
     location = ShardLocation(shards[0].env, shards[0].policy_version, new_shard_id())
     with storage_errors(job.output_url):
         write_shard(
-            out_fs, join(out_base, ROLLOUTS, location.name), merged.replace_schema_metadata(metadata), join(out_base, TEMPORARY),
+            out_fs,
+            join(out_base, ROLLOUTS, location.name),
+            merged.replace_schema_metadata(metadata),
+            join(out_base, TEMPORARY),
             # its index entry just before the shard, as every writer does (storage.index)
             before=lambda: add_entry(out_fs, out_base, location),
-        )  # fmt: skip
+        )
     counts.update(rows_out=merged.num_rows, groups_out=_groups_of(merged), files_out=1)
     return counts
 
 
 def _groups_of(table_or_metadata: Any) -> int:
-    metadata = table_or_metadata.metadata if isinstance(table_or_metadata, pq.FileMetaData) else table_or_metadata.schema.metadata
+    metadata = (
+        table_or_metadata.metadata
+        if isinstance(table_or_metadata, pq.FileMetaData)
+        else table_or_metadata.schema.metadata
+    )
     value = (metadata or {}).get(METADATA_NUM_GROUPS)
     if value is not None:
         return int(value)
@@ -238,7 +247,9 @@ def code_version() -> str:
     from importlib.metadata import version
     from pathlib import Path
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    )
     return f"clotho {version('clotho')}" + (f" ({commit.stdout.strip()})" if commit.returncode == 0 else "")
 
 
@@ -252,7 +263,9 @@ def check_job(input_run_url: str, output_url: str, operations: list[str]) -> tup
     if not job.export:
         split_run_url(output_url)  # a run URL, or the error says what one looks like
     if job.output_url == job.input_run_url:
-        raise ReprocessError(f"output {output_url} is the input: reprocessing never changes its input; give a new output")
+        raise ReprocessError(
+            f"output {output_url} is the input: reprocessing never changes its input; give a new output"
+        )
     in_fs, shards = find_shards(rollouts_url(input_root, input_run))
     if not shards:
         raise ReprocessError(f"input {input_run_url} holds no shards (looked in {rollouts_url(input_root, input_run)})")
@@ -285,7 +298,9 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
             earlier = json.loads(out_fs.cat_file(job_path))
             if earlier != description:
                 raise ReprocessError(f"output {output_url} holds another job's output ({earlier}); give a new output")
-            if not job.export and (dropped := drop_unpublished(out_fs, out_base, rollouts_url(*split_run_url(job.output_url)))):  # a run killed mid-write
+            if not job.export and (
+                dropped := drop_unpublished(out_fs, out_base, rollouts_url(*split_run_url(job.output_url)))
+            ):  # a run killed mid-write
                 logger.info("reprocess: %d index entries of shards an earlier run never wrote, removed", len(dropped))
         else:
             if is_local(out_fs):
@@ -294,9 +309,13 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
 
     work = bins(shards, ops)
     written = {} if job.export else written_bins(job)
-    progress = create_progress_artifact(progress=0.0, key=artifact_key("reprocess-progress", input_run), description=f"{len(work)} output files")
+    progress = create_progress_artifact(
+        progress=0.0, key=artifact_key("reprocess-progress", input_run), description=f"{len(work)} output files"
+    )
     futures = [
-        process_bin.submit(job, shard_bin, {s.name: duplicates.get(s.name, set()) for s in shard_bin}, written.get(shard_bin[0].name))
+        process_bin.submit(
+            job, shard_bin, {s.name: duplicates.get(s.name, set()) for s in shard_bin}, written.get(shard_bin[0].name)
+        )
         for shard_bin in work
     ]
     totals: dict[str, int] = {}
@@ -305,13 +324,22 @@ def reprocess(input_run_url: str, output_url: str, operations: list[str]) -> dic
             totals[key] = totals.get(key, 0) + value
         if done % max(1, len(futures) // 20) == 0 or done == len(futures):
             update_progress_artifact(progress, 100.0 * done / len(futures))
-            logger.info("reprocess: %d/%d files, %d rows in, %d out", done, len(futures), totals["rows_in"], totals["rows_out"])
+            logger.info(
+                "reprocess: %d/%d files, %d rows in, %d out", done, len(futures), totals["rows_in"], totals["rows_out"]
+            )
     if totals.get("rows_out", 0) == 0:
         with storage_errors(job.output_url):
             out_fs.rm(job_path)
-        raise ReprocessError(f"operations {[op.describe() for op in ops]} left no rows of {totals['rows_in']}: nothing was written")
-    lineage = {**description, "code_version": code_version(), "counts": totals, "seconds": round(time.time() - started, 1),
-               "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        raise ReprocessError(
+            f"operations {[op.describe() for op in ops]} left no rows of {totals['rows_in']}: nothing was written"
+        )
+    lineage = {
+        **description,
+        "code_version": code_version(),
+        "counts": totals,
+        "seconds": round(time.time() - started, 1),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     with storage_errors(job.output_url):
         out_fs.pipe_file(join(out_base, LINEAGE), json.dumps(lineage, indent=1).encode())
     rows = "\n".join(f"| {key} | {value:,} |" for key, value in totals.items())

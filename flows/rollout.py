@@ -22,7 +22,15 @@ from inference.client import PolicyServerAuthError, PolicyServerUnreachable
 from storage.layout import split_run_url
 from storage.models import local_model
 from tasks.api_key import resolve_api_key
-from tasks.rollout import EnvSpec, check_servers, collect_lane, collect_one, ensure_server_limits, environment_for, hand_over_to
+from tasks.rollout import (
+    EnvSpec,
+    check_servers,
+    collect_lane,
+    collect_one,
+    ensure_server_limits,
+    environment_for,
+    hand_over_to,
+)
 
 
 @flow(name="rollout", task_runner=ThreadPoolTaskRunner(max_workers=64))
@@ -78,9 +86,20 @@ async def rollout(
     sources = {spec.key: await environment_for(spec, servers[0], tokenizer, api_key) for spec in specs}
     limits = await ensure_server_limits(servers, server_concurrency) if server_concurrency else {}
     async with GroupStore.open(
-        storage, run, sources, tokenizer=tokenizer, groups=groups, shard_max_groups=shard_max_groups, shard_max_age_s=shard_max_age_s,
-        servers=servers, api_key=api_key, max_policy_lag=max_policy_lag, until_step=until_step, sampler=sampler_name(), log=log,
-    ) as store:  # fmt: skip
+        storage,
+        run,
+        sources,
+        tokenizer=tokenizer,
+        groups=groups,
+        shard_max_groups=shard_max_groups,
+        shard_max_age_s=shard_max_age_s,
+        servers=servers,
+        api_key=api_key,
+        max_policy_lag=max_policy_lag,
+        until_step=until_step,
+        sampler=sampler_name(),
+        log=log,
+    ) as store:
         items = WeightedItems(specs, sources, groups, seed, admission=store.admission, on_gone=store.gone)
         lanes = Lanes(items, store, dict(tokenizer=tokenizer, api_key=api_key), limits, distributed, task_run_s, log)
         task_runs = await lanes.run(servers, max_concurrent_groups)
@@ -130,7 +149,9 @@ class Lanes:
         while not self.items.exhausted:
             try:
                 if not self.distributed:
-                    await collect_lane(lane=index, items=self.items, store=self.store.store, seconds=self.task_run_s, **task)
+                    await collect_lane(
+                        lane=index, items=self.items, store=self.store.store, seconds=self.task_run_s, **task
+                    )
                 elif not await self.submit_one(task):
                     break
             except PolicyServerAuthError:
@@ -167,9 +188,15 @@ class WeightedItems:
     forever) or every environment ran out. Lanes share it; with an `admission` each item waits
     until a group may start sampling (bounded staleness, flows.admission)."""
 
-    def __init__(self, specs: list[EnvSpec], sources: dict[str, Environment], groups: int | None, seed: int,
-                 admission: Admission | None = None,
-                 on_gone: Callable[[EnvSpec, Exception], None] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        specs: list[EnvSpec],
+        sources: dict[str, Environment],
+        groups: int | None,
+        seed: int,
+        admission: Admission | None = None,
+        on_gone: Callable[[EnvSpec, Exception], None] | None = None,
+    ):
         self.sources, self.groups = sources, groups
         self.on_gone = on_gone  # told when an environment's get_item fails (it leaves the stream)
         self.rng = random.Random(seed)
@@ -193,7 +220,8 @@ class WeightedItems:
                 spec = self.rng.choices(self.live, weights=[s.weight for s in self.live])[0]
                 try:
                     item = await self.sources[spec.key].get_item()
-                except Exception as error:  # a service gone, or a get_item bug: that environment leaves, the run goes on
+                # A service gone, or a get_item bug: that environment leaves, the run goes on.
+                except Exception as error:  # noqa: BLE001
                     self.live.remove(spec)
                     if self.on_gone is not None:
                         self.on_gone(spec, error)
@@ -254,9 +282,12 @@ def first_error(errors: BaseExceptionGroup) -> BaseException:
 
 
 def checked_specs(
-    environments: list[EnvSpec | dict], servers: list[str], max_concurrent_groups: int, server_concurrency: int | None,
+    environments: list[EnvSpec | dict],
+    servers: list[str],
+    max_concurrent_groups: int,
+    server_concurrency: int | None,
     task_run_s: float,
-) -> list[EnvSpec]:  # fmt: skip
+) -> list[EnvSpec]:
     """The flow's arguments checked, each error naming the argument and the fix; the environments as EnvSpecs."""
     if max_concurrent_groups < 1:
         raise ValueError(f"max_concurrent_groups={max_concurrent_groups}: use 1 or more")

@@ -15,8 +15,8 @@ from prefect.artifacts import (
 )
 from prefect.events import emit_event
 
-from environments.base import RolloutFailure
 from core.scored_group import ScoredGroup
+from environments.base import RolloutFailure
 from flows.artifacts import Card, artifact_key, update_artifact_data
 
 
@@ -117,7 +117,11 @@ class Progress:
                 return
             self._last, sent = time.monotonic(), self.done
             if self.total:
-                await update_progress_artifact(self.artifact_id, progress=100.0 * sent / self.total, description=f"{sent} of {self.total} groups done")
+                await update_progress_artifact(
+                    self.artifact_id,
+                    progress=100.0 * sent / self.total,
+                    description=f"{sent} of {self.total} groups done",
+                )
             else:  # no fraction to show: a count, not a bar stuck at 0%
                 await update_artifact_data(self.artifact_id, self.open_ended_text(sent))
             self._sent = sent
@@ -138,7 +142,9 @@ async def progress_artifact(total: int | None, run: str, open_ended: str = "runs
         artifact_id = await create_progress_artifact(progress=0.0, key=key, description=f"groups done of {total}")
         return Progress(artifact_id, total)
     progress = Progress(None, None, open_ended)
-    progress.artifact_id = await create_markdown_artifact(key=key, markdown=progress.open_ended_text(0), description="groups done")
+    progress.artifact_id = await create_markdown_artifact(
+        key=key, markdown=progress.open_ended_text(0), description="groups done"
+    )
     return progress
 
 
@@ -168,13 +174,23 @@ def stats_table(stats: dict[str, RolloutStats]) -> list[dict[str, Any]]:
 
 def stats_card(run: str) -> Card:
     """The per-environment table (failures by reason included), kept current while the flow runs."""
-    return Card("table", artifact_key("rollout-env-stats", run), f"Per-environment stats of run {run}", interval_s=PROGRESS_INTERVAL_S)
+    return Card(
+        "table",
+        artifact_key("rollout-env-stats", run),
+        f"Per-environment stats of run {run}",
+        interval_s=PROGRESS_INTERVAL_S,
+    )
 
 
 async def publish_report(
-    stats: dict[str, RolloutStats], shards: list[str], seconds: float, run: str, storage: str, task_runs: int = 0,
+    stats: dict[str, RolloutStats],
+    shards: list[str],
+    seconds: float,
+    run: str,
+    storage: str,
+    task_runs: int = 0,
     card: Card | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     rows = stats_table(stats)
     totals = {
         "groups": sum(s.groups for s in stats.values()),

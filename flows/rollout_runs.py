@@ -42,17 +42,29 @@ async def run_rollout_deployment(deployment: str, parameters: dict[str, Any], na
             raise
         if state is None:  # lost with its host
             async with get_client() as client:
-                await client.set_flow_run_state(flow_run.id, Crashed(message=f"its sampler slot was silent for {DEAD_AFTER_S:.0f} s: "
-                                                                     "taken for lost with its host"), force=True)  # fmt: skip
+                await client.set_flow_run_state(
+                    flow_run.id,
+                    Crashed(
+                        message=f"its sampler slot was silent for {DEAD_AFTER_S:.0f} s: taken for lost with its host"
+                    ),
+                    force=True,
+                )
         elif state.is_completed():
             return flow_run.id
         elif not state.is_crashed() or attempt >= restarts:
             raise RuntimeError(f"rollout flow run {run_name} ended {state.type.value}: {state.message}")
         if attempt >= restarts:
-            raise RuntimeError(f"rollout flow run {run_name} was lost with its host, and no restart is left (rollout.restarts)")
+            raise RuntimeError(
+                f"rollout flow run {run_name} was lost with its host, and no restart is left (rollout.restarts)"
+            )
         attempt += 1
-        run_log().warning("rollout flow run %s %s; starting it again as %s-r%d", run_name,
-                          "was lost with its host" if state is None else "crashed", name, attempt)  # fmt: skip
+        run_log().warning(
+            "rollout flow run %s %s; starting it again as %s-r%d",
+            run_name,
+            "was lost with its host" if state is None else "crashed",
+            name,
+            attempt,
+        )
 
 
 def run_log():

@@ -14,9 +14,9 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from flows.artifacts import artifact_key
 from storage.checkpoints import latest_checkpoint
 from storage.layout import split_run_url
-from flows.artifacts import artifact_key
 from trainer.config import TrainerConfig
 from trainer.metrics import read_metrics
 from trainer.train import default_work_dir, format_metrics
@@ -25,11 +25,36 @@ from trainer.train import train as training_steps
 # The metrics table's first columns, in this order; whatever else the steps logged (a custom loss's
 # metrics, say) follows. The markdown report draws CURVES.
 TABLE_COLUMNS = (
-    "step", "loss", "score_mean", "sft/nll", "dpo/loss", "dpo/accuracy", "dpo/reward_margin", "distill/kl_to_teacher", "advantage_std", "clip_fraction", "importance_weight_mean",
-    "importance_weight_max", "sampler_kl", "grad_norm", "stale_groups_skipped", "staleness_mean",
-    "padding_waste", "tokens_per_s",
-)  # fmt: skip
-CURVES = ("loss", "score_mean", "sft/nll", "dpo/loss", "dpo/accuracy", "distill/kl_to_teacher", "clip_fraction", "importance_weight_mean", "tokens_per_s")
+    "step",
+    "loss",
+    "score_mean",
+    "sft/nll",
+    "dpo/loss",
+    "dpo/accuracy",
+    "dpo/reward_margin",
+    "distill/kl_to_teacher",
+    "advantage_std",
+    "clip_fraction",
+    "importance_weight_mean",
+    "importance_weight_max",
+    "sampler_kl",
+    "grad_norm",
+    "stale_groups_skipped",
+    "staleness_mean",
+    "padding_waste",
+    "tokens_per_s",
+)
+CURVES = (
+    "loss",
+    "score_mean",
+    "sft/nll",
+    "dpo/loss",
+    "dpo/accuracy",
+    "distill/kl_to_teacher",
+    "clip_fraction",
+    "importance_weight_mean",
+    "tokens_per_s",
+)
 _BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -50,15 +75,16 @@ def train(
     """
     logger = get_run_logger()
     storage, run = split_run_url(run_url)
-    config = TrainerConfig.from_yaml(
-        config_path, [*(overrides or []), f"model={json.dumps(model)}", f"steps={steps}"]
-    )
+    config = TrainerConfig.from_yaml(config_path, [*(overrides or []), f"model={json.dumps(model)}", f"steps={steps}"])
     key = artifact_key("train", run)
     progress = create_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {steps}")
     for metrics in training_steps(
-        config, storage, run, work_dir=Path(work_dir) if work_dir else None,
+        config,
+        storage,
+        run,
+        work_dir=Path(work_dir) if work_dir else None,
         data_timeout_s=data_timeout_s,
-    ):  # fmt: skip
+    ):
         logger.info("step %d: %s", metrics["step"], format_metrics(metrics))
         update_progress_artifact(progress, 100.0 * metrics["step"] / steps)
 
@@ -86,9 +112,7 @@ def train(
 def table_columns(history: list[dict[str, float]]) -> list[str]:
     """TABLE_COLUMNS that some step logged, then every other logged metric in first-seen order."""
     logged = list(dict.fromkeys(name for row in history for name in row))
-    return [name for name in TABLE_COLUMNS if name in logged] + [
-        name for name in logged if name not in TABLE_COLUMNS
-    ]
+    return [name for name in TABLE_COLUMNS if name in logged] + [name for name in logged if name not in TABLE_COLUMNS]
 
 
 def report(run: str, history: list[dict[str, float]], checkpoint: str | None) -> str:

@@ -41,9 +41,20 @@ LOG_TAIL_CHARS = 3000
 
 def trainer_arguments(
     run_url: str, model: str, steps: int, overrides: list[str], data_timeout_s: float, work_dir: Path
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """`clotho train`'s arguments (trainer.cli) for a pipeline phase, whoever launches it."""
-    arguments = ["--run", run_url, "--model", model, "--steps", str(steps), "--data-timeout-s", str(data_timeout_s), "--work-dir", str(work_dir)]
+    arguments = [
+        "--run",
+        run_url,
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--data-timeout-s",
+        str(data_timeout_s),
+        "--work-dir",
+        str(work_dir),
+    ]
     for override in overrides:
         arguments += ["--set", override]
     return arguments
@@ -71,20 +82,46 @@ def train_node(
     work_dir = Path(work_dir).resolve() if work_dir else default_work_dir(storage, run)
     host, _, port = rendezvous.rpartition(":")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node_rank),
-        "--nproc-per-node", str(procs_per_node), "--master-addr", host, "--master-port", port,
-        "-m", "trainer.cli", "--", *trainer_arguments(run_url, model, steps, overrides or [], data_timeout_s, work_dir),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nodes),
+        "--node-rank",
+        str(node_rank),
+        "--nproc-per-node",
+        str(procs_per_node),
+        "--master-addr",
+        host,
+        "--master-port",
+        port,
+        "-m",
+        "trainer.cli",
+        "--",
+        *trainer_arguments(run_url, model, steps, overrides or [], data_timeout_s, work_dir),
+    ]
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / f"trainer-node{node_rank}.log"
     offset = log_path.stat().st_size if log_path.exists() else 0
-    logger.info("node %d of %d on %s: %d rank(s), rendezvous %s, work dir %s", node_rank, nodes, socket.gethostname(), procs_per_node, rendezvous, work_dir)
+    logger.info(
+        "node %d of %d on %s: %d rank(s), rendezvous %s, work dir %s",
+        node_rank,
+        nodes,
+        socket.gethostname(),
+        procs_per_node,
+        rendezvous,
+        work_dir,
+    )
     with log_path.open("a") as log_file:
         # Its own session: a cancel's signal reaches it once, from here (torchrun passes it to its ranks).
         process = subprocess.Popen(
-            tethered(command), stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+            tethered(command),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            cwd=REPO,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         while process.poll() is None:
             time.sleep(1.0)
@@ -94,7 +131,9 @@ def train_node(
         forward_lines(log_path, offset, logger)
     if process.returncode != 0:
         tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        raise RuntimeError(f"trainer node {node_rank} on {socket.gethostname()} exited with {process.returncode} ({log_path}):\n{tail}")
+        raise RuntimeError(
+            f"trainer node {node_rank} on {socket.gethostname()} exited with {process.returncode} ({log_path}):\n{tail}"
+        )
     return {"node_rank": node_rank, "host": socket.gethostname(), "work_dir": str(work_dir)}
 
 
@@ -155,11 +194,19 @@ class NodeRuns:
                         f"prefect worker start --pool {pool} --work-queue {queue}"
                     ) from None
         parameters = dict(
-            run_url=config.run, model=config.model, steps=end_step, nodes=len(nodes.work_queues), rendezvous=nodes.rendezvous,
-            procs_per_node=nodes.procs_per_node, overrides=config.trainer_overrides(phase), data_timeout_s=config.data_timeout_s,
+            run_url=config.run,
+            model=config.model,
+            steps=end_step,
+            nodes=len(nodes.work_queues),
+            rendezvous=nodes.rendezvous,
+            procs_per_node=nodes.procs_per_node,
+            overrides=config.trainer_overrides(phase),
+            data_timeout_s=config.data_timeout_s,
             work_dir=nodes.work_dir,
-        )  # fmt: skip
-        runs = cls(nodes.deployment, list(nodes.work_queues), parameters, phase.name, nodes.start_timeout_s, nodes.restarts)
+        )
+        runs = cls(
+            nodes.deployment, list(nodes.work_queues), parameters, phase.name, nodes.start_timeout_s, nodes.restarts
+        )
         await runs.launch()
         return runs
 
@@ -172,8 +219,12 @@ class NodeRuns:
             for index, queue in enumerate(self.work_queues):
                 name = f"{self.phase}-train-node{index}" + (f"-r{self.attempt}" if self.attempt else "")
                 flow_run = await arun_deployment(
-                    self.deployment, parameters={**self.parameters, "node_rank": index}, flow_run_name=name, work_queue_name=queue, timeout=0
-                )  # fmt: skip
+                    self.deployment,
+                    parameters={**self.parameters, "node_rank": index},
+                    flow_run_name=name,
+                    work_queue_name=queue,
+                    timeout=0,
+                )
                 self.names.append(name)
                 self.ids.append(flow_run.id)
         except BaseException:
@@ -220,12 +271,16 @@ class NodeRuns:
                 if state.is_final():
                     continue
                 # Not taken by a worker yet: it never starts. Taken: its worker stops it.
-                await client.set_flow_run_state(flow_run_id, Cancelled() if state.is_scheduled() else Cancelling(), force=True)
+                await client.set_flow_run_state(
+                    flow_run_id, Cancelled() if state.is_scheduled() else Cancelling(), force=True
+                )
                 going.append(flow_run_id)
             deadline = time.monotonic() + lost_after_s
             while going and time.monotonic() < deadline:
                 await asyncio.sleep(1.0)
                 going = [i for i in going if not (await client.read_flow_run(i)).state.is_final()]
             for flow_run_id in going:
-                message = f"its worker did not end it within {lost_after_s:.0f} s of its cancel: taken for lost with its host"
+                message = (
+                    f"its worker did not end it within {lost_after_s:.0f} s of its cancel: taken for lost with its host"
+                )
                 await client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)

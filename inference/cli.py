@@ -26,8 +26,10 @@ def _log_to_stderr() -> None:
 async def _echo(outcomes: list[ReloadOutcome]) -> None:
     for outcome in outcomes:
         timing = f" (swap {outcome.swap_s:.3f}s, parity {outcome.parity_s:.3f}s)" if outcome.swap_s is not None else ""
-        typer.echo(f"{outcome.base_url}: {outcome.status} -> version {outcome.version}{timing}: {outcome.detail}",
-                   err=outcome.status in ("rejected", "failed"))  # fmt: skip
+        typer.echo(
+            f"{outcome.base_url}: {outcome.status} -> version {outcome.version}{timing}: {outcome.detail}",
+            err=outcome.status in ("rejected", "failed"),
+        )
 
 
 def check_watch(model: str | Path, watch: str) -> None:
@@ -91,8 +93,15 @@ def watch_command(
     poll_s: float = typer.Option(2.0, help="Seconds between looks at the run."),
     cache_dir: Path = typer.Option(DEFAULT_CACHE, help="Where remote checkpoints are copied to."),
     once: bool = typer.Option(False, "--once", help="Bring the servers up to date once and exit."),
-    reload_mode: str = typer.Option("in-flight", help="in-flight: generation goes on across a reload; drain: requests in flight finish on the old weights first."),
-    reload_step_timeout_s: float = typer.Option(120.0, min=0.1, help="Seconds each call of a reload may take; a server that does not answer twice is restored (inference.reload.reload_bound_s)."),
+    reload_mode: str = typer.Option(
+        "in-flight",
+        help="in-flight: generation goes on across a reload; drain: requests in flight finish on the old weights first.",
+    ),
+    reload_step_timeout_s: float = typer.Option(
+        120.0,
+        min=0.1,
+        help="Seconds each call of a reload may take; a server that does not answer twice is restored (inference.reload.reload_bound_s).",
+    ),
 ) -> None:
     """Keep running vLLM servers (started with VLLM_SERVER_DEV_MODE=1) at the run's newest checkpoint."""
     from inference.parity_guard import ParityGuard
@@ -113,10 +122,16 @@ def watch_command(
         raise typer.BadParameter(f"{reload_mode!r}: use in-flight or drain", param_hint="--reload-mode")
     guard = ParityGuard.for_model(base_model, dtype=dtype, model_name=served_model_name)
     policies = [
-        ServedPolicy(url.rstrip("/"), base_model, api_key=api_key, model_name=served_model_name, reload_mode=reload_mode,
-                     step_timeout_s=reload_step_timeout_s)
+        ServedPolicy(
+            url.rstrip("/"),
+            base_model,
+            api_key=api_key,
+            model_name=served_model_name,
+            reload_mode=reload_mode,
+            step_timeout_s=reload_step_timeout_s,
+        )
         for url in server
-    ]  # fmt: skip
+    ]
     watcher = ReloadWatcher(run_url, policies, guard, cache_dir=cache_dir, poll_s=poll_s)
     try:
         history = asyncio.run(watcher.run(max_polls=1 if once else None, on_outcomes=_echo))

@@ -115,7 +115,9 @@ def token_versions(spans: list[dict] | None, count: int) -> list[int] | None:
 
 # The completions sampled while a group is collected (recording_completions); None for one sampled
 # where this process cannot see it.
-_recorded: contextvars.ContextVar[list[Completion | None] | None] = contextvars.ContextVar("clotho_completions", default=None)
+_recorded: contextvars.ContextVar[list[Completion | None] | None] = contextvars.ContextVar(
+    "clotho_completions", default=None
+)
 
 
 @contextlib.contextmanager
@@ -186,9 +188,13 @@ class PolicyClient:
         A status in `answered` is returned as it is, for the caller to read."""
         try:
             async for attempt in async_attempts(
-                retry_on=_transient, first_s=self.backoff, max_s=MAX_BACKOFF_S, tries=self.max_retries + 1,
-                what=f"{method} {self.base_url}{path}", logger=log,
-            ):  # fmt: skip
+                retry_on=_transient,
+                first_s=self.backoff,
+                max_s=MAX_BACKOFF_S,
+                tries=self.max_retries + 1,
+                what=f"{method} {self.base_url}{path}",
+                logger=log,
+            ):
                 with attempt:
                     response = await self._http.request(method, path, **kwargs)
                     return response if response.status_code in answered else self._checked(response, method, path)
@@ -235,8 +241,18 @@ class PolicyClient:
         priority scheduling only: inference.server.URGENT)."""
         if temperature == 0.0 and n > 1:
             # vLLM refuses n > 1 with greedy sampling; n identical requests give the same group.
-            single = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=0.0, top_p=top_p, top_k=top_k,
-                          min_p=min_p, stop=stop, stop_token_ids=stop_token_ids, seed=seed, priority=priority)  # fmt: skip
+            single = dict(
+                max_tokens=max_tokens,
+                min_tokens=min_tokens,
+                temperature=0.0,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                stop=stop,
+                stop_token_ids=stop_token_ids,
+                seed=seed,
+                priority=priority,
+            )
             batches = await asyncio.gather(*(self.complete(prompt_ids, n=1, **single) for _ in range(n)))
             return [completion for batch in batches for completion in batch]
         mode = self._asked_logprobs_mode()  # read beside the first request, not before it
@@ -263,12 +279,16 @@ class PolicyClient:
         if min_p:
             sampling["min_p"] = min_p
         scheduling = {"priority": priority} if priority else {}
-        completions = await self._generate(list(prompt_ids), sampling, scheduling) if self.generate_route is not False else None
+        completions = (
+            await self._generate(list(prompt_ids), sampling, scheduling) if self.generate_route is not False else None
+        )
         if completions is None:
             body = {"model": self.model, "prompt": list(prompt_ids), "return_token_ids": True, **sampling, **scheduling}
             response = await self.request("POST", "/v1/completions", json=body)
             completions = [self._parse_choice(choice) for choice in response.json()["choices"]]
-        drawn = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs_mode=await asyncio.shield(mode))
+        drawn = Sampling(
+            temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, logprobs_mode=await asyncio.shield(mode)
+        )
         completions = [dataclasses.replace(completion, sampling=drawn) for completion in completions]
         record_completions(completions)
         return completions
@@ -306,12 +326,18 @@ class PolicyClient:
         response = await self.request("POST", "/inference/v1/generate", json=body, answered=(403, 404, 405))
         if response.status_code in (404, 405) or (response.status_code == 403 and "scale-out" in response.text.lower()):
             if self.generate_route is None:
-                log.info("%s has no /inference/v1/generate (%s); sampling through /v1/completions, without "
-                         "per-token weight versions", self.base_url, response.status_code)  # fmt: skip
+                log.info(
+                    "%s has no /inference/v1/generate (%s); sampling through /v1/completions, without "
+                    "per-token weight versions",
+                    self.base_url,
+                    response.status_code,
+                )
             self.generate_route = False
             return None
         self.generate_route = True
-        choices = sorted(self._checked(response, "POST", "/inference/v1/generate").json()["choices"], key=lambda c: c["index"])
+        choices = sorted(
+            self._checked(response, "POST", "/inference/v1/generate").json()["choices"], key=lambda c: c["index"]
+        )
         return [self._parse_generated(choice) for choice in choices]
 
     @staticmethod
@@ -339,8 +365,7 @@ class PolicyClient:
         logprobs = choice["logprobs"]["token_logprobs"] if choice.get("logprobs") else None
         if logprobs is None or len(logprobs) != len(token_ids):
             raise PolicyServerError(
-                f"logprobs for {len(token_ids)} tokens expected, got "
-                f"{None if logprobs is None else len(logprobs)}"
+                f"logprobs for {len(token_ids)} tokens expected, got {None if logprobs is None else len(logprobs)}"
             )
         return Completion(
             token_ids=list(token_ids),
@@ -354,7 +379,13 @@ class PolicyClient:
         prompt_logprobs; the first token, which nothing predicts, gets 0.0): a teacher's score of
         tokens another model sampled, with no sampling and no re-tokenization. `priority` as in
         complete()."""
-        body = {"model": self.model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0}
+        body = {
+            "model": self.model,
+            "prompt": list(token_ids),
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
         if priority:
             body["priority"] = priority
         response = await self.request("POST", "/v1/completions", json=body)

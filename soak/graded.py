@@ -63,8 +63,11 @@ class Graded(Distinct):
         await super().setup()
         c = self.config
         if c.grader == "sandbox":
-            self.grader = CodeExec({"limits": {"wall_seconds": c.wall_seconds, "cpu_seconds": c.cpu_seconds}}, client=None,
-                                   tokenizer=self.tokenizer)  # fmt: skip
+            self.grader = CodeExec(
+                {"limits": {"wall_seconds": c.wall_seconds, "cpu_seconds": c.cpu_seconds}},
+                client=None,
+                tokenizer=self.tokenizer,
+            )
         else:
             if not c.judge_url:
                 raise ValueError("judge_url: grader=judge needs the soak judge's base URL")
@@ -85,11 +88,18 @@ class Graded(Distinct):
             sequences, errors = await self.gather_sequences(rollouts)
         else:
             transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES)
-            async with httpx.AsyncClient(base_url=self.config.judge_url, timeout=self.config.judge_timeout_s, transport=transport) as http:
+            async with httpx.AsyncClient(
+                base_url=self.config.judge_url, timeout=self.config.judge_timeout_s, transport=transport
+            ) as http:
 
                 async def judged(sequence: ScoredSequence, joke: str) -> ScoredSequence:
-                    messages = [{"role": "user", "content": f"Write a short joke about {TOPIC}."}, {"role": "assistant", "content": joke}]
-                    score = await self.grader.judge(http, Item(id=item.id, prompt="joke", extras={"topic": TOPIC}), messages)
+                    messages = [
+                        {"role": "user", "content": f"Write a short joke about {TOPIC}."},
+                        {"role": "assistant", "content": joke},
+                    ]
+                    score = await self.grader.judge(
+                        http, Item(id=item.id, prompt="joke", extras={"topic": TOPIC}), messages
+                    )
                     return sequence.model_copy(update={"score": score})
 
                 rollouts = [judged(sequence, joke) for sequence, (joke, _) in zip(drawn, answers, strict=True)]
@@ -141,8 +151,13 @@ class JudgeServer:
                     time.sleep(server.hang_until - time.monotonic())
                 question = body["messages"][0]["content"]
                 joke = question.split("\n\n")[1]
-                self.answer({"object": "chat.completion", "model": JUDGE_MODEL,
-                             "choices": [{"index": 0, "message": {"role": "assistant", "content": str(judge_points(joke))}}]})  # fmt: skip
+                self.answer(
+                    {
+                        "object": "chat.completion",
+                        "model": JUDGE_MODEL,
+                        "choices": [{"index": 0, "message": {"role": "assistant", "content": str(judge_points(joke))}}],
+                    }
+                )
 
             def answer(self, payload: dict) -> None:
                 data = json.dumps(payload).encode()

@@ -21,8 +21,8 @@ import time
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item
 from core.scored_group import ScoredGroup, ScoredSequence
+from environments.base import Environment, EnvironmentConfig, Item
 
 # Token ids inside the tiny model's vocabulary (512), clear of the special ids at the bottom.
 LOWEST_TOKEN, HIGHEST_TOKEN = 3, 500
@@ -31,9 +31,13 @@ SAMPLER_LOGPROB = -6.2
 
 
 class DistinctConfig(EnvironmentConfig):
-    sample_tokens: int = Field(default=0, ge=0, description="Sample completions of this many tokens from the server (0: draw them).")
+    sample_tokens: int = Field(
+        default=0, ge=0, description="Sample completions of this many tokens from the server (0: draw them)."
+    )
     delay_s: float = Field(default=0.0, ge=0.0, description="Seconds each group takes when nothing is sampled.")
-    journal: str | None = Field(default=None, description="Local file to append 'item_id unix_time' to per finished group.")
+    journal: str | None = Field(
+        default=None, description="Local file to append 'item_id unix_time' to per finished group."
+    )
 
 
 class Distinct(Environment):
@@ -56,9 +60,12 @@ class Distinct(Environment):
         if self.config.sample_tokens:
             prompt = draw_prompt(random.Random(item.id))
             completions = await self.client.complete(
-                prompt, n=self.config.group_size, max_tokens=self.config.sample_tokens,
-                min_tokens=self.config.sample_tokens, temperature=1.0,
-            )  # fmt: skip
+                prompt,
+                n=self.config.group_size,
+                max_tokens=self.config.sample_tokens,
+                min_tokens=self.config.sample_tokens,
+                temperature=1.0,
+            )
             group = self.make_group(item, scored(item.id, prompt, [(c.token_ids, c.logprobs) for c in completions]))
         else:
             if self.config.delay_s:
@@ -86,7 +93,10 @@ def scored(item_id: str, prompt: list[int], completions: list[tuple[list[int], l
     """The sequences of a group: scores differ within it (member 0 scores 1, member 1 scores 0,
     the rest are drawn), so its advantages do."""
     scores = planned_scores(item_id, len(completions))
-    return [ScoredSequence.from_prompt(prompt, tokens, logprobs, score) for (tokens, logprobs), score in zip(completions, scores, strict=True)]
+    return [
+        ScoredSequence.from_prompt(prompt, tokens, logprobs, score)
+        for (tokens, logprobs), score in zip(completions, scores, strict=True)
+    ]
 
 
 def planned_scores(item_id: str, group_size: int) -> list[float]:

@@ -20,8 +20,17 @@ import time
 from pathlib import Path
 
 from tests.cluster.hosts import (
-    AUTH, KEY, Cluster, deploy_loop, loop_config, serve, start_shared_services, start_workers, tally, unavailable,
-)  # fmt: skip
+    AUTH,
+    KEY,
+    Cluster,
+    deploy_loop,
+    loop_config,
+    serve,
+    start_shared_services,
+    start_workers,
+    tally,
+    unavailable,
+)
 
 STEPS = 8
 BACK_AFTER_S = 15.0  # c is down this long before it comes back (its workers start again)
@@ -29,27 +38,40 @@ BACK_AFTER_S = 15.0  # c is down this long before it comes back (its workers sta
 
 def trainer_steps(c: Cluster, run: str) -> int:
     """The trainer's published position in the run (0 before one)."""
-    out = c.run("d", f"{c.s3_env()} python -c \"from storage.progress import read_trainer_position; "
-                     f"p = read_trainer_position('s3://runs', '{run}'); print(p.policy_version if p else 0)\"", check=False).stdout  # fmt: skip
+    out = c.run(
+        "d",
+        f'{c.s3_env()} python -c "from storage.progress import read_trainer_position; '
+        f"p = read_trainer_position('s3://runs', '{run}'); print(p.policy_version if p else 0)\"",
+        check=False,
+    ).stdout
     lines = out.strip().splitlines()
     return int(lines[-1]) if lines and lines[-1].isdigit() else 0
 
 
 def step_times(c: Cluster, run: str) -> dict[int, float]:
     """Each step's metrics row's wall time (the trainer's clock: this machine's)."""
-    out = c.run("d", f"{c.s3_env()} python -c \"import json; from storage.progress import read_step_metrics; "
-                     f"rows = [read_step_metrics('s3://runs', '{run}', s) for s in range(1, {STEPS} + 1)]; "
-                     "print(json.dumps({r['step']: r['time'] for r in rows if r}))\"").stdout  # fmt: skip
+    out = c.run(
+        "d",
+        f'{c.s3_env()} python -c "import json; from storage.progress import read_step_metrics; '
+        f"rows = [read_step_metrics('s3://runs', '{run}', s) for s in range(1, {STEPS} + 1)]; "
+        "print(json.dumps({r['step']: r['time'] for r in rows if r}))\"",
+    ).stdout
     return {int(step): when for step, when in json.loads(out.strip().splitlines()[-1]).items()}
 
 
 def trial(c: Cluster, index: int, rng: random.Random) -> dict:
     run = f"loss-{index}"
     server = serve(c, f"vllm-{run}", 8100 + index, f"s3://runs/{run}")
-    at_step, delay, wipe = rng.randint(1, STEPS - 3), rng.uniform(0.0, 4.0), index % 2 == 1  # odd trials: c's disk lost too
+    at_step, delay, wipe = (
+        rng.randint(1, STEPS - 3),
+        rng.uniform(0.0, 4.0),
+        index % 2 == 1,
+    )  # odd trials: c's disk lost too
     c.run("a", f"cat > /tmp/{run}.yaml << 'EOF'\n{loop_config(c, f's3://runs/{run}', server, STEPS)}\nEOF")
     started = time.time()
-    c.spawn("a", f"run-{run}", f"{c.s3_env()} {c.api_env()} CLOTHO_API_KEY={KEY} clotho run /tmp/{run}.yaml; echo exit $?")
+    c.spawn(
+        "a", f"run-{run}", f"{c.s3_env()} {c.api_env()} CLOTHO_API_KEY={KEY} clotho run /tmp/{run}.yaml; echo exit $?"
+    )
     deadline = time.monotonic() + 600
     while (steps := trainer_steps(c, run)) < at_step:
         if time.monotonic() > deadline:
@@ -71,27 +93,48 @@ def trial(c: Cluster, index: int, rng: random.Random) -> dict:
     times = step_times(c, run)
     after = [when for step, when in times.items() if step > steps and when > killed_at]
     row = {
-        "trial": index, "killed_at_step": steps, "disk_lost": wipe, "exit": ran.strip().splitlines()[-1] if ran.strip() else "",
-        "restarts": ran.count("starting the trainer's nodes again"), "rollout_restarts": ran.count("starting it again as"),
-        "recovery_s": round(min(after) - killed_at, 1) if after else None, "minutes": round((time.time() - started) / 60, 2),
-        "steps": tallied["steps"], "committed": tallied["committed"], "lost": tallied["lost"], "twice": tallied["twice"],
-        "torn": len(tallied["torn"]), "regressions": len(tallied["regressions"]), "stale": tallied["stale"], "unread": tallied["unread"],
+        "trial": index,
+        "killed_at_step": steps,
+        "disk_lost": wipe,
+        "exit": ran.strip().splitlines()[-1] if ran.strip() else "",
+        "restarts": ran.count("starting the trainer's nodes again"),
+        "rollout_restarts": ran.count("starting it again as"),
+        "recovery_s": round(min(after) - killed_at, 1) if after else None,
+        "minutes": round((time.time() - started) / 60, 2),
+        "steps": tallied["steps"],
+        "committed": tallied["committed"],
+        "lost": tallied["lost"],
+        "twice": tallied["twice"],
+        "torn": len(tallied["torn"]),
+        "regressions": len(tallied["regressions"]),
+        "stale": tallied["stale"],
+        "unread": tallied["unread"],
         "served": json.loads(served).get("weight_version") if served.strip().startswith("{") else None,
-    }  # fmt: skip
-    row["ok"] = (row["exit"] == "exit 0" and row["steps"] == list(range(1, STEPS + 1)) and not (row["lost"] or row["twice"] or row["torn"] or row["regressions"])
-                 and row["served"] == str(STEPS))  # fmt: skip
+    }
+    row["ok"] = (
+        row["exit"] == "exit 0"
+        and row["steps"] == list(range(1, STEPS + 1))
+        and not (row["lost"] or row["twice"] or row["torn"] or row["regressions"])
+        and row["served"] == str(STEPS)
+    )
     if not row["ok"]:
         row["log_tail"] = ran[-3000:]
     return row
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| trial | killed at step | disk lost | trainer restarts | rollout restarts | recovery (s) | minutes | committed | lost | twice | torn | stale | served | ok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| trial | killed at step | disk lost | trainer restarts | rollout restarts | recovery (s) | minutes | "
+        "committed | lost | twice | torn | stale | served | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['trial']} | {r['killed_at_step']} | {'yes' if r['disk_lost'] else 'no'} | {r['restarts']} | {r.get('rollout_restarts')} | {r['recovery_s']} | "
-                     f"{r['minutes']} | {r['committed']} | {r['lost']} | {r['twice']} | {r['torn']} | {r['stale']} | v{r['served']} | "
-                     f"{'yes' if r['ok'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['trial']} | {r['killed_at_step']} | {'yes' if r['disk_lost'] else 'no'} | {r['restarts']} | "
+            f"{r.get('rollout_restarts')} | {r['recovery_s']} | "
+            f"{r['minutes']} | {r['committed']} | {r['lost']} | {r['twice']} | {r['torn']} | {r['stale']} | v{r['served']} | "
+            f"{'yes' if r['ok'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 

@@ -83,7 +83,10 @@ class Trial:
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.twice or self.torn or self.misscored or self.problems) and self.weights_equal is not False
+        return (
+            not (self.lost or self.twice or self.torn or self.misscored or self.problems)
+            and self.weights_equal is not False
+        )
 
 
 class Loop:
@@ -91,10 +94,20 @@ class Loop:
     started per segment, the shared policy and Prefect servers."""
 
     def __init__(
-        self, work: Path, model: Path, server_url: str, *, settings: Settings, prefect: PrefectPart | None = None,
-        prefect_api_url: str | None = None, prefect_home: Path | None = None, policy: PolicyPart | None = None,
-        watch: bool = True, seed: int = 0, storage: str | None = None,
-    ):  # fmt: skip
+        self,
+        work: Path,
+        model: Path,
+        server_url: str,
+        *,
+        settings: Settings,
+        prefect: PrefectPart | None = None,
+        prefect_api_url: str | None = None,
+        prefect_home: Path | None = None,
+        policy: PolicyPart | None = None,
+        watch: bool = True,
+        seed: int = 0,
+        storage: str | None = None,
+    ):
         """`storage`: the root URL the run is written to (e.g. s3://bucket/soak, with the store's
         credentials and endpoint in the environment); by default a directory in `work`."""
         if work.exists():
@@ -108,12 +121,24 @@ class Loop:
         self.env["TMPDIR"] = str(work / "tmp")
         (work / "tmp").mkdir()
         # On a shared store each loop's run has a name of its own.
-        self.run_url = f"file://{work}/store/run" if storage is None else f"{storage.rstrip('/')}/{work.name}-{uuid.uuid4().hex[:8]}"
+        self.run_url = (
+            f"file://{work}/store/run"
+            if storage is None
+            else f"{storage.rstrip('/')}/{work.name}-{uuid.uuid4().hex[:8]}"
+        )
         self.root, self.run = split_run_url(self.run_url)
         self.trainer_dir = work / "trainer"  # the trainer's resume state, metrics and staged checkpoints
         self.staging_dir = self.trainer_dir / "staging"
-        self.trainer = trainer_part(self.run_url, model, 10**6, settings.trainer_settings(), work, self.env, work_dir=self.trainer_dir)
-        self.watcher = watcher_part(self.run_url, server_url, model, work, self.env, settings.watcher_poll_s, settings.reload_step_timeout_s) if watch else None
+        self.trainer = trainer_part(
+            self.run_url, model, 10**6, settings.trainer_settings(), work, self.env, work_dir=self.trainer_dir
+        )
+        self.watcher = (
+            watcher_part(
+                self.run_url, server_url, model, work, self.env, settings.watcher_poll_s, settings.reload_step_timeout_s
+            )
+            if watch
+            else None
+        )
         self.rollouts: list[Part] = []
         self.judge = JudgeServer() if settings.grader == "judge" else None
         self.infra = {"failed": 0, "retries": 0}  # summed over the flows that ran to their end
@@ -124,8 +149,16 @@ class Loop:
         self.rollout_timing: list[tuple[float, float, float]] = []
         self.segment_s: list[float] = []
         # What the last count found, so that each trial reports only what went wrong in it.
-        self.seen: dict = {"committed": 0, "lost": set(), "twice": set(), "torn": set(), "wrong": set(), "misscored": set(),
-                           "failed": 0, "retries": 0}  # fmt: skip
+        self.seen: dict = {
+            "committed": 0,
+            "lost": set(),
+            "twice": set(),
+            "torn": set(),
+            "wrong": set(),
+            "misscored": set(),
+            "failed": 0,
+            "retries": 0,
+        }
 
     # ---- parts ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,11 +179,22 @@ class Loop:
         self.next_seed += 1
         s = self.settings
         part = rollout_part(
-            self.run_url, self.server_url, self.model, groups, self.next_seed, self.work, self.env,
-            group_size=s.group_size, delay_s=s.delay_s, sample_tokens=s.sample_tokens, lanes=s.lanes,
-            shard_max_age_s=s.shard_max_age_s, grader=s.grader, judge_url=self.judge.url if self.judge else "",
+            self.run_url,
+            self.server_url,
+            self.model,
+            groups,
+            self.next_seed,
+            self.work,
+            self.env,
+            group_size=s.group_size,
+            delay_s=s.delay_s,
+            sample_tokens=s.sample_tokens,
+            lanes=s.lanes,
+            shard_max_age_s=s.shard_max_age_s,
+            grader=s.grader,
+            judge_url=self.judge.url if self.judge else "",
             judge_timeout_s=s.judge_timeout_s,
-        ).start()  # fmt: skip
+        ).start()
         self.rollouts.append(part)
         return part
 
@@ -196,10 +240,14 @@ class Loop:
             if have == self.goal():
                 return
             if have > self.goal():
-                raise RuntimeError(f"{have} groups committed, {self.goal()} asked for: a flow committed more than --groups")
+                raise RuntimeError(
+                    f"{have} groups committed, {self.goal()} asked for: a flow committed more than --groups"
+                )
             if time.monotonic() > deadline or failures > 5:
                 last = part.log_tail() if failures else ""
-                raise TimeoutError(f"segment {self.segments}: {have} of {self.goal()} groups committed, {failures} flows failed:\n{last}")
+                raise TimeoutError(
+                    f"segment {self.segments}: {have} of {self.goal()} groups committed, {failures} flows failed:\n{last}"
+                )
             if failures:
                 time.sleep(2.0)
             self.start_rollout(self.goal() - have)
@@ -208,8 +256,9 @@ class Loop:
         """A flow that ran to its end: when it finished its first and last group, and exited."""
         finished = sorted(read_journal(part.journal).values())
         if finished:
-            self.rollout_timing.append((finished[0] - part.started_wall, finished[-1] - part.started_wall,
-                                        time.monotonic() - part.started_at))  # fmt: skip
+            self.rollout_timing.append(
+                (finished[0] - part.started_wall, finished[-1] - part.started_wall, time.monotonic() - part.started_at)
+            )
 
     def count_infra(self, part: Part) -> None:
         """The groups a flow failed as `infra` (its closing summary) and the retries it logged."""
@@ -231,7 +280,9 @@ class Loop:
             return part.started_at + rng.uniform(0.0, life)
         while part.alive and not read_journal(part.journal):  # its start-up time varies with the load
             time.sleep(0.05)
-        return time.monotonic() + rng.uniform(0.0, max(0.0, min(life, last + self.settings.rollout_kill_tail_s) - first))
+        return time.monotonic() + rng.uniform(
+            0.0, max(0.0, min(life, last + self.settings.rollout_kill_tail_s) - first)
+        )
 
     def wait_trained(self, timeout_s: float | None = None) -> None:
         """Until the trainer published the segment's last step (an error if it exited meanwhile)."""
@@ -266,8 +317,15 @@ class Loop:
         trial.misscored = len(misscored - self.seen["misscored"])
         trial.problems += sorted(misscored - self.seen["misscored"])[:3]
         trial.infra_failed, trial.infra_retries = (self.infra[key] - self.seen[key] for key in ("failed", "retries"))
-        self.seen = {"committed": counted.committed, "lost": counted.lost, "twice": counted.twice, "torn": counted.torn,
-                     "wrong": set(counted.wrong_steps), "misscored": misscored, **self.infra}  # fmt: skip
+        self.seen = {
+            "committed": counted.committed,
+            "lost": counted.lost,
+            "twice": counted.twice,
+            "torn": counted.torn,
+            "wrong": set(counted.wrong_steps),
+            "misscored": misscored,
+            **self.infra,
+        }
 
     def misscored(self) -> list[str]:
         """Stored groups' scores against the planned ones (soak.graded.planned, soak.groups.planned_scores)."""
@@ -279,7 +337,9 @@ class Loop:
         return graded.misscored(((g.item_id, g.scores) for g in checks.read_storage(self.run_url).groups), planned)
 
     async def server_state(self) -> checks.ServerState:
-        return await checks.server_state(self.server_url, self.run_url, self.parity_guard(), self.model, self.work / "checkpoints")
+        return await checks.server_state(
+            self.server_url, self.run_url, self.parity_guard(), self.model, self.work / "checkpoints"
+        )
 
     def parity_guard(self):
         if self.guard is None:
@@ -295,7 +355,9 @@ class Loop:
         replay_url = f"file://{self.work}/replay/run"
         checks.copy_shards(self.run_url, replay_url)
         steps = self.last_step()
-        replaying = trainer_part(replay_url, self.model, steps, self.settings.trainer_settings(), self.work, self.env, name="replay")
+        replaying = trainer_part(
+            replay_url, self.model, steps, self.settings.trainer_settings(), self.work, self.env, name="replay"
+        )
         replaying.start()
         if replaying.wait(self.settings.segment_timeout_s * 2) != 0:
             raise RuntimeError(f"the replay trainer failed:\n{replaying.log_tail()}")
@@ -306,7 +368,9 @@ class Loop:
             trial.weights_equal = all(c.equal and c.same_groups for c in mine)
             if not trial.weights_equal:
                 worst = max(c.max_difference for c in mine)
-                trial.problems.append(f"replayed steps differ (groups {all(c.same_groups for c in mine)}, weights max |diff| {worst:.3g})")
+                trial.problems.append(
+                    f"replayed steps differ (groups {all(c.same_groups for c in mine)}, weights max |diff| {worst:.3g})"
+                )
         return comparisons
 
 

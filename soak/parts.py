@@ -46,7 +46,9 @@ def part_environment(prefect_api_url: str | None, prefect_home: Path | None) -> 
 class Part:
     """One process: start, SIGKILL (its whole session with `whole_group`), restart the same way."""
 
-    def __init__(self, name: str, command: list[str], *, env: dict[str, str], log_path: Path, whole_group: bool = False):
+    def __init__(
+        self, name: str, command: list[str], *, env: dict[str, str], log_path: Path, whole_group: bool = False
+    ):
         self.name, self.command, self.env, self.log_path = name, command, env, log_path
         self.whole_group = whole_group
         self.process: subprocess.Popen | None = None
@@ -194,16 +196,39 @@ def _continue(group: int) -> None:
         os.killpg(group, signal.SIGCONT)
 
 
-def watcher_part(run_url: str, server_url: str, model: Path, work: Path, env: dict[str, str], poll_s: float, step_timeout_s: float) -> Part:
+def watcher_part(
+    run_url: str, server_url: str, model: Path, work: Path, env: dict[str, str], poll_s: float, step_timeout_s: float
+) -> Part:
     command = [
-        str(BIN / "clotho"), "watch", "--run", run_url, "--server", server_url, "--base-model", str(model),
-        "--poll-s", str(poll_s), "--cache-dir", str(work / "reload-cache"), "--reload-step-timeout-s", str(step_timeout_s),
-    ]  # fmt: skip
+        str(BIN / "clotho"),
+        "watch",
+        "--run",
+        run_url,
+        "--server",
+        server_url,
+        "--base-model",
+        str(model),
+        "--poll-s",
+        str(poll_s),
+        "--cache-dir",
+        str(work / "reload-cache"),
+        "--reload-step-timeout-s",
+        str(step_timeout_s),
+    ]
     return Part("watcher", command, env=env, log_path=work / "logs" / "watcher.log")
 
 
-def trainer_part(run_url: str, model: Path, steps: int, settings: dict[str, object], work: Path, env: dict[str, str],
-                 name: str = "trainer", ranks: int = 1, work_dir: Path | None = None) -> Part:  # fmt: skip
+def trainer_part(
+    run_url: str,
+    model: Path,
+    steps: int,
+    settings: dict[str, object],
+    work: Path,
+    env: dict[str, str],
+    name: str = "trainer",
+    ranks: int = 1,
+    work_dir: Path | None = None,
+) -> Part:
     """`work_dir`: the trainer's own (resume state, staging); by default the run's (trainer.train.default_work_dir)."""
     args = ["--run", run_url, "--model", str(model), "--steps", str(steps), "--data-timeout-s", "3600"]
     if work_dir is not None:
@@ -218,24 +243,69 @@ def trainer_part(run_url: str, model: Path, steps: int, settings: dict[str, obje
 
 
 def rollout_part(
-    run_url: str, server_url: str, model: Path, groups: int, seed: int, work: Path, env: dict[str, str], *,
-    name: str = "rollout", group_size: int = 4, delay_s: float = 0.0, sample_tokens: int = 0, lanes: int = 2,
-    shard_max_age_s: float = 2.0, task_run_s: float = 2.0, grader: str = "", judge_url: str = "", judge_timeout_s: float = 1.0,
-) -> Part:  # fmt: skip
+    run_url: str,
+    server_url: str,
+    model: Path,
+    groups: int,
+    seed: int,
+    work: Path,
+    env: dict[str, str],
+    *,
+    name: str = "rollout",
+    group_size: int = 4,
+    delay_s: float = 0.0,
+    sample_tokens: int = 0,
+    lanes: int = 2,
+    shard_max_age_s: float = 2.0,
+    task_run_s: float = 2.0,
+    grader: str = "",
+    judge_url: str = "",
+    judge_timeout_s: float = 1.0,
+) -> Part:
     """A rollout flow of `groups` Distinct groups whose items are `{seed}-{n}` (with `grader`:
     soak.graded's, scored by code_exec's sandbox or llm_judge's judge at `judge_url`); its journal is
     `work/journals/{seed}.txt` (every group it finished)."""
     journal = work / "journals" / f"{seed}.txt"
     journal.parent.mkdir(parents=True, exist_ok=True)
     command = [
-        str(BIN / "clotho"), "rollout", "--env", "soak.graded:Graded" if grader else "soak.groups:Distinct", "--run", run_url, "--server", server_url,
-        "--tokenizer", str(model), "--groups", str(groups), "--max-concurrent-groups", str(lanes),
-        "--task-run-s", str(task_run_s), "--shard-max-age-s", str(shard_max_age_s),
-        "--set", f"seed={seed}", "--set", f"group_size={group_size}", "--set", f"delay_s={delay_s}",
-        "--set", f"sample_tokens={sample_tokens}", "--set", f"journal={journal}",
-    ]  # fmt: skip
+        str(BIN / "clotho"),
+        "rollout",
+        "--env",
+        "soak.graded:Graded" if grader else "soak.groups:Distinct",
+        "--run",
+        run_url,
+        "--server",
+        server_url,
+        "--tokenizer",
+        str(model),
+        "--groups",
+        str(groups),
+        "--max-concurrent-groups",
+        str(lanes),
+        "--task-run-s",
+        str(task_run_s),
+        "--shard-max-age-s",
+        str(shard_max_age_s),
+        "--set",
+        f"seed={seed}",
+        "--set",
+        f"group_size={group_size}",
+        "--set",
+        f"delay_s={delay_s}",
+        "--set",
+        f"sample_tokens={sample_tokens}",
+        "--set",
+        f"journal={journal}",
+    ]
     if grader:
-        command += ["--set", f"grader={grader}", "--set", f"judge_url={judge_url}", "--set", f"judge_timeout_s={judge_timeout_s}"]
+        command += [
+            "--set",
+            f"grader={grader}",
+            "--set",
+            f"judge_url={judge_url}",
+            "--set",
+            f"judge_timeout_s={judge_timeout_s}",
+        ]
     part = Part(name, command, env=env, log_path=work / "logs" / f"{name}-{seed}.log")
     part.journal, part.seed, part.groups_asked = journal, seed, groups
     return part

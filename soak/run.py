@@ -34,9 +34,17 @@ from soak.parts import PolicyPart, PrefectPart
 
 STORAGE = "storage (S3 API)"  # no loop: writers and readers against a faulty S3 server
 # The --fault names of the faults (soak.faults.FAULTS, and STORAGE).
-CHOICES = {"rollout": "rollout flow", "trainer": "trainer", "watcher": "reload watcher", "vllm": "vLLM server", "prefect": "Prefect server",
-           "reload-pause": "paused reload", "cpu-hog": "CPU hog in the sandbox", "judge-hang": "hanging judge",
-           "storage": STORAGE}  # fmt: skip
+CHOICES = {
+    "rollout": "rollout flow",
+    "trainer": "trainer",
+    "watcher": "reload watcher",
+    "vllm": "vLLM server",
+    "prefect": "Prefect server",
+    "reload-pause": "paused reload",
+    "cpu-hog": "CPU hog in the sandbox",
+    "judge-hang": "hanging judge",
+    "storage": STORAGE,
+}
 assert sorted(CHOICES.values()) == sorted([*FAULTS, STORAGE])
 # Per fault: how its loop samples. The vLLM fault samples real completions, so requests are in
 # flight when the server dies; the others draw them (inference is not what they test).
@@ -57,11 +65,17 @@ SETTINGS = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=20, help="Trials per fault (>= 1).")
-    parser.add_argument("--fault", action="append", choices=list(CHOICES), help="Only this fault (repeatable); default all.")
+    parser.add_argument(
+        "--fault", action="append", choices=list(CHOICES), help="Only this fault (repeatable); default all."
+    )
     parser.add_argument("--seed", type=int, default=0, help="Seed of the kill moments.")
     parser.add_argument("--work", type=Path, default=Path(".clotho/soak"), help="Where runs, logs and results go.")
-    parser.add_argument("--storage", choices=["file", "s3"], default="file",
-                        help="Where the loops' runs are stored: a local directory, or a moto S3 server started for the soak.")
+    parser.add_argument(
+        "--storage",
+        choices=["file", "s3"],
+        default="file",
+        help="Where the loops' runs are stored: a local directory, or a moto S3 server started for the soak.",
+    )
     args = parser.parse_args(argv)
     if args.trials < 1:
         parser.error(f"--trials {args.trials}: use 1 or more")
@@ -83,10 +97,17 @@ def main(argv: list[str] | None = None) -> int:
         storage = run_storage_fault_soak(args.trials, rng.randrange(10**6), report=lambda row: say(f"  {row}"))
     report = render(results, replays, time.monotonic() - started, storage, args.storage)
     print(report)
-    (work / "results.json").write_text(json.dumps(
-        {"trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()}, "replays": replays,
-         "storage": storage, "runs_on": args.storage}, indent=1,
-    ))  # fmt: skip
+    (work / "results.json").write_text(
+        json.dumps(
+            {
+                "trials": {fault: [asdict(t) for t in trials] for fault, trials in results.items()},
+                "replays": replays,
+                "storage": storage,
+                "runs_on": args.storage,
+            },
+            indent=1,
+        )
+    )
     ok = all(passed(trials, replays.get(fault)) for fault, trials in results.items())
     return 0 if ok and all(row["result"] == "ok" for row in storage) else 1
 
@@ -126,8 +147,16 @@ def run_loop_faults(
         policy.start()
         say(f"vLLM up at {policy.base_url}")
         for index, fault in enumerate(faults):
-            loop = Loop(work / slug(fault), model, policy.base_url, settings=SETTINGS[fault], prefect=prefect, policy=policy,
-                        seed=index, storage=storage)  # fmt: skip
+            loop = Loop(
+                work / slug(fault),
+                model,
+                policy.base_url,
+                settings=SETTINGS[fault],
+                prefect=prefect,
+                policy=policy,
+                seed=index,
+                storage=storage,
+            )
             say(f"{fault}: {trials} trials")
             try:
                 loop.start()
@@ -171,12 +200,21 @@ def table_row(fault: str, trials: list[dict], ok: bool) -> str:
     return f"| {fault} | {len(trials)} | {counts} | {'pass' if ok else 'FAIL'} |"
 
 
-def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: float, storage: list[dict] = (),
-           runs_on: str = "file") -> str:  # fmt: skip
+def render(
+    results: dict[str, list[Trial]],
+    replays: dict[str, dict],
+    seconds: float,
+    storage: list[dict] = (),
+    runs_on: str = "file",
+) -> str:
     """The table, one row per fault, and the measurements under it."""
-    lines = ["", f"Runs stored on {'a moto S3 server (S3 API)' if runs_on == 's3' else 'local disk'}.", "",
-             "| fault | trials | committed groups | lost | trained twice | torn | infra failures scored as rewards | result |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "",
+        f"Runs stored on {'a moto S3 server (S3 API)' if runs_on == 's3' else 'local disk'}.",
+        "",
+        "| fault | trials | committed groups | lost | trained twice | torn | infra failures scored as rewards | result |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for fault, trials in results.items():
         lines.append(table_row(fault, [asdict(t) for t in trials], passed(trials, replays.get(fault))))
     if storage:
@@ -187,30 +225,45 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
         for trial in trials:
             landed[trial.landed] = landed.get(trial.landed, 0) + 1
         per_trial = statistics.mean(t.seconds for t in trials)
-        notes = [f"{per_trial:.0f} s per trial", "kills: " + ", ".join(f"{where} {count}" for where, count in sorted(landed.items()))]
+        notes = [
+            f"{per_trial:.0f} s per trial",
+            "kills: " + ", ".join(f"{where} {count}" for where, count in sorted(landed.items())),
+        ]
         uncommitted = [t.uncommitted for t in trials if t.uncommitted is not None]
         if uncommitted:
             oldest = max(t.uncommitted_oldest_s or 0.0 for t in trials)
-            notes.append(f"finished but uncommitted at the kill: {sum(uncommitted)} groups in all, at most {max(uncommitted)} per kill, "
-                         f"the oldest {oldest:.1f} s old")  # fmt: skip
+            notes.append(
+                f"finished but uncommitted at the kill: {sum(uncommitted)} groups in all, at most {max(uncommitted)} per kill, "
+                f"the oldest {oldest:.1f} s old"
+            )
         mid_flush = [t for t in trials if "mid-flush" in t.landed]
         if mid_flush:
-            notes.append(f"{len(mid_flush)} kills left a shard's index entry without its shard: the trainer waited for it "
-                         f"(storage.index.GRACE_S), those trials took {', '.join(f'{t.seconds:.0f}' for t in mid_flush)} s")  # fmt: skip
+            notes.append(
+                f"{len(mid_flush)} kills left a shard's index entry without its shard: the trainer waited for it "
+                f"(storage.index.GRACE_S), those trials took {', '.join(f'{t.seconds:.0f}' for t in mid_flush)} s"
+            )
         if SETTINGS[fault].grader:
-            notes.append(f"groups failed as infra {sum(t.infra_failed for t in trials)}, retries of a {SETTINGS[fault].grader} "
-                         f"call {sum(t.infra_retries for t in trials)}")  # fmt: skip
+            notes.append(
+                f"groups failed as infra {sum(t.infra_failed for t in trials)}, retries of a {SETTINGS[fault].grader} "
+                f"call {sum(t.infra_retries for t in trials)}"
+            )
         caught_up = [t.caught_up_s for t in trials if t.caught_up_s is not None]
         if caught_up:
-            notes.append(f"kill to newest version served: median {statistics.median(caught_up):.0f} s, max {max(caught_up):.0f} s")
+            notes.append(
+                f"kill to newest version served: median {statistics.median(caught_up):.0f} s, max {max(caught_up):.0f} s"
+            )
         if fault in replays:
             replay = replays[fault]
-            notes.append(f"replay: {replay['bitwise_equal_steps']}/{replay['steps']} steps bit-identical weights, "
-                         f"{replay['same_groups_steps']}/{replay['steps']} the same groups (max |diff| {replay['max_difference']:.3g})")  # fmt: skip
+            notes.append(
+                f"replay: {replay['bitwise_equal_steps']}/{replay['steps']} steps bit-identical weights, "
+                f"{replay['same_groups_steps']}/{replay['steps']} the same groups (max |diff| {replay['max_difference']:.3g})"
+            )
             shown = ", ".join(f"{state.lower()} {count}" for state, count in sorted(replay["flow_runs"].items()))
             notes.append(f"rollout flow runs in the Prefect UI: {shown}")
             if replay["temporary_left"]:
-                notes.append(f"left in the parts' TMPDIR: {len(replay['temporary_left'])} ({', '.join(replay['temporary_left'][:3])})")
+                notes.append(
+                    f"left in the parts' TMPDIR: {len(replay['temporary_left'])} ({', '.join(replay['temporary_left'][:3])})"
+                )
         failed = [t for t in trials if not t.ok]
         if failed:
             notes.append("failed: " + " | ".join(f"#{t.trial}: {'; '.join(t.problems)}" for t in failed))
@@ -218,9 +271,11 @@ def render(results: dict[str, list[Trial]], replays: dict[str, dict], seconds: f
     if storage:
         per_trial = statistics.mean(row["seconds"] for row in storage)
         failed = [str(row["seed"]) for row in storage if row["result"] != "ok"]
-        lines.append(f"- {STORAGE}: {per_trial:.0f} s per trial; faults armed {sum(r['armed'] for r in storage)}, requests hit "
-                     f"{sum(r['fired'] for r in storage)}; {sum(r['checkpoints'] for r in storage)} checkpoints verified against "
-                     f"their STABLE" + (f"; failed seeds: {', '.join(failed)}" if failed else ""))  # fmt: skip
+        lines.append(
+            f"- {STORAGE}: {per_trial:.0f} s per trial; faults armed {sum(r['armed'] for r in storage)}, requests hit "
+            f"{sum(r['fired'] for r in storage)}; {sum(r['checkpoints'] for r in storage)} checkpoints verified against "
+            f"their STABLE" + (f"; failed seeds: {', '.join(failed)}" if failed else "")
+        )
     lines.append(f"- total {seconds / 60:.1f} min")
     return "\n".join(lines)
 

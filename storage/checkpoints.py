@@ -149,7 +149,7 @@ def read_checkpoint(url: str, *, storage_options: dict[str, Any] | None = None) 
             raise CheckpointError(f"{url} has no STABLE marker: it is not (yet) published") from None
         prefix = path.rstrip("/") + "/"
         found = retrying(fs, path, fs.find, path, detail=True)
-        sizes = {name[len(prefix):]: entry["size"] for name, entry in found.items()}
+        sizes = {name[len(prefix) :]: entry["size"] for name, entry in found.items()}
     for name, size in manifest["files"].items():
         if sizes.get(name) != size:
             raise CheckpointError(f"{url}: {name} is missing or has {sizes.get(name)} bytes, STABLE says {size}")
@@ -235,25 +235,39 @@ def mark_best(root: str, run: str, step: int, reward: float, *, storage_options:
         else:
             marker_path = resolve(marker, storage_options)[1]
             retrying(fs, marker_path, fs.rm, marker_path)
-    log.warning("step %d of %s was removed before it could be marked best; BEST still names %s", step, run,
-                previous and previous["step"])  # fmt: skip
+    log.warning(
+        "step %d of %s was removed before it could be marked best; BEST still names %s",
+        step,
+        run,
+        previous and previous["step"],
+    )
     return False
 
 
 def best_checkpoint(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> CheckpointInfo | None:
     """The step BEST names (read and checked as read_checkpoint does); None before one was marked."""
     best = read_best(root, run, storage_options=storage_options)
-    return None if best is None else read_checkpoint(checkpoint_url(root, run, int(best["step"])), storage_options=storage_options)
+    return (
+        None
+        if best is None
+        else read_checkpoint(checkpoint_url(root, run, int(best["step"])), storage_options=storage_options)
+    )
 
 
 PINS = f"{PROGRESS}/pins"
 PIN_TTL_S = 3600.0  # a pin its server has not renewed for this long is a dead server's
 
 
-def pin_steps(root: str, run: str, server: str, steps: set[int], *, storage_options: dict[str, Any] | None = None) -> None:
+def pin_steps(
+    root: str, run: str, server: str, steps: set[int], *, storage_options: dict[str, Any] | None = None
+) -> None:
     """Tell retention that `server` serves or is loading `steps` (replaces its previous pin)."""
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", server)
-    replace_json(join(run_url(root, run), PINS, f"{name}.json"), {"server": server, "steps": sorted(steps), "updated_at": time.time()}, storage_options)
+    replace_json(
+        join(run_url(root, run), PINS, f"{name}.json"),
+        {"server": server, "steps": sorted(steps), "updated_at": time.time()},
+        storage_options,
+    )
 
 
 def pinned_steps(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> set[int]:
@@ -286,7 +300,12 @@ def retained(steps: list[int], keep_last: int, keep_every: int | None) -> set[in
 
 
 def apply_retention(
-    root: str, run: str, *, keep_last: int, keep_every: int | None = None, keep_after: int | None = None,
+    root: str,
+    run: str,
+    *,
+    keep_last: int,
+    keep_every: int | None = None,
+    keep_after: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
     """Delete the published steps retention does not keep (see the module's doc); returns them.
@@ -355,7 +374,9 @@ def _ranges(steps: list[int]) -> str:
     return ", ".join(str(s) for s in steps) if len(steps) <= 6 else f"{steps[0]}..{steps[-1]} ({len(steps)} steps)"
 
 
-def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_options: dict[str, Any] | None = None) -> Path:
+def fetch_checkpoint(
+    info: CheckpointInfo, cache_dir: str | Path, *, storage_options: dict[str, Any] | None = None
+) -> Path:
     """A local directory holding the checkpoint, loadable as it is by vLLM and transformers: the path
     itself for a full checkpoint on local disk, else a copy in `cache_dir`, a delta step's weights
     rebuilt there from its chain (raises CheckpointError when a step of the chain is gone or the
@@ -375,7 +396,9 @@ def fetch_checkpoint(info: CheckpointInfo, cache_dir: str | Path, *, storage_opt
         build = functools.partial(_rebuild, info, Path(cache_dir), storage_options)
     else:
         names = list(info.manifest["files"])
-    download_whole(info.url, fs, path, names, target, written_last={STABLE: json.dumps(info.manifest).encode()}, build=build)
+    download_whole(
+        info.url, fs, path, names, target, written_last={STABLE: json.dumps(info.manifest).encode()}, build=build
+    )
     return target
 
 

@@ -19,9 +19,7 @@ shards_app = typer.Typer(
 )
 console = Console()
 
-URL = Annotated[
-    str, typer.Argument(help="A run, its rollouts/ directory, a partition, or one shard file.")
-]
+URL = Annotated[str, typer.Argument(help="A run, its rollouts/ directory, a partition, or one shard file.")]
 
 
 def check_url(url: str) -> str:
@@ -36,7 +34,9 @@ def check_url(url: str) -> str:
             f"{url!r}: unknown storage protocol {protocol!r}; use a local path, file://, s3:// or memory://"
         ) from None
     except ImportError as error:
-        raise ValueError(f"{url!r}: the package for {protocol}:// is not installed ({error}); install it (s3fs for s3://)") from None
+        raise ValueError(
+            f"{url!r}: the package for {protocol}:// is not installed ({error}); install it (s3fs for s3://)"
+        ) from None
     return url
 
 
@@ -59,7 +59,9 @@ def _checked(url: str) -> str:
     except (ValueError, OSError) as error:
         raise typer.BadParameter(" ".join(str(error).split()), param_hint="URL") from None
     if missing:
-        raise typer.BadParameter(f"{url} does not exist; give a run, its rollouts/, a partition or a shard file", param_hint="URL")
+        raise typer.BadParameter(
+            f"{url} does not exist; give a run, its rollouts/, a partition or a shard file", param_hint="URL"
+        )
     return url
 
 
@@ -93,9 +95,9 @@ def list_command(url: URL) -> None:
     table.add_section()
     table.add_row(
         f"{len(summaries)} shards",
-        str(sum(s.groups or 0 for s in summaries)),
-        str(sum(s.sequences or 0 for s in summaries)),
-        f"{sum(s.shard.size for s in summaries):,}",
+        str(sum(s.groups for s in summaries if s.groups is not None)),
+        str(sum(s.sequences for s in summaries if s.sequences is not None)),
+        f"{sum(s.shard.listed_size for s in summaries):,}",
         "",
     )
     console.print(table)
@@ -106,9 +108,7 @@ def show_command(
     url: URL,
     group: Annotated[int, typer.Option(help="Index of the group within the shard.")] = 0,
     shard: Annotated[int, typer.Option(help="Index of the shard under URL, oldest first.")] = 0,
-    tokenizer: Annotated[
-        str | None, typer.Option(help="Tokenizer name or path to decode tokens to text.")
-    ] = None,
+    tokenizer: Annotated[str | None, typer.Option(help="Tokenizer name or path to decode tokens to text.")] = None,
 ) -> None:
     """Print one group decoded; the trained tokens (mask True) are highlighted."""
     from storage.schema import table_to_groups
@@ -116,14 +116,10 @@ def show_command(
 
     fs, shards = find_shards(_checked(url))
     if not 0 <= shard < len(shards):
-        raise typer.BadParameter(
-            f"--shard {shard}: {url} has {len(shards)} shards", param_hint="--shard"
-        )
+        raise typer.BadParameter(f"--shard {shard}: {url} has {len(shards)} shards", param_hint="--shard")
     groups = table_to_groups(read_shard(fs, shards[shard]))
     if not 0 <= group < len(groups):
-        raise typer.BadParameter(
-            f"--group {group}: the shard has {len(groups)} groups", param_hint="--group"
-        )
+        raise typer.BadParameter(f"--group {group}: the shard has {len(groups)} groups", param_hint="--group")
     decode = _decoder(tokenizer)
     _print_group(shards[shard].url, groups[group], decode)
 
@@ -137,10 +133,12 @@ def verify_command(url: URL) -> None:
     table = Table("shard", "groups", "sequences", "tokens", "status")
     for check in checks:
         problems = len(check.problems)
-        status = Text("ok", style="green") if not problems else Text(f"{problems} problem{'s' * (problems > 1)}", style="red")
-        table.add_row(
-            check.shard.name, str(check.groups), str(check.sequences), f"{check.tokens:,}", status
+        status = (
+            Text("ok", style="green")
+            if not problems
+            else Text(f"{problems} problem{'s' * (problems > 1)}", style="red")
         )
+        table.add_row(check.shard.name, str(check.groups), str(check.sequences), f"{check.tokens:,}", status)
     console.print(table)
     # Each problem whole on lines of its own (they name the shard's URL), not wrapped in a cell.
     for check in checks:
@@ -162,9 +160,7 @@ def compact_command(
 
     merged = compact(_checked(url), target_bytes=int(target_mb * 2**20))
     for compaction in merged:
-        console.print(
-            f"{compaction.url}: {compaction.rows} rows from {len(compaction.sources)} shards"
-        )
+        console.print(f"{compaction.url}: {compaction.rows} rows from {len(compaction.sources)} shards")
     console.print(f"{len(merged)} merged shards written")
 
 
@@ -213,9 +209,7 @@ def _print_group(url: str, group: ScoredGroup, decode: Any) -> None:
         )
         console.print(_highlight(sequence, decode))
         for message in sequence.messages or []:
-            console.print(
-                Text(f"{message.get('role', '?')}: {message.get('content', '')}", style="cyan")
-            )
+            console.print(Text(f"{message.get('role', '?')}: {message.get('content', '')}", style="cyan"))
         if sequence.extras:
             console.print(f"extras {json.dumps(sequence.extras, ensure_ascii=False)}")
 

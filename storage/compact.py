@@ -67,12 +67,13 @@ def _bins(shards: list[ShardInfo], target_bytes: int) -> list[list[ShardInfo]]:
     bins: list[list[ShardInfo]] = [[]]
     total = 0
     for shard in shards:
-        if shard.size >= target_bytes or total + shard.size > target_bytes:
+        size = shard.listed_size
+        if size >= target_bytes or total + size > target_bytes:
             bins.append([])
             total = 0
-        if shard.size < target_bytes:
+        if size < target_bytes:
             bins[-1].append(shard)
-            total += shard.size
+            total += size
     return [b for b in bins if len(b) >= 2]
 
 
@@ -108,9 +109,7 @@ def _merge(fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]) -> Compaction
         write_shard(fs, path, merged, _temp_dir(first))
         written = ShardInfo(url, path, location, fs.size(path))
     if read_shard(fs, written).num_rows != merged.num_rows:  # trust only what reads back
-        raise ShardFormatError(
-            f"{url}: merged shard reads back with a different row count; sources kept"
-        )
+        raise ShardFormatError(f"{url}: merged shard reads back with a different row count; sources kept")
     _delete(fs, sources, url)
     log.info("compacted %d shards (%d rows) into %s", len(sources), merged.num_rows, url)
     return Compaction(url, [s.url for s in sources], merged.num_rows)

@@ -38,8 +38,17 @@ MAX_BACKOFF_S = 10.0
 # hangs as many read timeouts (s3fs: 15 s).
 S3_REQUEST_RETRIES = {"mode": "standard", "total_max_attempts": 3}
 S3FS_RETRIES = 2
-_REMOTE_ERRNOS = {errno.EIO, errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNABORTED,
-                  errno.ECONNREFUSED, errno.EPIPE, getattr(errno, "EREMOTEIO", errno.EIO)}  # fmt: skip
+_REMOTE_ERRNOS = {
+    errno.EIO,
+    errno.EBUSY,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ECONNREFUSED,
+    errno.EPIPE,
+    getattr(errno, "EREMOTEIO", errno.EIO),
+}
 
 
 class StorageUnavailableError(OSError):
@@ -51,9 +60,7 @@ class StorageUnavailableError(OSError):
         self.last_error = last_error
 
 
-def resolve(
-    url: str, storage_options: dict[str, Any] | None = None
-) -> tuple[fsspec.AbstractFileSystem, str]:
+def resolve(url: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and protocol-less path of a URL (file://, s3://, memory://, a plain path, ...).
 
     `storage_options` go to the filesystem (for s3fs: key, secret, endpoint_url, ...). Without them
@@ -66,9 +73,7 @@ def resolve(
     without a request for as long as the process lived.
     """
     if not isinstance(url, str) or not url:
-        raise ValueError(
-            f"storage URL {url!r} must be a non-empty string such as 's3://bucket/runs'"
-        )
+        raise ValueError(f"storage URL {url!r} must be a non-empty string such as 's3://bucket/runs'")
     try:
         options = dict(storage_options or {})
         if _is_remote_class(fsspec.get_filesystem_class(fsspec.core.split_protocol(url)[0] or "file")):
@@ -157,22 +162,31 @@ def retrying(fs: fsspec.AbstractFileSystem, path: str, operation: Callable[..., 
 
     def give_up(state: tenacity.RetryCallState) -> NoReturn:
         # One error, its chain cut: the last failure is in the message and .last_error.
-        error = state.outcome.exception()
+        assert state.outcome is not None and (error := state.outcome.exception()) is not None  # given up on an error
         raise unavailable(fs, path, error, state.attempt_number, state.seconds_since_start, budget) from None
 
     for attempt in attempts(
-        retry_on=is_transient, first_s=FIRST_BACKOFF_S, max_s=MAX_BACKOFF_S, budget_s=budget,
-        what=f"{_url(fs, path)} (gives up after {budget:.0f} s)", on_give_up=give_up, logger=log,
-    ):  # fmt: skip
+        retry_on=is_transient,
+        first_s=FIRST_BACKOFF_S,
+        max_s=MAX_BACKOFF_S,
+        budget_s=budget,
+        what=f"{_url(fs, path)} (gives up after {budget:.0f} s)",
+        on_give_up=give_up,
+        logger=log,
+    ):
         with attempt:
             return operation(*args, **kwargs)
     raise AssertionError("unreachable: the policy returns or raises")
 
 
 def unavailable(
-    fs: fsspec.AbstractFileSystem | None, where: str, error: BaseException, attempts: int | None = None,
-    elapsed: float | None = None, budget: float | None = None,
-) -> StorageUnavailableError:  # fmt: skip
+    fs: fsspec.AbstractFileSystem | None,
+    where: str,
+    error: BaseException,
+    attempts: int | None = None,
+    elapsed: float | None = None,
+    budget: float | None = None,
+) -> StorageUnavailableError:
     """The one error for a store that kept failing: the URL, what went wrong, the fix."""
     url = _url(fs, where) if fs is not None else where
     tried = f" after {attempts} tries over {elapsed:.1f} s" if attempts is not None and elapsed is not None else ""
@@ -215,8 +229,8 @@ def storage_errors(url: str) -> Iterator[None]:
     except OSError as error:
         if error.errno == errno.ENOSPC:
             raise OSError(
-                errno.ENOSPC, f"{url}: no space left on device; free space on that disk or point "
-                "the storage root at another one"
+                errno.ENOSPC,
+                f"{url}: no space left on device; free space on that disk or point the storage root at another one",
             ) from None
         if url in str(error):
             raise
@@ -247,7 +261,10 @@ def _credential_errors() -> tuple[type[Exception], ...]:
 
 
 def publish(
-    fs: fsspec.AbstractFileSystem, path: str, data: bytes | memoryview, temp_dir: str,
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    data: bytes | memoryview,
+    temp_dir: str,
     before: Callable[[], None] | None = None,
 ) -> None:
     """Make `data` appear at `path` all at once, never replacing an existing file.
@@ -265,9 +282,7 @@ def publish(
     index entry) is then never left alone for longer than a link by a writer killed mid-write.
     """
     if "://" in path or "://" in temp_dir:
-        raise ValueError(
-            f"publish takes filesystem paths, not URLs: {path}, {temp_dir}; see resolve()"
-        )
+        raise ValueError(f"publish takes filesystem paths, not URLs: {path}, {temp_dir}; see resolve()")
     try:
         if is_local(fs):
             _publish_local(path, data, temp_dir, before)
@@ -312,7 +327,9 @@ def _stored_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes | None:
         return None
 
 
-def _publish_local(path: str, data: bytes | memoryview, temp_dir: str, before: Callable[[], None] | None = None) -> None:
+def _publish_local(
+    path: str, data: bytes | memoryview, temp_dir: str, before: Callable[[], None] | None = None
+) -> None:
     os.makedirs(temp_dir, exist_ok=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temp_path = os.path.join(temp_dir, f".{os.path.basename(path)}.{os.urandom(4).hex()}.tmp")
@@ -320,9 +337,7 @@ def _publish_local(path: str, data: bytes | memoryview, temp_dir: str, before: C
         with open(temp_path, "wb") as file:
             file.write(data)
             file.flush()
-            os.fsync(
-                file.fileno()
-            )  # the name must never point at bytes still in flight after a crash
+            os.fsync(file.fileno())  # the name must never point at bytes still in flight after a crash
         if before is not None:
             before()
         try:
@@ -344,11 +359,7 @@ def list_files(fs: fsspec.AbstractFileSystem, path: str) -> dict[str, int]:
         found = retrying(fs, path, fs.find, path, detail=True)
     except FileNotFoundError:
         return {}
-    return {
-        name: int(info.get("size") or 0)
-        for name, info in found.items()
-        if info.get("type") != "directory"
-    }
+    return {name: int(info.get("size") or 0) for name, info in found.items() if info.get("type") != "directory"}
 
 
 def read_bytes(fs: fsspec.AbstractFileSystem, path: str) -> bytes:
@@ -364,8 +375,16 @@ def relative(path: str, base: str) -> str:
     return path[len(base) + 1 :]
 
 
-def download_whole(url: str, fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str], target: Path, *,
-                   written_last: dict[str, bytes] | None = None, build: Callable[[Path], None] | None = None) -> None:  # fmt: skip
+def download_whole(
+    url: str,
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    names: Iterable[str],
+    target: Path,
+    *,
+    written_last: dict[str, bytes] | None = None,
+    build: Callable[[Path], None] | None = None,
+) -> None:
     """The files `names` under `root` (the storage path of `url`) into the local directory `target`,
     whole or not at all: downloaded into a hidden directory beside it, `build` run on that directory
     (files made from the downloaded ones), `written_last` (marker files, name -> bytes) written there

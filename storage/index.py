@@ -115,7 +115,9 @@ def remove_entries(fs: fsspec.AbstractFileSystem, run_path: str, locations: list
         fs.rm(paths)
 
 
-def drop_unpublished(fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None) -> list[IndexEntry]:
+def drop_unpublished(
+    fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None
+) -> list[IndexEntry]:
     """Removes the entries whose shard was never written, and returns them: for a run whose one
     writer is known to have stopped (a reprocess job run again after a kill), so its readers do
     not wait out the grace period at the dead writer's last entry. Never while a writer may be
@@ -170,7 +172,9 @@ def is_complete(fs: fsspec.AbstractFileSystem, run_path: str) -> bool:
     return retrying(fs, marker, fs.exists, marker)
 
 
-def backfill(fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None) -> bool:
+def backfill(
+    fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None
+) -> bool:
     """Index every shard under `rollouts_url` that has no entry (a run from before the index, or
     shards copied in by hand), then mark the index complete; False (nothing marked) while the run
     holds no shard at all. Lists the whole run once; safe to run while writers write and twice at

@@ -79,15 +79,11 @@ def verify(url: str, *, storage_options: dict[str, Any] | None = None) -> list[S
         check.tokenizer = table.schema.metadata[METADATA_TOKENIZER].decode()
         first_tokenizer = first_tokenizer or check.tokenizer
         if check.tokenizer != first_tokenizer:
-            check.problems.append(
-                f"tokenizer {check.tokenizer!r} differs from {first_tokenizer!r} of the first shard"
-            )
+            check.problems.append(f"tokenizer {check.tokenizer!r} differs from {first_tokenizer!r} of the first shard")
         check.groups, check.sequences = len(groups), table.num_rows
         check.tokens = sum(group.num_tokens for group in groups)
         for group in groups:
             if group.group_id in seen_groups:
-                check.problems.append(
-                    f"group {group.group_id} is also in {seen_groups[group.group_id]}"
-                )
+                check.problems.append(f"group {group.group_id} is also in {seen_groups[group.group_id]}")
             seen_groups[group.group_id] = shard.url
     return checks

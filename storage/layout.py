@@ -64,11 +64,7 @@ def split_run_url(url: str) -> tuple[str, str]:
 
 def check_policy_version(policy_version: int) -> int:
     """Return policy_version if it is a non-negative int, else raise ValueError."""
-    if (
-        isinstance(policy_version, bool)
-        or not isinstance(policy_version, int)
-        or policy_version < 0
-    ):
+    if isinstance(policy_version, bool) or not isinstance(policy_version, int) or policy_version < 0:
         raise ValueError(f"policy_version {policy_version!r} must be an int >= 0")
     return policy_version
 

@@ -100,9 +100,7 @@ class Ledger:
         partial = {shard_id_of(str(name)): int(count) for name, count in data.get("partial", {}).items()}
         both = consumed & partial.keys()
         if both:
-            raise ValueError(
-                f"ledger lists {sorted(both)} as both consumed and partial; the file is damaged"
-            )
+            raise ValueError(f"ledger lists {sorted(both)} as both consumed and partial; the file is damaged")
         return cls(watermark=str(data.get("watermark", "")), consumed=consumed, partial=partial)
 
     def to_json(self) -> str:

@@ -41,9 +41,13 @@ def check_model_url(url: str, storage_options: dict[str, Any] | None = None) -> 
         with storage_errors(url):
             found = retrying(fs, join(path, "config.json"), fs.exists, join(path, "config.json"))
     except (FileNotFoundError, PermissionError, OSError) as error:
-        raise ValueError(f"{url!r}: cannot be read ({' '.join(str(error).split())}); check the URL and the storage's credentials") from None
+        raise ValueError(
+            f"{url!r}: cannot be read ({' '.join(str(error).split())}); check the URL and the storage's credentials"
+        ) from None
     if not found:
-        raise ValueError(f"{url!r} holds no config.json: not a Hugging Face model directory; upload one there (save_pretrained, then copy it)")
+        raise ValueError(
+            f"{url!r} holds no config.json: not a Hugging Face model directory; upload one there (save_pretrained, then copy it)"
+        )
     return url
 
 

@@ -101,7 +101,13 @@ def write_trainer_position(
 
 
 def announce_trainer(
-    root: str, run: str, *, groups_per_step: int, save_every: int, max_staleness: int, end_step: int,
+    root: str,
+    run: str,
+    *,
+    groups_per_step: int,
+    save_every: int,
+    max_staleness: int,
+    end_step: int,
     storage_options: dict[str, Any] | None = None,
 ) -> TrainerPosition:
     """A starting trainer's first word, before it loads anything: where the run stands (its last
@@ -109,10 +115,15 @@ def announce_trainer(
     of its steps sample while it loads. Once loaded it writes its own resumed position."""
     known = read_trainer_position(root, run, storage_options=storage_options)
     position = TrainerPosition(
-        steps=known.steps if known else 0, groups_consumed=known.groups_consumed if known else 0,
-        policy_version=known.policy_version if known else 0, groups_per_step=groups_per_step, save_every=save_every,
-        max_staleness=max_staleness, end_step=end_step, retired_committed=known.retired_committed if known else 0,
-    )  # fmt: skip
+        steps=known.steps if known else 0,
+        groups_consumed=known.groups_consumed if known else 0,
+        policy_version=known.policy_version if known else 0,
+        groups_per_step=groups_per_step,
+        save_every=save_every,
+        max_staleness=max_staleness,
+        end_step=end_step,
+        retired_committed=known.retired_committed if known else 0,
+    )
     write_trainer_position(root, run, position, storage_options=storage_options)
     return position
 
@@ -171,7 +182,9 @@ def claim_url(root: str, run: str, slot: str, generation: int) -> str:
     return join(run_url(root, run), PROGRESS, CLAIMS, f"{slot}@{generation:08d}")
 
 
-def claim_sampler_slot(root: str, run: str, holder: str, *, storage_options: dict[str, Any] | None = None) -> SamplerPosition:
+def claim_sampler_slot(
+    root: str, run: str, holder: str, *, storage_options: dict[str, Any] | None = None
+) -> SamplerPosition:
     """A slot for the sampler `holder`: the first free one (its committed count carried on), or a
     new slot named after the holder when none is free.
 
@@ -181,12 +194,16 @@ def claim_sampler_slot(root: str, run: str, holder: str, *, storage_options: dic
     for one slot, one writes the claim and holds the slot; the others try the next one. So two flows
     never hold one slot, and nothing is repaired afterwards. A claimant that dies between its claim
     and its first write leaves that slot to no one: its counts stay counted, later flows use others."""
-    for slot in sorted((p for p in read_sampler_positions(root, run, storage_options=storage_options) if p.free(time.time())),
-                       key=lambda p: p.sampler):  # fmt: skip
+    for slot in sorted(
+        (p for p in read_sampler_positions(root, run, storage_options=storage_options) if p.free(time.time())),
+        key=lambda p: p.sampler,
+    ):
         generation = slot.generation + 1
         if not _claim(root, run, slot.sampler, generation, holder, storage_options):
             continue  # another flow took it first
-        claimed = SamplerPosition(slot.sampler, slot.committed, 0, holder=holder, adopted=slot.committed, generation=generation)
+        claimed = SamplerPosition(
+            slot.sampler, slot.committed, 0, holder=holder, adopted=slot.committed, generation=generation
+        )
         write_sampler_position(root, run, claimed, storage_options=storage_options)
         if slot.generation:  # the claim before this one: nobody races for it any more
             url = claim_url(root, run, slot.sampler, slot.generation)
@@ -199,7 +216,9 @@ def claim_sampler_slot(root: str, run: str, holder: str, *, storage_options: dic
     return claimed
 
 
-def _claim(root: str, run: str, slot: str, generation: int, holder: str, storage_options: dict[str, Any] | None) -> bool:
+def _claim(
+    root: str, run: str, slot: str, generation: int, holder: str, storage_options: dict[str, Any] | None
+) -> bool:
     url = claim_url(root, run, slot, generation)
     fs, path = resolve(url, storage_options)
     temp_dir = resolve(join(run_url(root, run), TEMPORARY), storage_options)[1]
@@ -238,13 +257,17 @@ def step_metrics_url(root: str, run: str, step: int) -> str:
     return join(run_url(root, run), METRICS, f"step-{step:08d}.json")
 
 
-def write_step_metrics(root: str, run: str, row: dict[str, Any], *, storage_options: dict[str, Any] | None = None) -> None:
+def write_step_metrics(
+    root: str, run: str, row: dict[str, Any], *, storage_options: dict[str, Any] | None = None
+) -> None:
     """Step `row["step"]`'s metrics row (the line the trainer appends to its metrics.jsonl), where a
     reader on any host finds it: a trainer on other hosts than the pipeline's shares no disk with it."""
     replace_json(step_metrics_url(root, run, int(row["step"])), row, storage_options)
 
 
-def read_step_metrics(root: str, run: str, step: int, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+def read_step_metrics(
+    root: str, run: str, step: int, *, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     """Step `step`'s metrics row; None before the trainer finished the step."""
     return read_json(step_metrics_url(root, run, step), storage_options)
 

@@ -38,7 +38,7 @@ def quarantine(fs: fsspec.AbstractFileSystem, shard: ShardInfo, reason: str) -> 
     except FileNotFoundError:
         log.warning("corrupt shard %s was already moved by another reader: %s", shard.url, reason)
         return None
-    except Exception as error:
+    except Exception as error:  # noqa: BLE001 - the reader goes on without the shard whatever the store said
         log.error("corrupt shard %s could not be quarantined (%s): %s", shard.url, error, reason)
         return None
     log.error("corrupt shard %s moved to %s: %s", shard.url, target, reason)

@@ -19,7 +19,7 @@ from storage.layout import ROLLOUTS, join, rollouts_url, run_url
 from storage.ledger import Ledger
 from storage.quarantine import quarantine
 from storage.schema import METADATA_TOKENIZER, ShardFormatError, compacted_from, table_to_groups
-from storage.shard_file import ShardInfo, find_shards, read_shard
+from storage.shard_file import ShardInfo, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,7 @@ class ShardReader:
         self._fs, self._run_path = resolve(run_url(root, run), storage_options)
         self._rollouts_path = join(self._run_path, ROLLOUTS)
         self._indexed = False  # whether the run's shards from before the index are indexed
-        self._unreadable: dict[
-            str, int
-        ] = {}  # listed shards whose read found nothing, and how often
+        self._unreadable: dict[str, int] = {}  # listed shards whose read found nothing, and how often
         self._pool: ThreadPoolExecutor | None = None  # started on the first read
         self._ahead: dict[str, Future[pa.Table]] = {}  # shard name -> its read-ahead
         # The shard groups() is part-way through, decoded: (name, groups).
@@ -132,9 +130,7 @@ class ShardReader:
             shard = batch.shard
             taken = self.ledger.groups_taken(shard.name)
             if taken:
-                batch = RolloutBatch(
-                    shard, batch.table.slice(group_starts(batch.table)[taken]), batch.tokenizer
-                )
+                batch = RolloutBatch(shard, batch.table.slice(group_starts(batch.table)[taken]), batch.tokenizer)
             self.ledger.mark_consumed(shard.name)
             yield batch
 
@@ -156,9 +152,7 @@ class ShardReader:
             yield group
         self._in_progress = None
 
-    def stream(
-        self, *, poll_s: float = 1.0, idle_timeout_s: float | None = None
-    ) -> Iterator[ScoredGroup]:
+    def stream(self, *, poll_s: float = 1.0, idle_timeout_s: float | None = None) -> Iterator[ScoredGroup]:
         """Groups as their shards appear, polling every `poll_s`; ends after `idle_timeout_s` without
         a new group (never when None)."""
         last_group = time.monotonic()

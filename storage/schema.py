@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -15,10 +15,15 @@ from core.scored_group import SCHEMA_VERSION, ScoredGroup, ScoredSequence
 
 # ScoredSequence.sampling; null: unset (temperature 1, no truncation), a null top_k: no top-k.
 # (Its fields are nullable for Parquet's sake: a null struct's children are null too.)
-SAMPLING_TYPE = pa.struct([
-    ("temperature", pa.float64()), ("top_p", pa.float64()), ("top_k", pa.int32()), ("min_p", pa.float64()),
-    ("logprobs_mode", pa.string()),
-])  # fmt: skip
+SAMPLING_TYPE = pa.struct(
+    [
+        ("temperature", pa.float64()),
+        ("top_p", pa.float64()),
+        ("top_k", pa.int32()),
+        ("min_p", pa.float64()),
+        ("logprobs_mode", pa.string()),
+    ]
+)
 
 # Group fields are repeated on every row of the group so any row, file or query stands alone.
 SHARD_SCHEMA = pa.schema(
@@ -62,8 +67,11 @@ GROUP_COLUMNS = (
 )
 # The columns each older schema version lacks; all are nullable and null means "not set".
 ADDED_IN_VERSION = {
-    2: ("objective",), 3: ("ref_logprobs", "teacher_logprobs"), 4: ("previous_score",),
-    5: ("first_policy_version", "last_policy_version"), 6: ("sampling",),
+    2: ("objective",),
+    3: ("ref_logprobs", "teacher_logprobs"),
+    4: ("previous_score",),
+    5: ("first_policy_version", "last_policy_version"),
+    6: ("sampling",),
 }
 
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
@@ -87,9 +95,7 @@ def _to_json(value: Any, where: str) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"{where} is not JSON-serializable ({error}); store plain JSON values"
-        ) from error
+        raise ValueError(f"{where} is not JSON-serializable ({error}); store plain JSON values") from error
 
 
 def check_serializable(group: ScoredGroup) -> None:
@@ -110,9 +116,7 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
     if not groups:
         raise ValueError("groups is empty; a shard holds at least one group")
     if not tokenizer:
-        raise ValueError(
-            "tokenizer is empty; pass the tokenizer's name or path so readers can check it"
-        )
+        raise ValueError("tokenizer is empty; pass the tokenizer's name or path so readers can check it")
     sequences = [sequence for group in groups for sequence in group.sequences]
     sizes = np.fromiter((len(group.sequences) for group in groups), np.int32, len(groups))
     row_group = np.repeat(np.arange(len(groups)), sizes)  # row -> index of its group
@@ -142,16 +146,10 @@ def groups_to_table(groups: Sequence[ScoredGroup], tokenizer: str) -> pa.Table:
             pa.string(),
         ),
         "extras": pa.array(
-            [
-                _to_json(s.extras, f"group {g.group_id} sequence extras")
-                for g in groups
-                for s in g.sequences
-            ],
+            [_to_json(s.extras, f"group {g.group_id} sequence extras") for g in groups for s in g.sequences],
             pa.string(),
         ),
-        "group_extras": per_group(
-            [_to_json(g.extras, f"group {g.group_id} extras") for g in groups], pa.string()
-        ),
+        "group_extras": per_group([_to_json(g.extras, f"group {g.group_id} extras") for g in groups], pa.string()),
         "chat_template": per_group([g.chat_template for g in groups], pa.string()),
         "created_at": per_group([_unix_ns(g.created_at) for g in groups], pa.int64()).cast(
             SHARD_SCHEMA.field("created_at").type
@@ -198,9 +196,7 @@ def upgrade_table(table: pa.Table) -> pa.Table:
             for name in names:
                 field = SHARD_SCHEMA.field(name)
                 table = table.append_column(field, pa.nulls(table.num_rows, field.type))
-    return table.replace_schema_metadata(
-        {**metadata, METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()}
-    )
+    return table.replace_schema_metadata({**metadata, METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()})
 
 
 def check_metadata(schema: pa.Schema) -> tuple[str, int]:
@@ -243,9 +239,7 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
     per-token Python checks makes decoding several times faster for the trainer.
     """
     check_metadata(table.schema)
-    rows = {
-        name: table.column(name).to_pylist() for name in SHARD_SCHEMA.names if name != "created_at"
-    }
+    rows = {name: table.column(name).to_pylist() for name in SHARD_SCHEMA.names if name != "created_at"}
     created_ns = table.column("created_at").cast(pa.int64()).to_pylist()
     make_group = ScoredGroup.model_construct if validated else ScoredGroup
     samplings: dict[tuple, Sampling] = {}  # a shard's sequences share a few: one object each
@@ -258,7 +252,8 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
             samplings[key] = Sampling(**row)
         return samplings[key]
 
-    make_sequence = ScoredSequence.model_construct if validated else dict
+    # Unvalidated: dicts, which ScoredGroup validates into sequences.
+    make_sequence: Callable[..., Any] = ScoredSequence.model_construct if validated else dict
     groups: list[ScoredGroup] = []
     start = 0
     while start < table.num_rows:
@@ -275,7 +270,8 @@ def table_to_groups(table: pa.Table, *, validated: bool = False) -> list[ScoredG
                 ref_logprobs=rows["ref_logprobs"][i],
                 teacher_logprobs=rows["teacher_logprobs"][i],
                 previous_score=rows["previous_score"][i],
-                policy_versions=None if rows["first_policy_version"][i] is None
+                policy_versions=None
+                if rows["first_policy_version"][i] is None
                 else (rows["first_policy_version"][i], rows["last_policy_version"][i]),
                 sampling=sampling_of(rows["sampling"][i]),
                 finish_reason=rows["finish_reason"][i],

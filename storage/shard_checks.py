@@ -41,9 +41,10 @@ def check_table(table: pa.Table) -> None:
     if not pc.all(pc.is_in(column["finish_reason"], pa.array(FINISH_REASONS))).as_py():
         problems.append(f"finish_reason: a value outside {FINISH_REASONS}")
     objective = column["objective"]
-    if objective.null_count < len(objective) and not pc.all(
-        pc.or_kleene(pc.is_in(objective, pa.array(OBJECTIVES)), pc.is_null(objective))
-    ).as_py():
+    if (
+        objective.null_count < len(objective)
+        and not pc.all(pc.or_kleene(pc.is_in(objective, pa.array(OBJECTIVES)), pc.is_null(objective))).as_py()
+    ):
         problems.append(f"objective: a value outside {OBJECTIVES} (or null)")
     problems += _version_problems(column)
     problems += _objective_problems(column)
@@ -85,9 +86,10 @@ def _schema_problems(schema: pa.Schema) -> list[str]:
 def _version_problems(column: dict[str, pa.Array]) -> list[str]:
     """ScoredSequence.policy_versions by column: both null (unknown) or first <= last."""
     first, last = column["first_policy_version"], column["last_policy_version"]
-    if not pc.all(pc.equal(pc.is_null(first), pc.is_null(last))).as_py() or not pc.all(
-        pc.or_kleene(pc.less_equal(first, last), pc.is_null(first))
-    ).as_py():
+    if (
+        not pc.all(pc.equal(pc.is_null(first), pc.is_null(last))).as_py()
+        or not pc.all(pc.or_kleene(pc.less_equal(first, last), pc.is_null(first))).as_py()
+    ):
         return ["first_policy_version, last_policy_version: both null or first <= last in every row"]
     return []
 
@@ -128,9 +130,7 @@ def _group_problems(column: dict[str, pa.Array], num_groups: int) -> list[str]:
     if not np.array_equal(column["sequence_index"].to_numpy(), expected_index):
         problems.append("sequence_index: not 0..n-1 within each group")
     if not np.array_equal(column["group_size"].to_numpy(), np.repeat(sizes, sizes)):
-        problems.append(
-            "group_size: differs from the number of rows of the group (a lost or extra row)"
-        )
+        problems.append("group_size: differs from the number of rows of the group (a lost or extra row)")
     first_of_group = pa.array(np.repeat(starts, sizes))
     for name in GROUP_COLUMNS:
         values = column[name]

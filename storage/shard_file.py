@@ -52,6 +52,13 @@ class ShardInfo:
         return self.location.env
 
     @property
+    def listed_size(self) -> int:
+        """Its size, for what needs one (footer reads, compaction): a shard found by listing has it."""
+        if self.size is None:
+            raise ValueError(f"{self.url}: size unknown (found through the index); find it by listing (find_shards)")
+        return self.size
+
+    @property
     def policy_version(self) -> int:
         return self.location.policy_version
 
@@ -99,9 +106,7 @@ def read_shard(fs: fsspec.AbstractFileSystem, shard: ShardInfo) -> pa.Table:
     table = decode(data, shard.url)
     for name, expected in (("env", shard.env), ("policy_version", shard.policy_version)):
         if not pc.all(pc.equal(table.column(name), expected)).as_py():
-            raise ShardFormatError(
-                f"{shard.url}: column {name} holds values other than {expected!r} from its path"
-            )
+            raise ShardFormatError(f"{shard.url}: column {name} holds values other than {expected!r} from its path")
     return table
 
 
@@ -114,18 +119,15 @@ def read_footer(fs: fsspec.AbstractFileSystem, shard: ShardInfo) -> pq.FileMetaD
             raise ShardFormatError(f"{shard.url}: not a readable Parquet file ({error})") from error
 
 
-def read_footers(
-    fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]
-) -> list[pq.FileMetaData | Exception]:
+def read_footers(fs: fsspec.AbstractFileSystem, shards: list[ShardInfo]) -> list[pq.FileMetaData | Exception]:
     """The footers of many shards from one batch of tail reads, concurrent on object stores.
 
     Each entry is the footer or the error for that shard (FileNotFoundError, ShardFormatError).
     """
-    starts = [max(0, shard.size - _FOOTER_READ) for shard in shards]
+    sizes = [shard.listed_size for shard in shards]
+    starts = [max(0, size - _FOOTER_READ) for size in sizes]
     with storage_errors(shards[0].url if shards else ""):
-        tails = fs.cat_ranges(
-            [s.path for s in shards], starts, [s.size for s in shards], on_error="return"
-        )
+        tails = fs.cat_ranges([s.path for s in shards], starts, sizes, on_error="return")
     footers: list[pq.FileMetaData | Exception] = []
     for shard, start, tail in zip(shards, starts, tails, strict=True):
         if isinstance(tail, Exception):
@@ -199,9 +201,7 @@ def _partition_dirs(fs: fsspec.AbstractFileSystem, base: str, envs: set[str] | N
     return [path for value, path in env_dirs if value in envs]
 
 
-def _child_dirs(
-    fs: fsspec.AbstractFileSystem, path: str, prefix: str
-) -> list[tuple[str, str]] | None:
+def _child_dirs(fs: fsspec.AbstractFileSystem, path: str, prefix: str) -> list[tuple[str, str]] | None:
     """(value, path) of the `prefix`VALUE subdirectories of path; None if it has none."""
     try:
         children = fs.ls(path, detail=True)

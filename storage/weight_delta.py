@@ -64,7 +64,7 @@ def xor_into(target: np.ndarray, other: np.ndarray) -> None:
 
 
 def checksum(data: np.ndarray) -> int:
-    return zlib.crc32(memoryview(data))
+    return zlib.crc32(data.data)
 
 
 class _Scratch(threading.local):
@@ -118,11 +118,18 @@ def encode(
     written, start = [], 0
     for name, (dtype, shape, data) in tensors.items():
         chunks = [next(blobs) for _ in _chunks(data.nbytes)]
-        header[name] = {"dtype": dtype, "shape": list(shape), "size": int(data.nbytes), "start": start,
-                        "chunks": [[len(blob), crc] for blob, crc in chunks]}  # fmt: skip
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "size": int(data.nbytes),
+            "start": start,
+            "chunks": [[len(blob), crc] for blob, crc in chunks],
+        }
         start += sum(len(blob) for blob, _ in chunks)
         written += [blob for blob, _ in chunks]
-    head = json.dumps({"format": FORMAT, "base": base, "chunk": CHUNK, "tensors": header}, separators=(",", ":")).encode()
+    head = json.dumps(
+        {"format": FORMAT, "base": base, "chunk": CHUNK, "tensors": header}, separators=(",", ":")
+    ).encode()
     return b"".join([struct.pack("<Q", len(head)), head, *written])
 
 
@@ -157,7 +164,9 @@ def safetensors_header(path: Path, error: type[Exception] = DeltaError) -> tuple
     return raw_size + head, parsed
 
 
-def write_safetensors(tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]], path: Path, metadata: dict[str, str] | None = None) -> None:
+def write_safetensors(
+    tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]], path: Path, metadata: dict[str, str] | None = None
+) -> None:
     """`tensors` (name -> (safetensors dtype: F32, BF16, ...; shape; raw bytes as uint8)) as a
     safetensors file at `path`, each tensor's bytes written from where they lie. safetensors' own
     save_file builds the whole file in memory first: a GB more for a 0.5B model in bf16, faulted in
@@ -172,7 +181,7 @@ def write_safetensors(tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(head)) + head)
         for _, _, data in tensors.values():
-            file.write(memoryview(data))
+            file.write(data.data)
 
 
 def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse: Path | None = None) -> None:
@@ -190,7 +199,9 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
             missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
             raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
         if header.get("chunk") != CHUNK:
-            raise DeltaError(f"the delta of step {step} is in chunks of {header.get('chunk')} bytes, this reader's are {CHUNK}")
+            raise DeltaError(
+                f"the delta of step {step} is in chunks of {header.get('chunk')} bytes, this reader's are {CHUNK}"
+            )
         for name, spec in header["tensors"].items():
             size = tensors[name]["data_offsets"][1] - tensors[name]["data_offsets"][0]
             if spec["size"] != size or len(spec["chunks"]) != len(_chunks(size)):
@@ -199,17 +210,25 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
     if base_file.stat().st_size < end:
         raise DeltaError(f"{base_file} is truncated: {base_file.stat().st_size} bytes, its header says {end}")
     # Where each chunk's blob starts, per delta.
-    places = [{name: np.cumsum([spec["start"]] + [length for length, _ in spec["chunks"]]).tolist()
-               for name, spec in header["tensors"].items()} for _, header, _ in read]  # fmt: skip
-    pieces = [(name, index, part) for name, entry in tensors.items()
-              for index, part in enumerate(_chunks(entry["data_offsets"][1] - entry["data_offsets"][0]))]  # fmt: skip
+    places = [
+        {
+            name: np.cumsum([spec["start"]] + [length for length, _ in spec["chunks"]]).tolist()
+            for name, spec in header["tensors"].items()
+        }
+        for _, header, _ in read
+    ]
+    pieces = [
+        (name, index, part)
+        for name, entry in tensors.items()
+        for index, part in enumerate(_chunks(entry["data_offsets"][1] - entry["data_offsets"][0]))
+    ]
     source = os.open(base_file, os.O_RDONLY)
 
     def one(piece: tuple[str, int, slice]) -> None:
         name, index, part = piece
         begin = len(raw_header) + tensors[name]["data_offsets"][0] + part.start
         data = _scratch.take(part.stop - part.start)
-        if os.preadv(source, [memoryview(data)], begin) != data.size:
+        if os.preadv(source, [data.data], begin) != data.size:
             raise DeltaError(f"{base_file} is truncated in {name}")
         for (step, header, blobs), place in zip(read, places):
             length, crc = header["tensors"][name]["chunks"][index]
@@ -224,7 +243,7 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
                     f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
                     "weights than it was applied to, or a file is corrupt"
                 )
-        os.pwrite(descriptor, memoryview(data), begin)
+        os.pwrite(descriptor, data.data, begin)
 
     descriptor = _recycled(reuse, out)
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -12,6 +13,7 @@ from typing import Any
 
 from core.scored_group import ScoredGroup
 from storage.filesystem import StorageUnavailableError, is_local, resolve, retrying, storage_errors
+from storage.index import GRACE_S, add_entry, check_clock, id_seconds, remove_entries
 from storage.layout import (
     ROLLOUTS,
     TEMPORARY,
@@ -23,7 +25,6 @@ from storage.layout import (
     run_url,
 )
 from storage.schema import check_serializable, groups_to_table
-from storage.index import GRACE_S, add_entry, check_clock, id_seconds, remove_entries
 from storage.shard_file import write_shard
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,7 @@ _BYTES_PER_SEQUENCE = 256
 
 
 def estimated_bytes(group: ScoredGroup) -> int:
-    tokens = sum(
-        len(s.tokens) + (len(s.advantages) if s.advantages is not None else 0)
-        for s in group.sequences
-    )
+    tokens = sum(len(s.tokens) + (len(s.advantages) if s.advantages is not None else 0) for s in group.sequences)
     return tokens * _BYTES_PER_TOKEN + len(group.sequences) * _BYTES_PER_SEQUENCE
 
 
@@ -68,9 +66,7 @@ class ShardWriter:
         storage_options: dict[str, Any] | None = None,
     ) -> None:
         if not tokenizer:
-            raise ValueError(
-                "tokenizer is empty; pass the tokenizer's name or path (it goes into every shard)"
-            )
+            raise ValueError("tokenizer is empty; pass the tokenizer's name or path (it goes into every shard)")
         for name, value in (
             ("max_groups", max_groups),
             ("max_bytes", max_bytes),
@@ -115,9 +111,7 @@ class ShardWriter:
             check_serializable(group)
         with self._lock:
             if self._closed:
-                raise RuntimeError(
-                    f"ShardWriter for {self.url} is closed; create a new one to write more groups"
-                )
+                raise RuntimeError(f"ShardWriter for {self.url} is closed; create a new one to write more groups")
             if groups and self._oldest is None:
                 self._oldest = time.monotonic()
             self._buffer.extend(groups)
@@ -147,9 +141,7 @@ class ShardWriter:
         if not self._buffer:
             return False
         aged = self._oldest is not None and time.monotonic() - self._oldest >= self.max_age_s
-        return (
-            len(self._buffer) >= self.max_groups or self._buffered_bytes >= self.max_bytes or aged
-        )
+        return len(self._buffer) >= self.max_groups or self._buffered_bytes >= self.max_bytes or aged
 
     def _flush_locked(self) -> list[str]:
         written = self._settle_locked()
@@ -175,7 +167,7 @@ class ShardWriter:
                         # The entry comes first (see storage.index), once the bytes are staged: a
                         # writer killed while it encodes or syncs leaves no entry without its
                         # shard, which every reader of the run would wait on for GRACE_S.
-                        before=lambda: add_entry(self._fs, self._run_path, location),
+                        before=functools.partial(add_entry, self._fs, self._run_path, location),
                     )
                 except FileExistsError:
                     raise
@@ -226,9 +218,7 @@ class ShardWriter:
     def __enter__(self) -> ShardWriter:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         if exc is None:
             self.close()
             return
@@ -241,20 +231,18 @@ class ShardWriter:
             return
         try:
             self.close()
-        except Exception as error:  # keep the original exception; this line is the record of the loss
+        except Exception as error:  # noqa: BLE001 - keep the original exception; this line is the record of the loss
             log.error(
                 "lost %d buffered groups for %s while exiting on %s: %s",
                 pending,
                 self.url,
-                exc_type.__name__,
+                exc_type.__name__ if exc_type else "exit",
                 error,
             )
 
     async def __aenter__(self) -> ShardWriter:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         # Shielded: a second cancellation while flushing must not abandon the write halfway.
         await asyncio.shield(asyncio.to_thread(self.__exit__, exc_type, exc, tb))

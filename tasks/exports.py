@@ -24,33 +24,58 @@ def _texts(group: ScoredGroup, index: int, decode: Callable[[list[int]], str] | 
     return row
 
 
-def export_sft(groups: list[ScoredGroup], args: ExportSFTArgs, decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
+def export_sft(
+    groups: list[ScoredGroup], args: ExportSFTArgs, decode: Callable[[list[int]], str] | None
+) -> list[dict[str, Any]]:
     rows = []
     for group in groups:
         scores = group.scores
         best = scores.index(max(scores))
         if args.min_score is not None and scores[best] < args.min_score:
             continue
-        rows.append({"env": group.env, "item_id": group.item_id, "group_id": group.group_id, "score": scores[best],
-                     **_texts(group, best, decode)})  # fmt: skip
+        rows.append(
+            {
+                "env": group.env,
+                "item_id": group.item_id,
+                "group_id": group.group_id,
+                "score": scores[best],
+                **_texts(group, best, decode),
+            }
+        )
     return rows
 
 
-def export_dpo(groups: list[ScoredGroup], args: ExportDPOArgs, decode: Callable[[list[int]], str] | None) -> list[dict[str, Any]]:
+def export_dpo(
+    groups: list[ScoredGroup], args: ExportDPOArgs, decode: Callable[[list[int]], str] | None
+) -> list[dict[str, Any]]:
     rows = []
     for group in groups:
         pair = preference_pair(group)
         if pair is None:
             continue
         chosen, rejected = (_texts(group, index, decode) for index in pair)
-        rows.append({
-            "env": group.env, "item_id": group.item_id, "group_id": group.group_id,
-            "prompt_token_ids": chosen["prompt_token_ids"],
-            "chosen_token_ids": chosen["completion_token_ids"], "rejected_token_ids": rejected["completion_token_ids"],
-            "chosen_score": group.scores[pair[0]], "rejected_score": group.scores[pair[1]],
-            **({"chosen_messages": chosen["messages"], "rejected_messages": rejected["messages"]} if "messages" in chosen and "messages" in rejected else {}),
-            **({"prompt": chosen["prompt"], "chosen": chosen["completion"], "rejected": rejected["completion"]} if "prompt" in chosen else {}),
-        })  # fmt: skip
+        rows.append(
+            {
+                "env": group.env,
+                "item_id": group.item_id,
+                "group_id": group.group_id,
+                "prompt_token_ids": chosen["prompt_token_ids"],
+                "chosen_token_ids": chosen["completion_token_ids"],
+                "rejected_token_ids": rejected["completion_token_ids"],
+                "chosen_score": group.scores[pair[0]],
+                "rejected_score": group.scores[pair[1]],
+                **(
+                    {"chosen_messages": chosen["messages"], "rejected_messages": rejected["messages"]}
+                    if "messages" in chosen and "messages" in rejected
+                    else {}
+                ),
+                **(
+                    {"prompt": chosen["prompt"], "chosen": chosen["completion"], "rejected": rejected["completion"]}
+                    if "prompt" in chosen
+                    else {}
+                ),
+            }
+        )
     return rows
 
 

@@ -33,10 +33,10 @@ import pyarrow.compute as pc
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.advantages import group_advantages
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage.reader import group_starts
 from storage.schema import METADATA_NUM_GROUPS, table_to_groups
-from core.advantages import group_advantages
 from trainer.config import AdvantageConfig
 
 
@@ -57,8 +57,12 @@ class FilterArgs(_Args):
     length_min: int | None = Field(default=None, description="Tokens of the sequence (prompt and completion).")
     length_max: int | None = None
     finish_reason: list[str] | None = Field(default=None, description="Keep these finish reasons, e.g. [stop].")
-    drop_equal_scores: bool = Field(default=False, description="Drop groups whose scores are all equal (no GRPO signal).")
-    where: str | None = Field(default=None, description="A SQL WHERE over the shard columns (DuckDB), e.g. 'score > 0.5'.")
+    drop_equal_scores: bool = Field(
+        default=False, description="Drop groups whose scores are all equal (no GRPO signal)."
+    )
+    where: str | None = Field(
+        default=None, description="A SQL WHERE over the shard columns (DuckDB), e.g. 'score > 0.5'."
+    )
 
 
 class AdvantagesArgs(_Args):
@@ -99,9 +103,14 @@ class Operation:
 
 
 ARGS: dict[str, type[_Args]] = {
-    "filter": FilterArgs, "advantages": AdvantagesArgs, "dedupe": DedupeArgs, "rescore": RescoreArgs,
-    "compact": CompactArgs, "export-sft": ExportSFTArgs, "export-dpo": ExportDPOArgs,
-}  # fmt: skip
+    "filter": FilterArgs,
+    "advantages": AdvantagesArgs,
+    "dedupe": DedupeArgs,
+    "rescore": RescoreArgs,
+    "compact": CompactArgs,
+    "export-sft": ExportSFTArgs,
+    "export-dpo": ExportDPOArgs,
+}
 EXPORTS = ("export-sft", "export-dpo")
 
 
@@ -196,8 +205,12 @@ def take_rows(table: pa.Table, keep: np.ndarray) -> pa.Table:
     starts = group_starts(table)
     sizes = np.diff(np.append(starts, table.num_rows))
     index = np.arange(table.num_rows) - np.repeat(starts, sizes)
-    table = table.set_column(table.schema.get_field_index("sequence_index"), "sequence_index", pa.array(index, pa.int32()))
-    table = table.set_column(table.schema.get_field_index("group_size"), "group_size", pa.array(np.repeat(sizes, sizes), pa.int32()))
+    table = table.set_column(
+        table.schema.get_field_index("sequence_index"), "sequence_index", pa.array(index, pa.int32())
+    )
+    table = table.set_column(
+        table.schema.get_field_index("group_size"), "group_size", pa.array(np.repeat(sizes, sizes), pa.int32())
+    )
     metadata = {**table.schema.metadata, METADATA_NUM_GROUPS: str(len(starts)).encode()}
     return table.replace_schema_metadata(metadata)
 
@@ -217,13 +230,19 @@ def filter_rows(table: pa.Table, args: FilterArgs, context: Context) -> pa.Table
         keep &= pc.is_in(table.column("env"), pa.array(args.env)).to_numpy(zero_copy_only=False)
     keep &= within(table.column("policy_version").to_numpy(), args.policy_version_min, args.policy_version_max)
     keep &= within(table.column("score").to_numpy(), args.score_min, args.score_max)
-    keep &= within(pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False), args.length_min, args.length_max)
+    keep &= within(
+        pc.list_value_length(table.column("tokens")).to_numpy(zero_copy_only=False), args.length_min, args.length_max
+    )
     if args.finish_reason is not None:
         keep &= pc.is_in(table.column("finish_reason"), pa.array(args.finish_reason)).to_numpy(zero_copy_only=False)
     if args.drop_equal_scores:
         starts = group_starts(table)
         scores = table.column("score").to_numpy()
-        differ = np.maximum.reduceat(scores, starts) != np.minimum.reduceat(scores, starts) if len(starts) else np.array([], bool)
+        differ = (
+            np.maximum.reduceat(scores, starts) != np.minimum.reduceat(scores, starts)
+            if len(starts)
+            else np.array([], bool)
+        )
         keep &= np.repeat(differ, np.diff(np.append(starts, table.num_rows)))
     if args.where is not None:
         keep &= where_rows(table, args.where)
@@ -239,7 +258,9 @@ def where_rows(table: pa.Table, where: str) -> np.ndarray:
         rows = duckdb.sql(f"SELECT __row FROM shard WHERE {where}").fetchnumpy()["__row"]
     except duckdb.Error as error:
         columns = ", ".join(name for name in table.column_names)
-        raise ReprocessError(f"operation filter: where {where!r}: {str(error).splitlines()[0]} (columns: {columns})") from None
+        raise ReprocessError(
+            f"operation filter: where {where!r}: {str(error).splitlines()[0]} (columns: {columns})"
+        ) from None
     keep = np.zeros(table.num_rows, dtype=bool)
     keep[np.asarray(rows, dtype=np.int64)] = True
     return keep
@@ -251,7 +272,13 @@ def recompute_advantages(table: pa.Table, args: AdvantagesArgs, context: Context
     starts = group_starts(table)
     ends = np.append(starts[1:], table.num_rows)
     scores = table.column("score").to_numpy()
-    per_sequence = np.concatenate([group_advantages(scores[a:b].tolist(), config.mode, config.eps) for a, b in zip(starts, ends, strict=True)]) if len(starts) else np.zeros(0)
+    per_sequence = (
+        np.concatenate(
+            [group_advantages(scores[a:b].tolist(), config.mode, config.eps) for a, b in zip(starts, ends, strict=True)]
+        )
+        if len(starts)
+        else np.zeros(0)
+    )
     mask = table.column("mask").combine_chunks()
     trained = mask.values.to_numpy(zero_copy_only=False)
     owner = pc.list_parent_indices(mask).to_numpy()
@@ -263,7 +290,9 @@ def recompute_advantages(table: pa.Table, args: AdvantagesArgs, context: Context
 def completion_key(item_id: str, tokens: np.ndarray, mask: np.ndarray) -> bytes:
     """What dedupe compares: the item and the tokens from the first trained one on."""
     first = int(np.argmax(mask)) if mask.any() else len(tokens)
-    return hashlib.blake2b(item_id.encode() + b"\0" + tokens[first:].astype(np.int32).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(
+        item_id.encode() + b"\0" + tokens[first:].astype(np.int32).tobytes(), digest_size=16
+    ).digest()
 
 
 def duplicate_rows(table: pa.Table, seen: set[bytes]) -> set[int]:
@@ -324,10 +353,14 @@ def make_rescorer(args: RescoreArgs, shard_tokenizer: str) -> Callable[[list[Sco
         first = completion_start(sequence)
         single_turn = all(sequence.mask[first:])
         if single_turn:
-            return prompt_messages(item) + [{"role": "assistant", "content": env.renderer.decode(sequence.tokens[first:])}]
+            return prompt_messages(item) + [
+                {"role": "assistant", "content": env.renderer.decode(sequence.tokens[first:])}
+            ]
         if sequence.messages:
             return sequence.messages  # multi-turn: tool outputs between the turns are not the model's
-        raise ReprocessError(f"group {group.group_id}: sequences[{index}] is multi-turn and stores no messages to rescore")
+        raise ReprocessError(
+            f"group {group.group_id}: sequences[{index}] is multi-turn and stores no messages to rescore"
+        )
 
     def scores(groups: list[ScoredGroup]) -> list[list[float]]:
         result = []
@@ -346,9 +379,12 @@ def make_rescorer(args: RescoreArgs, shard_tokenizer: str) -> Callable[[list[Sco
 
 
 TABLE_OPERATIONS: dict[str, Callable[[pa.Table, Any, Context], pa.Table]] = {
-    "filter": filter_rows, "advantages": recompute_advantages, "dedupe": dedupe, "rescore": rescore,
+    "filter": filter_rows,
+    "advantages": recompute_advantages,
+    "dedupe": dedupe,
+    "rescore": rescore,
     "compact": lambda table, args, context: table,  # merging is the flow's, over several shards
-}  # fmt: skip
+}
 
 
 def apply(table: pa.Table, operations: list[Operation], context: Context) -> pa.Table:

@@ -14,14 +14,14 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from prefect import get_client, task
-from prefect.concurrency.asyncio import concurrency
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.asyncio import concurrency
 from pydantic import BaseModel, Field, model_validator
 
+from core.scored_group import ScoredGroup
 from environments.base import Environment, Item, RolloutFailure
 from environments.chat import load_tokenizer
 from environments.loading import load_config, load_environment_class
-from core.scored_group import ScoredGroup
 from inference.client import PolicyClient, PolicyServerAuthError, PolicyServerUnreachable
 
 
@@ -68,7 +68,9 @@ async def environment_for(spec: EnvSpec, server_url: str, tokenizer: str, api_ke
     per_loop = _environments.setdefault(asyncio.get_running_loop(), {})
     key = (spec.key, server_url, tokenizer, api_key)
     if key not in per_loop:
-        env = await asyncio.to_thread(build_environment, spec, server_url, tokenizer, api_key)  # imports, loads a tokenizer
+        env = await asyncio.to_thread(
+            build_environment, spec, server_url, tokenizer, api_key
+        )  # imports, loads a tokenizer
         await env.setup()
         per_loop[key] = env
     return per_loop[key]
@@ -121,7 +123,10 @@ def _lane_run_name(parameters: dict[str, Any]) -> str:
 # Both sampling tasks: an unreachable server is retried after a pause, results stay in memory
 # (they are the flow's to store), nothing is cached.
 SAMPLING_TASK = dict(
-    retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=_retry_unless_refused, cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=_retry_unless_refused,
+    cache_policy=NO_CACHE,
     persist_result=False,
 )
 
@@ -201,7 +206,7 @@ async def check_servers(servers: list[str], api_key: str | None) -> None:
                 await client.weight_version()
             except PolicyServerAuthError:
                 raise
-            except Exception:  # unreachable for now: groups retry with backoff
+            except Exception:  # noqa: BLE001 - unreachable for now: groups retry with backoff
                 pass
 
 

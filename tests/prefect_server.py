@@ -72,8 +72,11 @@ def start_prefect_server(home: Path, timeout: float = 180) -> PrefectServer:
     log = open(home / "server.log", "ab")
     process = subprocess.Popen(
         [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     server = PrefectServer(process, port, home)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

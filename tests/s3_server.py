@@ -45,9 +45,7 @@ def start_s3_server(timeout_s: float = 30.0) -> S3Server:
     """Start `moto_server` (installed beside this Python) on a free loopback port and wait for it."""
     binary = Path(sys.executable).with_name("moto_server")
     if not binary.exists():
-        raise FileNotFoundError(
-            f"{binary} not found; install the dev extras: pip install 'moto[server]'"
-        )
+        raise FileNotFoundError(f"{binary} not found; install the dev extras: pip install 'moto[server]'")
     port = _free_port()
     log_path = Path(tempfile.mkstemp(prefix="moto-server-", suffix=".log")[1])
     with log_path.open("wb") as log_file:
@@ -61,9 +59,7 @@ def start_s3_server(timeout_s: float = 30.0) -> S3Server:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"moto_server exited with {process.returncode}: {log_path.read_text()[-2000:]}"
-            )
+            raise RuntimeError(f"moto_server exited with {process.returncode}: {log_path.read_text()[-2000:]}")
         try:
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
             return S3Server(endpoint, process, log_path)
@@ -87,9 +83,7 @@ def create_bucket(server: S3Server, bucket: str) -> None:
     """Create a bucket through s3fs, the same client clotho's storage uses."""
     import s3fs
 
-    fs = s3fs.S3FileSystem(
-        key="testing", secret="testing", endpoint_url=server.endpoint_url, skip_instance_cache=True
-    )
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=server.endpoint_url, skip_instance_cache=True)
     fs.mkdir(bucket)
 
 

@@ -20,12 +20,17 @@ def bench_report():
     return report
 
 
-@pytest.mark.parametrize("page, block, source", [
-    ("docs/benchmarks.md", "bench_block", "bench/results/*.json"), ("docs/benchmarks.md", "peer_block", "bench/results/peer.json"),
-    ("docs/benchmarks.md", "sampling_block", "bench/results/sampling.json"),
-    ("docs/benchmarks.md", "scale_block", "bench/results/scale_memory.json"),
-    ("README.md", "demo_block", "bench/results/demo.json"), ("README.md", "listing_block", "environments/bundled/capitals.py"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "page, block, source",
+    [
+        ("docs/benchmarks.md", "bench_block", "bench/results/*.json"),
+        ("docs/benchmarks.md", "peer_block", "bench/results/peer.json"),
+        ("docs/benchmarks.md", "sampling_block", "bench/results/sampling.json"),
+        ("docs/benchmarks.md", "scale_block", "bench/results/scale_memory.json"),
+        ("README.md", "demo_block", "bench/results/demo.json"),
+        ("README.md", "listing_block", "environments/bundled/capitals.py"),
+    ],
+)
 def test_numbers_and_listings_are_rendered_from_their_source(page, block, source):
     assert getattr(bench_report(), block)() in (REPO / page).read_text(), (
         f"{page}'s {block} differs from {source}: run `python bench/report.py --readme`"
@@ -42,13 +47,24 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
     config = tmp_path / "demo.yaml"
     config.write_text("phases: []\n")
     monkeypatch.setattr(report, "DEMO_YAML", config)
-    curve = [{"phase": "sft", "step": 0, "reward": 0.0, "minutes": 1.0},
-             {"phase": "rl", "step": 9, "reward": 0.7, "train_reward": 0.6, "minutes": 3.0}]  # fmt: skip
+    curve = [
+        {"phase": "sft", "step": 0, "reward": 0.0, "minutes": 1.0},
+        {"phase": "rl", "step": 9, "reward": 0.7, "train_reward": 0.6, "minutes": 3.0},
+    ]
     summary = tmp_path / "summary.json"
 
     def record(gain: float, met: bool) -> None:
-        verdict = {"start": 0.0, "sft_plateau": 0.4, "end": 0.4 + gain, "rl_gain": gain, "criterion_met": met, "window": 3}
-        summary.write_text(json.dumps({"steps": 9, "minutes": 3.0, "demo_minutes": 3.5, "curve": curve, "verdict": verdict}))
+        verdict = {
+            "start": 0.0,
+            "sft_plateau": 0.4,
+            "end": 0.4 + gain,
+            "rl_gain": gain,
+            "criterion_met": met,
+            "window": 3,
+        }
+        summary.write_text(
+            json.dumps({"steps": 9, "minutes": 3.0, "demo_minutes": 3.5, "curve": curve, "verdict": verdict})
+        )
         report.record_demo(summary)
 
     record(0.5, True)
@@ -56,7 +72,10 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
     record(0.1, False)
     text = report.demo_text()
     assert "0.50 at step 9 after RL" in text  # the newest run, not the best one
-    assert "All 2 demos recorded with this `runs/demo.yaml`, oldest first: RL added +0.50, +0.10" in text and "1 of 2 met" in text
+    assert (
+        "All 2 demos recorded with this `runs/demo.yaml`, oldest first: RL added +0.50, +0.10" in text
+        and "1 of 2 met" in text
+    )
     config.write_text("phases: [changed]\n")  # another config: its runs start a new history
     record(0.3, True)
     assert len(json.loads((tmp_path / "demo.json").read_text())["result"]["runs"]) == 1
@@ -67,8 +86,16 @@ def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves
     peer = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(peer)
     # Steps end every 2 s; step 2's checkpoint took 5 s more, which a TRL user would not pay.
-    side = {"started": 90.0, "steps": [{"step": 1, "time": 100.0}, {"step": 2, "time": 102.0}, {"step": 3, "time": 109.0},
-                                       {"step": 4, "time": 111.0}], "saves": {2: 5.0}}  # fmt: skip
+    side = {
+        "started": 90.0,
+        "steps": [
+            {"step": 1, "time": 100.0},
+            {"step": 2, "time": 102.0},
+            {"step": 3, "time": 109.0},
+            {"step": 4, "time": 111.0},
+        ],
+        "saves": {2: 5.0},
+    }
     times = peer.timeline(side)
     assert times["seconds_per_step"] == 2.0
     assert times["elapsed"] == {1: 2.0, 2: 4.0, 3: 6.0, 4: 8.0}  # the first step counts as a median one
@@ -93,9 +120,19 @@ def test_the_scale_cost_model_extrapolates_each_term_by_its_own_rate():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     parts = {"sampling_s": 4.0, "update_s": 40.0, "publish_s": 10.0, "save_state_s": 20.0, "reload_s": 5.0}
-    entry = {"size": "qwen2.5-0.5b", "parameters": 5e8, "clotho": {
-        "parts_s": parts, "publish_bytes": 1e8, "full_bytes": 1e9, "state_bytes": 8e9, "state_save_s": 20.0, "tokens_per_step": 2000,
-        "sampled_tokens_per_step": 1000}}
+    entry = {
+        "size": "qwen2.5-0.5b",
+        "parameters": 5e8,
+        "clotho": {
+            "parts_s": parts,
+            "publish_bytes": 1e8,
+            "full_bytes": 1e9,
+            "state_bytes": 8e9,
+            "state_save_s": 20.0,
+            "tokens_per_step": 2000,
+            "sampled_tokens_per_step": 1000,
+        },
+    }
     model = bench.cost_model(entry)
     big, target = bench.QWEN25_7B["parameters"], bench.QWEN25_7B
     here = model["this_machine"]["parts_s"]
@@ -110,11 +147,16 @@ def test_the_scale_cost_model_extrapolates_each_term_by_its_own_rate():
     assert steps_per_state == max(1, math.ceil(bench.STATE_EVERY_MINUTES * 60 / other))
     node = model["node"]
     assert node["state"]["steps_per_state"] > 1 and node["parts_s"]["save_state_s"] < node["state"]["one_s"] / 2
-    assert here["publish_s"] == round(10.0 * big / 5e8, 3) and abs(here["save_state_s"] - one_state / steps_per_state) < 1e-3
+    assert (
+        here["publish_s"] == round(10.0 * big / 5e8, 3)
+        and abs(here["save_state_s"] - one_state / steps_per_state) < 1e-3
+    )
     assert here["reload_s"] == round(5.0 * big / 5e8, 3)
     # On the node, publish and reload move the share of the bf16 weights a step wrote here (a tenth).
     disk = bench.NODE["disk_bytes_per_s"]
-    assert model["node"]["parts_s"]["publish_s"] == round(2 * big * 0.1 / disk, 3) == model["node"]["parts_s"]["reload_s"]
+    assert (
+        model["node"]["parts_s"]["publish_s"] == round(2 * big * 0.1 / disk, 3) == model["node"]["parts_s"]["reload_s"]
+    )
     for column in ("this_machine", "node"):
         shares = model[column]["shares"]
         assert abs(sum(shares.values()) - 1) < 0.01 and model[column]["dominant"] == max(shares, key=shares.get)

@@ -32,8 +32,12 @@ def test_the_docs_site_builds_strictly_with_the_api_reference(tmp_path):
     # mkdocs.yml: strict, with missing pages, missing anchors and pages left out of the nav as failures.
     built = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     # Rendered from the docstrings: the contract, the environment API and the loss extension point.

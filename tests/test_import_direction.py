@@ -74,7 +74,12 @@ def test_no_modules_import_each_other():
 
 
 def test_the_checks_see_an_upward_import_and_a_circle():
-    graph = {"core.a": {"storage.b"}, "storage.b": {"storage.c", "core.a"}, "storage.c": {"storage.b"}, "flows.d": {"core.a"}}
+    graph = {
+        "core.a": {"storage.b"},
+        "storage.b": {"storage.c", "core.a"},
+        "storage.c": {"storage.b"},
+        "flows.d": {"core.a"},
+    }
     assert upward_imports(graph) == ["core.a imports storage.b, a package above it"]
     assert circles(graph) == [["core.a", "storage.b", "storage.c"]]
     assert circles({"a": {"b"}, "b": set()}) == []

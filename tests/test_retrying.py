@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from core.retrying import attempts, async_attempts, backoff_ceiling
+from core.retrying import async_attempts, attempts, backoff_ceiling
 
 
 class Flaky:
@@ -25,7 +25,9 @@ class Flaky:
 
 
 def run(flaky: Flaky, **policy) -> str:
-    for attempt in attempts(retry_on=lambda e: isinstance(e, ConnectionError), first_s=0.01, max_s=0.04, what="thing", **policy):
+    for attempt in attempts(
+        retry_on=lambda e: isinstance(e, ConnectionError), first_s=0.01, max_s=0.04, what="thing", **policy
+    ):
         with attempt:
             return flaky()
     raise AssertionError("the policy returns or raises")
@@ -65,7 +67,9 @@ def test_a_budget_stops_before_a_wait_that_would_pass_it_and_give_up_raises_the_
 def test_the_async_form_is_the_same_policy():
     async def main() -> str:
         flaky = Flaky(2, ConnectionError("down"))
-        async for attempt in async_attempts(retry_on=lambda e: isinstance(e, ConnectionError), first_s=0.01, max_s=0.02, tries=3, what="x"):
+        async for attempt in async_attempts(
+            retry_on=lambda e: isinstance(e, ConnectionError), first_s=0.01, max_s=0.02, tries=3, what="x"
+        ):
             with attempt:
                 return flaky()
         raise AssertionError("the policy returns or raises")

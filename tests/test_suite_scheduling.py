@@ -14,9 +14,11 @@ from tests.conftest import fixture_scope
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = [
-    "tests/inference/test_reload_units.py", "tests/inference/test_tiny_model.py",
-    "tests/trainer/test_losses.py", "tests/storage/test_layout.py",
-]  # fmt: skip
+    "tests/inference/test_reload_units.py",
+    "tests/inference/test_tiny_model.py",
+    "tests/trainer/test_losses.py",
+    "tests/storage/test_layout.py",
+]
 
 
 def test_fixture_scope_is_the_module_or_the_inference_package():
@@ -30,8 +32,11 @@ def test_two_workers_each_take_whole_scopes():
     assert not missing, f"{missing} moved: name other fast modules here"
     ran = subprocess.run(
         [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadscope", "-v", "-p", "no:cacheprovider", *MODULES],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     workers = defaultdict(set)
     for worker, nodeid in re.findall(r"^\[(gw\d+)\] .*?PASSED (\S+)", ran.stdout, flags=re.MULTILINE):

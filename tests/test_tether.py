@@ -14,7 +14,11 @@ import psutil
 from core import tether
 from core.processes import stop_process, tethered
 
-SLEEPER = [sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
+SLEEPER = [
+    sys.executable,
+    "-c",
+    "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)",
+]
 
 
 def test_a_tethered_command_exits_as_the_command_and_stops_with_its_group():

@@ -19,15 +19,6 @@ def sequence_token_advantages(group: ScoredGroup, config: AdvantageConfig) -> li
     computed = group_advantages(group.scores, config.mode, config.eps)
     result = []
     for sequence, advantage in zip(group.sequences, computed, strict=True):
-        source = (
-            sequence.advantages
-            if sequence.advantages is not None
-            else [advantage] * len(sequence.tokens)
-        )
-        result.append(
-            [
-                value if trained else 0.0
-                for value, trained in zip(source, sequence.mask, strict=True)
-            ]
-        )
+        source = sequence.advantages if sequence.advantages is not None else [advantage] * len(sequence.tokens)
+        result.append([value if trained else 0.0 for value, trained in zip(source, sequence.mask, strict=True)])
     return result

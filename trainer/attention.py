@@ -45,8 +45,9 @@ def buckets(lengths: list[int]) -> list[list[int]]:
     return runs
 
 
-def bucketed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int],
-             scaling: float | None) -> torch.Tensor:  # fmt: skip
+def bucketed(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], scaling: float | None
+) -> torch.Tensor:
     """Causal attention of each [start, end) of `bounds` on its own, [T, H, D] in and out, without
     the flash kernel: the sequences of alike lengths (buckets) gathered into one padded batch each,
     sdpa's causal kernel over it (a sequence's padding comes after it, so it never attends to it),
@@ -62,28 +63,46 @@ def bucketed(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds
         valid = offsets[None, :] < torch.tensor([lengths[index] for index in run])[:, None]
         index = torch.where(valid, begin + offsets, total).to(query.device)
         q, k, v = (t[index].transpose(1, 2) for t in padded)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True).transpose(
+            1, 2
+        )
         valid = valid.to(query.device)
         pieces.append(attended[valid])
         places.append(index[valid])
     # Every slot is in exactly one segment (a row's padding is one too): the pieces, in bucket
     # order, are a permutation of the slots, put back with one gather.
-    places = torch.cat(places)
-    inverse = torch.empty_like(places)
-    inverse[places] = torch.arange(total, device=places.device)
+    order = torch.cat(places)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(total, device=order.device)
     return torch.cat(pieces)[inverse]
 
 
-def varlen(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor, max_length: int,
-           scaling: float | None) -> torch.Tensor:  # fmt: skip
+def varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_lens: torch.Tensor,
+    max_length: int,
+    scaling: float | None,
+) -> torch.Tensor:
     """Causal attention within each sequence of flattened [T, H, D] tensors, `cu_seq_lens` [n + 1]
     their boundaries: the flash kernel where it runs, else sdpa over buckets of alike lengths."""
     if varlen_available(query):
         from torch.nn.attention.varlen import varlen_attn
 
         bounds = cu_seq_lens.to(device=query.device, dtype=torch.int32)
-        return varlen_attn(query, key, value, bounds, bounds, max_length, max_length, scale=scaling,
-                           window_size=(-1, 0), enable_gqa=True)  # fmt: skip
+        return varlen_attn(  # type: ignore[return-value]  # returns (output, lse) only when asked for the lse
+            query,
+            key,
+            value,
+            bounds,
+            bounds,
+            max_length,
+            max_length,
+            scale=scaling,
+            window_size=(-1, 0),
+            enable_gqa=True,
+        )
     return bucketed(query, key, value, cu_seq_lens.tolist(), scaling)
 
 
@@ -104,12 +123,18 @@ def packed_attention(
 
     bounds = kwargs.pop("cu_seq_lens_q", None)
     if bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if dropout:
-        raise ValueError("packed attention over sequence boundaries runs without dropout (the trainer's model is in eval mode)")
+        raise ValueError(
+            "packed attention over sequence boundaries runs without dropout (the trainer's model is in eval mode)"
+        )
     rows, heads, length, dim = query.shape
-    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]
-    output = varlen(*flat, bounds, int(kwargs["max_length_q"]), scaling)
+    flat_query, flat_key, flat_value = (
+        t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)
+    )
+    output = varlen(flat_query, flat_key, flat_value, bounds, int(kwargs["max_length_q"]), scaling)
     return output.reshape(rows, length, heads, dim), None
 
 

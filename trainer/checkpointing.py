@@ -17,7 +17,6 @@ checkpoints already published (replay_difference checks it got the same weights)
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import random
@@ -26,7 +25,7 @@ import socket
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,6 +43,9 @@ from storage.checkpoints import (
 from storage.filesystem import resolve, retrying
 from storage.layout import join
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 from trainer.distributed import broadcast_object, gather_objects
 from trainer.state_store import StateStore, StateUpload
 
@@ -81,14 +83,18 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
     return default_prompt_ids(base_tokenizer(tokenizer_source))
 
 
-def published_tensors(module: torch.nn.Module, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def published_tensors(
+    module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous.
 
     With tied embeddings they include `lm_head.weight`, the tensor of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
     weights."""
-    tensors = {name: (tensor.to(dtype) if dtype is not None else tensor).contiguous() for name, tensor in state_dict.items()}
+    tensors = {
+        name: (tensor.to(dtype) if dtype is not None else tensor).contiguous() for name, tensor in state_dict.items()
+    }
     if module.config.tie_word_embeddings:
         embedding = "model.embed_tokens.weight"
         if embedding not in tensors:
@@ -101,7 +107,7 @@ def published_tensors(module: torch.nn.Module, state_dict: dict[str, torch.Tenso
 
 
 def save_hf_checkpoint(
-    module: torch.nn.Module,
+    module: PreTrainedModel,
     tensors: dict[str, torch.Tensor] | None,
     tokenizer_source: str,
     out: Path,
@@ -143,13 +149,15 @@ class DeltaPublisher:
         """The delta of `tensors` against the previous publish and the chain it extends; None when a
         full checkpoint is due. After a delta too big to be worth it (the learning rate and dtype
         that made it hold for the steps after), the next full_every - 1 publishes go full untried."""
-        chain = [*self.chain, self.step]
-        if self.step is None or len(chain) >= self.full_every:
+        if self.step is None or len(self.chain) + 1 >= self.full_every:
             return None
+        chain = [*self.chain, self.step]
         if self.skip:
             self.skip -= 1
             return None
-        current = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()}
+        current = {
+            name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()
+        }
         try:
             delta = weight_delta.encode(current, self.tensors, self.step)
         except weight_delta.DeltaError as error:
@@ -158,8 +166,11 @@ class DeltaPublisher:
         full = sum(data.nbytes for *_, data in current.values())
         if len(delta) > full / 2:
             self.skip = self.full_every - 1
-            log.info("publishing in full: a delta would be %.0f%% of the weights' bytes (the next %d publishes too)",
-                     100 * len(delta) / full, self.skip)  # fmt: skip
+            log.info(
+                "publishing in full: a delta would be %.0f%% of the weights' bytes (the next %d publishes too)",
+                100 * len(delta) / full,
+                self.skip,
+            )
             return None
         return delta, chain
 
@@ -174,9 +185,17 @@ class DeltaPublisher:
 
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
@@ -228,14 +247,19 @@ def publish_step(
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
         elif difference <= REPLAY_TOLERANCE:
-            log.info("%s is already published: the step trained again gives its stored logprobs (max difference %.2g)",
-                     url, difference)  # fmt: skip
+            log.info(
+                "%s is already published: the step trained again gives its stored logprobs (max difference %.2g)",
+                url,
+                difference,
+            )
         else:
             log.warning(
                 "%s is already published, from other weights: the step trained again differs from its stored "
                 "logprobs by %.3g (its groups were read in another order than the first time); training goes "
-                "on from the weights trained now", url, difference,
-            )  # fmt: skip
+                "on from the weights trained now",
+                url,
+                difference,
+            )
         return url
     encoded = deltas.encode(tensors) if deltas is not None else None
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
@@ -247,9 +271,7 @@ def publish_step(
             # The weights' own logprobs, which servers that load them must give (inference.parity):
             # one short forward here spares every reload a load and forward of the whole model.
             write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary), rounded)
-        publish_checkpoint(
-            temporary, storage, run, step, extra=extra, storage_options=storage_options
-        )
+        publish_checkpoint(temporary, storage, run, step, extra=extra, storage_options=storage_options)
     if deltas is not None:
         # The next delta is taken against these bytes: a tensor that is the engine's own parameter
         # (published in its own dtype, on CPU) is copied, or the next optimizer step would change it.
@@ -265,7 +287,11 @@ def publish_step(
 
 
 def replay_difference(
-    module: torch.nn.Module, url: str, zero_stage: int, storage_options: dict[str, Any] | None, weights: dict | None = None
+    module: PreTrainedModel,
+    url: str,
+    zero_stage: int,
+    storage_options: dict[str, Any] | None,
+    weights: dict | None = None,
 ) -> float | None:
     """The largest |logprob difference| between `module` (run on `weights`, the tensors it would
     publish, where given) and the published checkpoint at `url` on the sequences its parity
@@ -315,7 +341,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_resume_state(
-    engine, state_dir: Path, step: int, trainer_state: dict[str, Any], rng_states: list[Any], store: StateStore | None = None
+    engine,
+    state_dir: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    rng_states: list[Any],
+    store: StateStore | None = None,
 ) -> StateUpload | None:
     """DeepSpeed checkpoint of step N with `trainer_state` and every rank's RNG (call on every
     rank), then all but the newest KEEP_STATES dropped on rank 0. With a `store`, returns this
@@ -328,7 +359,11 @@ def save_resume_state(
         for old in tags[:-KEEP_STATES]:
             shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
-    return StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step) if store is not None else None
+    return (
+        StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step)
+        if store is not None
+        else None
+    )
 
 
 def commit_resume_state(upload: StateUpload, wait: bool) -> bool:
@@ -340,15 +375,21 @@ def commit_resume_state(upload: StateUpload, wait: bool) -> bool:
         return False
     try:
         files, error = upload.result(), None
-    except Exception as raised:  # every rank hears of it, or the others would wait for this one
+    except Exception as raised:  # noqa: BLE001 - every rank hears of it, or the others would wait for this one
         files, error = {}, raised
     uploaded = gather_objects((files, None if error is None else str(error)), world_size)
     if error is not None:
         raise error
     if failed := [f"rank {rank}: {why}" for rank, (_, why) in enumerate(uploaded) if why is not None]:
-        raise RuntimeError(f"resume state {step_name(upload.step)} not uploaded to {upload.store.url}: {'; '.join(failed)}")
+        raise RuntimeError(
+            f"resume state {step_name(upload.step)} not uploaded to {upload.store.url}: {'; '.join(failed)}"
+        )
     if torch.distributed.get_rank() == 0:
-        upload.store.commit(step_name(upload.step), {name: size for files, _ in uploaded for name, size in files.items()}, keep=KEEP_STATES)
+        upload.store.commit(
+            step_name(upload.step),
+            {name: size for files, _ in uploaded for name, size in files.items()},
+            keep=KEEP_STATES,
+        )
     torch.distributed.barrier()
     return True
 
@@ -387,7 +428,9 @@ def resume_state_agreed(state_dir: Path) -> bool:
     _, authority, _ = held[0]
     if authority is None:
         return False
-    missing = [f"rank {rank} on {host}" for rank, (host, theirs, has) in enumerate(held) if not has or theirs != authority]
+    missing = [
+        f"rank {rank} on {host}" for rank, (host, theirs, has) in enumerate(held) if not has or theirs != authority
+    ]
     if missing:
         raise RuntimeError(
             f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority}, which {', '.join(missing)} cannot read there: "
@@ -422,6 +465,7 @@ def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | No
     else:
         log.warning(
             "resume state saved by %d ranks, running %d: random generators start fresh",
-            len(rng_states), world_size,
-        )  # fmt: skip
+            len(rng_states),
+            world_size,
+        )
     return client_state["trainer"]

@@ -18,15 +18,20 @@ import typer
 
 
 def train_command(
-    run: str = typer.Option(..., help="Run URL STORAGE_URL/RUN (a path, file://, s3://): reads its rollouts, publishes its checkpoints."),
+    run: str = typer.Option(
+        ..., help="Run URL STORAGE_URL/RUN (a path, file://, s3://): reads its rollouts, publishes its checkpoints."
+    ),
     model: str = typer.Option(..., help="Initial policy: Hugging Face model directory or hub name."),
     steps: int = typer.Option(..., min=1, help="Total optimizer steps; a resumed run continues up to it."),
     config: Path = typer.Option(None, exists=True, dir_okay=False, help="Trainer YAML (TrainerConfig)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field, key.path=value with a YAML value: --set loss.name=dapo (repeatable)."),
+    set_: list[str] = typer.Option(
+        [], "--set", help="Override a field, key.path=value with a YAML value: --set loss.name=dapo (repeatable)."
+    ),
     work_dir: Path = typer.Option(
-        None, help="Local directory for resume state and metrics "
+        None,
+        help="Local directory for resume state and metrics "
         "(default RUN_URL/trainer, or .clotho/trainer/RUN for remote storage).",
-    ),  # fmt: skip
+    ),
     data_timeout_s: float = typer.Option(600.0, min=0.0, help="Seconds to wait for new groups before giving up."),
     local_rank: int = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
 ) -> None:
@@ -47,9 +52,7 @@ def train_command(
         raise typer.BadParameter(str(error), param_hint="--run") from None
     try:
         # --model and --steps win over the file and --set; JSON quoting keeps a path a string.
-        trainer_config = TrainerConfig.from_yaml(
-            config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"]
-        )
+        trainer_config = TrainerConfig.from_yaml(config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"])
     except ValidationError as error:
         from core.validation import describe_validation_error
 
@@ -58,7 +61,9 @@ def train_command(
             raise typer.BadParameter(message.removeprefix("model: "), param_hint="--model") from None
         raise typer.BadParameter(message, param_hint="--config/--set" if config else "--set") from None
     except yaml.YAMLError as error:
-        raise typer.BadParameter(f"not valid YAML ({' '.join(str(error).split())}); fix the file", param_hint="--config") from None
+        raise typer.BadParameter(
+            f"not valid YAML ({' '.join(str(error).split())}); fix the file", param_hint="--config"
+        ) from None
     except ValueError as error:  # an --set that does not apply, a file that is not a mapping
         raise typer.BadParameter(str(error), param_hint="--set") from None
     from storage.models import local_model
@@ -76,9 +81,13 @@ def train_command(
 
     if int(os.environ.get("RANK", "0")) == 0:  # before torch loads: the samplers of its steps start now
         announce_trainer(
-            storage, run_name, groups_per_step=trainer_config.groups_per_step, save_every=trainer_config.save_every,
-            max_staleness=trainer_config.max_staleness, end_step=trainer_config.steps,
-        )  # fmt: skip
+            storage,
+            run_name,
+            groups_per_step=trainer_config.groups_per_step,
+            save_every=trainer_config.save_every,
+            max_staleness=trainer_config.max_staleness,
+            end_step=trainer_config.steps,
+        )
 
     import torch
 

@@ -11,9 +11,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from core.advantages import AdvantageMode
 from core.imports import load_attribute
 from core.overrides import apply_overrides
-from core.advantages import AdvantageMode
 from trainer.trackers import check_report_to
 
 # A Hugging Face hub id: 'name' or 'org/name' (letters, digits, '-', '_', '.').
@@ -38,7 +38,9 @@ def check_model_source(model: str) -> str:
     build = "`clotho model tiny DIR` builds a small one"
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise ValueError(f"{model!r} holds no config.json: not a Hugging Face model directory; point at one ({build})")
+            raise ValueError(
+                f"{model!r} holds no config.json: not a Hugging Face model directory; point at one ({build})"
+            )
         return model
     if path.exists():
         raise ValueError(f"{model!r} is a file; give a Hugging Face model directory ({build}) or a hub id")
@@ -178,6 +180,12 @@ class LossConfig(BaseModel):
         """The loss function's declared defaults (LossDefaults() when it declares none)."""
         return self._defaults
 
+    @property
+    def clips(self) -> tuple[float, float]:
+        """(clip_low, clip_high): null in a config, the loss's defaults once validated."""
+        assert self.clip_low is not None and self.clip_high is not None, "validation fills both"
+        return self.clip_low, self.clip_high
+
 
 def load_loss(name: str) -> Callable[..., Any]:
     """The function a `loss.name` names: a built-in's short name or 'package.module:function'."""
@@ -227,13 +235,9 @@ class TrainerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(
-        description="Hugging Face model directory or hub name of the initial policy."
-    )
+    model: str = Field(description="Hugging Face model directory or hub name of the initial policy.")
     steps: int = Field(default=100, gt=0, description="Optimizer steps to run.")
-    groups_per_step: int = Field(
-        default=8, gt=0, description="Whole groups consumed by one optimizer step."
-    )
+    groups_per_step: int = Field(default=8, gt=0, description="Whole groups consumed by one optimizer step.")
     micro_batch_tokens: int = Field(
         default=4096,
         gt=0,
@@ -283,46 +287,48 @@ class TrainerConfig(BaseModel):
         "the backward: activation memory no longer grows with layers x micro_batch_tokens, for about a third "
         "more compute. For models of real sizes at large micro_batch_tokens.",
     )
-    save_every: int = Field(
-        default=10, gt=0, description="Publish a checkpoint every this many steps."
-    )
+    save_every: int = Field(default=10, gt=0, description="Publish a checkpoint every this many steps.")
     publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         default=None,
         description="The dtype of the published weights: the one the servers serve (clotho run sets it from "
         "servers.dtype), half the bytes to write and reload in bf16; None: the training dtype.",
     )
     full_every: int = Field(
-        default=10, ge=1,
+        default=10,
+        ge=1,
         description="Publish the weights in full every this many checkpoints and, between, as deltas on the one "
         "before (the changed bytes, XOR'd and compressed: a few percent of the full weights for a bf16 publish "
         "at a small learning rate); 1: always in full. Rank 0 keeps the previous publish's bytes in memory "
         "(2 bytes a parameter in bf16) and publishes in full where a delta would not halve the bytes.",
-    )  # fmt: skip
+    )
     state_every: int | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="Save the resume state (weights, optimizer, data position) every this many steps, a "
         "multiple of save_every; None: with every published checkpoint. A trainer killed between states "
         "resumes from the last one and trains the steps since again, from the same groups, to the "
         "checkpoints already published (checked against their stored logprobs).",
-    )  # fmt: skip
+    )
     state_every_minutes: float | None = Field(
-        default=None, gt=0,
+        default=None,
+        gt=0,
         description="Also save the resume state with the first published checkpoint this many minutes after the "
         "last state; with it and no state_every, time alone decides (and the last step). A long step count "
         "between states costs replayed steps on a crash, a short one a state write (16 bytes a parameter) per "
         "checkpoint.",
-    )  # fmt: skip
+    )
     state_in_storage: bool | None = Field(
         default=None,
         description="Copy each resume state to the run's storage ({run}/trainer-state) and resume from there, so "
         "ranks on hosts that share no disk, or a trainer that lost its host, resume; None: when the run's storage "
         "is not a local disk (a local run keeps its work dir in its storage already).",
-    )  # fmt: skip
+    )
     keep_last: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Keep only the last this many published checkpoints (plus every keep_every-th, the "
         "one LATEST names and any a server still serves or loads); None keeps every one.",
-    )  # fmt: skip
+    )
     keep_every: int | None = Field(
         default=None, gt=0, description="With keep_last: also keep every step divisible by this."
     )
@@ -331,7 +337,7 @@ class TrainerConfig(BaseModel):
         default_factory=list,
         description="Experiment trackers for each step's metrics, beside metrics.jsonl and TensorBoard: "
         "'wandb' (pip install wandb) or module:Class of your own (trainer.trackers).",
-    )  # fmt: skip
+    )
     loss: LossConfig = Field(default_factory=LossConfig)
     advantages: AdvantageConfig = Field(default_factory=AdvantageConfig)
 
@@ -373,16 +379,12 @@ class TrainerConfig(BaseModel):
         return self.state_every is None
 
     @classmethod
-    def from_yaml(
-        cls, path: str | Path | None = None, overrides: Sequence[str] = ()
-    ) -> TrainerConfig:
+    def from_yaml(cls, path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainerConfig:
         """Load a YAML file (or start empty) and apply CLI-style `a.b=value` overrides on top."""
         data: dict[str, Any] = {}
         if path is not None:
             loaded = yaml.safe_load(Path(path).read_text())
             if loaded is not None and not isinstance(loaded, dict):
-                raise ValueError(
-                    f"{path}: top level is {type(loaded).__name__}; write a mapping of fields"
-                )
+                raise ValueError(f"{path}: top level is {type(loaded).__name__}; write a mapping of fields")
             data = loaded or {}
         return cls.model_validate(apply_overrides(data, overrides))

@@ -29,7 +29,7 @@ import torch
 
 from trainer.config import LossConfig, LossDefaults
 from trainer.loss_terms import LossInputs, kl_to_reference, sequence_mean, token_mean
-from trainer.metrics import Maximum, Minimum, Total
+from trainer.metrics import LossMetrics, Maximum, Minimum, Total
 
 
 def importance_weights(inputs: LossInputs) -> torch.Tensor:
@@ -50,20 +50,30 @@ def with_kl(token_loss: torch.Tensor, inputs: LossInputs, config: LossConfig) ->
 
 
 @torch.no_grad()
-def correction_metrics(inputs: LossInputs, weights: torch.Tensor, **counts: torch.Tensor) -> dict[str, float]:
+def correction_metrics(inputs: LossInputs, weights: torch.Tensor, **counts: torch.Tensor) -> LossMetrics:
     """The importance weights a correction saw, [tokens] (mean, max, min), sampler_kl (mean of
     rho - 1 - log rho: KL(sampler || policy) estimated), and each count summed over the step."""
     log_rho = inputs.logprobs.detach() - inputs.sampler_logprobs
-    values = torch.stack([weights.mean(), weights.max(), weights.min(), (torch.exp(log_rho) - 1.0 - log_rho).mean(),
-                          *(count.sum() for count in counts.values())]).tolist()  # fmt: skip
+    values = torch.stack(
+        [
+            weights.mean(),
+            weights.max(),
+            weights.min(),
+            (torch.exp(log_rho) - 1.0 - log_rho).mean(),
+            *(count.sum() for count in counts.values()),
+        ]
+    ).tolist()
     mean, high, low, sampler_kl, *sums = values
     return {
-        "importance_weight_mean": mean, "importance_weight_max": Maximum(high), "importance_weight_min": Minimum(low),
-        "sampler_kl": sampler_kl, **{name: Total(total) for name, total in zip(counts, sums, strict=True)},
-    }  # fmt: skip
+        "importance_weight_mean": mean,
+        "importance_weight_max": Maximum(high),
+        "importance_weight_min": Minimum(low),
+        "sampler_kl": sampler_kl,
+        **{name: Total(total) for name, total in zip(counts, sums, strict=True)},
+    }
 
 
-def token_mask_correction(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def token_mask_correction(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """The IcePop / token-MIS objective, normalized as grpo (mean over each sequence's tokens, the
     masked ones included, summed over sequences / step_num_sequences):
 
@@ -75,13 +85,14 @@ def token_mask_correction(inputs: LossInputs, config: LossConfig) -> tuple[torch
     rho = importance_weights(inputs)
     kept = (rho >= low) & (rho <= high)
     ratio = old_policy_ratio(inputs)
-    clipped = ratio.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    clip_low, clip_high = config.clips
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     objective = torch.where(kept, rho, 0.0) * torch.minimum(ratio * inputs.advantages, clipped * inputs.advantages)
     loss = sequence_mean(with_kl(-objective, inputs, config), inputs)
     return loss, correction_metrics(inputs, rho, masked_tokens=~kept)
 
 
-def icepop(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def icepop(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """IcePop (Ring-1T, arXiv 2510.18855, "Small Leak Can Sink a Great Ship"): the GRPO objective
     with each token weighed by its train-inference ratio k = pi_old / mu where it lies in
     [alpha, beta] (options low, high: 0.5, 5 as in Ring-1T) and masked outside it:
@@ -92,7 +103,7 @@ def icepop(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[s
     return token_mask_correction(inputs, config)
 
 
-def mis_token(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def mis_token(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """Token-level masked importance sampling (Liu, Li et al. 2025, "When Speed Kills Stability:
     Demystifying RL Collapse from the Training-Inference Mismatch"): each token's gradient weighed
     by its ratio rho_t and rejected (weight 0) where rho_t > C, the estimator
@@ -102,7 +113,7 @@ def mis_token(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dic
     return token_mask_correction(inputs, config)
 
 
-def mis_sequence(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def mis_sequence(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """Sequence-level masked importance sampling (Liu, Li et al. 2025, as mis_token): a sequence's
     importance weight is the product of its tokens' ratios, rho_i = prod_t rho_i,t; the sequence
     is rejected where rho_i leaves [low, high] (options; 0 and C = 2: the paper's upper bound
@@ -120,10 +131,12 @@ def mis_sequence(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, 
     kept = (rho >= low) & (rho <= high)
     objective = torch.where(kept, rho, 0.0)[inputs.sequence] * inputs.advantages * old_policy_ratio(inputs)
     loss = sequence_mean(with_kl(-objective, inputs, config), inputs)
-    return loss, correction_metrics(inputs, rho[inputs.sequence], masked_tokens=~kept[inputs.sequence], masked_sequences=~kept)
+    return loss, correction_metrics(
+        inputs, rho[inputs.sequence], masked_tokens=~kept[inputs.sequence], masked_sequences=~kept
+    )
 
 
-def cispo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def cispo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """CISPO (MiniMax-M1, arXiv 2506.13585): REINFORCE with each token's importance weight clipped
     and stopped, so no token's gradient is ever dropped, only bounded:
 
@@ -140,7 +153,7 @@ def cispo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[st
     return loss, correction_metrics(inputs, rho, capped_tokens=(rho < low) | (rho > high))
 
 
-def dppo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def dppo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """DPPO, binary total-variation form (Qi et al. 2026, "Rethinking the Trust Region in LLM RL",
     arXiv 2602.04879; sail-sg/Stable-RL): the trust region is on the probability difference to the
     sampler, not the ratio. A token that already moved more than delta in its advantage's direction
@@ -163,9 +176,8 @@ def dppo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str
     return loss, correction_metrics(inputs, rho, masked_tokens=masked, capped_tokens=~masked & (rho > options["cap"]))
 
 
-icepop.loss_defaults = LossDefaults(options={"low": 0.5, "high": 5.0})
-mis_token.loss_defaults = LossDefaults(options={"low": 0.0, "high": 2.0})
-mis_sequence.loss_defaults = LossDefaults(options={"low": 0.0, "high": 2.0})
-cispo.loss_defaults = LossDefaults(options={"low": 0.0, "high": 5.0})
-dppo.loss_defaults = LossDefaults(options={"delta_low": 0.2, "delta_high": 0.2, "cap": 5.0})
-
+icepop.loss_defaults = LossDefaults(options={"low": 0.5, "high": 5.0})  # type: ignore[attr-defined]
+mis_token.loss_defaults = LossDefaults(options={"low": 0.0, "high": 2.0})  # type: ignore[attr-defined]
+mis_sequence.loss_defaults = LossDefaults(options={"low": 0.0, "high": 2.0})  # type: ignore[attr-defined]
+cispo.loss_defaults = LossDefaults(options={"low": 0.0, "high": 5.0})  # type: ignore[attr-defined]
+dppo.loss_defaults = LossDefaults(options={"delta_low": 0.2, "delta_high": 0.2, "cap": 5.0})  # type: ignore[attr-defined]

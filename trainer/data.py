@@ -157,7 +157,9 @@ def tokenizer_problem(shard_tokenizer: str, model: str) -> str | None:
         return None
     shard_print, model_print = tokenizer_fingerprint(shard_tokenizer), tokenizer_fingerprint(model)
     if shard_print is None or model_print is None:
-        log.warning("cannot compare the shards' tokenizer %r with the model's %r here; trusting it", shard_tokenizer, model)
+        log.warning(
+            "cannot compare the shards' tokenizer %r with the model's %r here; trusting it", shard_tokenizer, model
+        )
         return None
     if shard_print == model_print:
         return None

@@ -32,9 +32,12 @@ def init_distributed() -> tuple[int, int]:
         )
     if not given:
         os.environ.update(
-            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(free_port()),
-        )  # fmt: skip
+        )
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -127,4 +130,3 @@ def gather_objects(value: Any, world_size: int) -> list[Any]:
     gathered: list[Any] = [None] * world_size
     torch.distributed.all_gather_object(gathered, value)
     return gathered
-

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import LossConfig
-from trainer.metrics import Maximum, Minimum
+from trainer.metrics import LossMetrics, Maximum, Minimum
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class LossInputs:
 
 def clipped_token_loss(
     inputs: LossInputs, log_ratio: torch.Tensor, config: LossConfig
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, LossMetrics]:
     """-J_t, plus the KL penalty when there are reference logprobs: [tokens]; and ratio_metrics.
 
     log_ratio [tokens] is the log of the ratio to clip: inputs.log_ratio per token, or another
@@ -62,9 +62,7 @@ def clipped_token_loss(
     return token_loss, ratio_metrics(log_ratio.detach(), inputs, config, kl=kl)
 
 
-def clipped_objective(
-    log_ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig
-) -> torch.Tensor:
+def clipped_objective(log_ratio: torch.Tensor, advantage: torch.Tensor, config: LossConfig) -> torch.Tensor:
     """J_t = min(w A, clip(r) A) per token, [tokens] -> [tokens]; w is r truncated at the cap."""
     if config.importance_cap is None:
         weight = torch.exp(log_ratio)
@@ -73,7 +71,8 @@ def clipped_objective(
         # never overflows (inf times the zero gradient of a clamp is NaN).
         excess = torch.relu(log_ratio - math.log(config.importance_cap)).detach()
         weight = torch.exp(log_ratio - excess)
-    low, high = math.log(1.0 - config.clip_low), math.log1p(config.clip_high)
+    clip_low, clip_high = config.clips
+    low, high = math.log(1.0 - clip_low), math.log1p(clip_high)
     clipped_ratio = torch.exp(log_ratio.clamp(low, high))
     return torch.minimum(weight * advantage, clipped_ratio * advantage)
 
@@ -97,18 +96,14 @@ def token_mean(token_loss: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
     return token_loss.sum() / inputs.step_num_tokens
 
 
-def constant_normalized(
-    token_loss: torch.Tensor, inputs: LossInputs, constant: float
-) -> torch.Tensor:
+def constant_normalized(token_loss: torch.Tensor, inputs: LossInputs, constant: float) -> torch.Tensor:
     """(sum of token losses) / (step_num_sequences * constant): [tokens] -> []."""
     return token_loss.sum() / (inputs.step_num_sequences * constant)
 
 
 def segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Mean of `values` [tokens] within each segment that `segment` [tokens] names -> [segments]."""
-    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device).index_add(
-        0, segment, values
-    )
+    sums = torch.zeros(num_segments, dtype=values.dtype, device=values.device).index_add(0, segment, values)
     counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
     return sums / counts
 
@@ -120,7 +115,7 @@ def ratio_metrics(
     config: LossConfig,
     *,
     kl: torch.Tensor | None = None,
-) -> dict[str, float]:
+) -> LossMetrics:
     """Metrics of a clipped loss over the trained tokens, log_ratio [tokens] the one it clipped.
 
     clip_fraction (gradient zeroed by the clip); capped_fraction (weight truncated by
@@ -131,9 +126,8 @@ def ratio_metrics(
     ratio = torch.exp(log_ratio)
     token_log_ratio = inputs.log_ratio
     advantage = inputs.advantages
-    clip_active = ((advantage > 0) & (ratio > 1.0 + config.clip_high)) | (
-        (advantage < 0) & (ratio < 1.0 - config.clip_low)
-    )
+    clip_low, clip_high = config.clips
+    clip_active = ((advantage > 0) & (ratio > 1.0 + clip_high)) | ((advantage < 0) & (ratio < 1.0 - clip_low))
     capped = torch.zeros_like(clip_active)
     if config.importance_cap is not None:
         capped = ~clip_active & (ratio > config.importance_cap)

@@ -4,9 +4,10 @@ demonstrations, and the pieces they are made of, as pure functions over the trai
 Objectives. Every group is trained with one objective (trainer.data.group_objective): "rl" groups
 with the configured policy loss below, "sft" groups with `sft`, the negative log-likelihood of
 their trained tokens, "dpo" pairs with `dpo` (or IPO), "distill" groups with the configured policy
-loss on per-token advantages teacher - sampler logprob (trainer.step.training_sequences). Each objective's loss divides by its own share of the step's counts and is
-weighted by its share of the step's groups (trainer.step.ObjectiveShare), so a step of one
-objective is exactly that objective's loss.
+loss on per-token advantages teacher - sampler logprob (trainer.step.training_sequences). Each
+objective's loss divides by its own share of the step's counts and is weighted by its share of
+the step's groups (trainer.step.ObjectiveShare), so a step of one objective is exactly that
+objective's loss.
 
 Writing a loss. A loss is one function, chosen by `loss.name` in the trainer config: a built-in's
 short name or the import path of any function ("package.module:function") of this signature:
@@ -83,7 +84,7 @@ from trainer.loss_terms import (  # noqa: F401 - public here too, for custom los
     sequence_mean,
     token_mean,
 )
-from trainer.metrics import Total
+from trainer.metrics import LossMetrics, Total
 
 
 def policy_loss(
@@ -98,7 +99,7 @@ def policy_loss(
     step_num_sequences: float | None = None,
     step_num_tokens: float | None = None,
     function: Callable[..., Any] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, LossMetrics]:
     """The configured loss (`config.function`, or `function`: another objective's, such as `sft`)
     of one micro-batch, and its metrics (floats).
 
@@ -134,9 +135,7 @@ def policy_loss(
     num_tokens = logp.numel()
     if num_tokens == 0:
         # Keep the graph connected so every rank runs the same backward, with a zero gradient.
-        return logprobs.sum() * 0.0, {
-            "loss": Total(0.0), "num_tokens": Total(0), "num_sequences": Total(0)
-        }  # fmt: skip
+        return logprobs.sum() * 0.0, {"loss": Total(0.0), "num_tokens": Total(0), "num_sequences": Total(0)}
     inputs = LossInputs(
         logprobs=logp,
         sampler_logprobs=old_logprobs[trained].to(dtype),
@@ -156,43 +155,41 @@ def policy_loss(
 # --- the built-in losses -------------------------------------------------------------------------
 
 
-def grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """PPO-clip per token, mean over each sequence, summed over sequences / step_num_sequences."""
     token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
     return sequence_mean(token_loss, inputs), metrics
 
 
-def dr_grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def dr_grpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """PPO-clip per token, summed / (step_num_sequences * constant_normalizer): neither long nor
     short answers are re-weighted; with mean_only advantages by default (Dr. GRPO)."""
     token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
     return constant_normalized(token_loss, inputs, config.constant_normalizer), metrics
 
 
-def dapo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def dapo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """PPO-clip per token with a raised upper clip, mean over all the step's trained tokens."""
     token_loss, metrics = clipped_token_loss(inputs, inputs.log_ratio, config)
     return token_mean(token_loss, inputs), metrics
 
 
-def gspo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def gspo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """PPO-clip on each sequence's length-normalized ratio s_i (GSPO-token), normalized as grpo."""
-    sequence_log_ratio = segment_mean(
-        inputs.log_ratio.detach(), inputs.sequence, inputs.num_sequences
-    )
+    sequence_log_ratio = segment_mean(inputs.log_ratio.detach(), inputs.sequence, inputs.num_sequences)
     log_ratio = sequence_log_ratio[inputs.sequence] + inputs.logprobs - inputs.logprobs.detach()
     token_loss, metrics = clipped_token_loss(inputs, log_ratio, config)
     return sequence_mean(token_loss, inputs), metrics
 
 
-def sft(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def sft(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """Supervised fine-tuning on a demonstration: NLL_t = -logp_t, summed / step_num_tokens (the
     token mean over the step's sft tokens). Reads neither sampler logprobs nor advantages."""
     nll = -inputs.logprobs
     return token_mean(nll, inputs), {"nll": nll.detach().mean()}
 
 
-def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str, float]]:
+def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, LossMetrics]:
     """Preference pairs (DPO, or IPO with loss.dpo_variant=ipo), summed / the step's pairs.
 
     The sequences come as pairs in order, the chosen first: advantages +1 on the chosen's tokens,
@@ -238,17 +235,15 @@ def dpo(inputs: LossInputs, config: LossConfig) -> tuple[torch.Tensor, dict[str,
 
 # "Clip-higher" lets low-probability tokens still grow (DAPO); a length-normalized sequence ratio
 # sits much closer to 1 than a token's, so GSPO's range is tiny (GSPO paper).
-dr_grpo.loss_defaults = LossDefaults(advantage_mode="mean_only")
-dapo.loss_defaults = LossDefaults(clip_high=0.28)
-gspo.loss_defaults = LossDefaults(clip_low=3e-4, clip_high=4e-4)
+dr_grpo.loss_defaults = LossDefaults(advantage_mode="mean_only")  # type: ignore[attr-defined]
+dapo.loss_defaults = LossDefaults(clip_high=0.28)  # type: ignore[attr-defined]
+gspo.loss_defaults = LossDefaults(clip_low=3e-4, clip_high=4e-4)  # type: ignore[attr-defined]
 
 
 # --- the micro-batch plumbing --------------------------------------------------------------------
 
 
-def _metric_floats(
-    loss: torch.Tensor, metrics: dict[str, float], inputs: LossInputs, name: str
-) -> dict[str, float]:
+def _metric_floats(loss: torch.Tensor, metrics: LossMetrics, inputs: LossInputs, name: str) -> dict[str, float]:
     """The loss's metrics as floats, with loss, num_tokens and num_sequences added."""
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -292,9 +287,7 @@ def _check_shapes(logprobs: torch.Tensor, **tensors: torch.Tensor | None) -> Non
             )
 
 
-def _dense_sequence_index(
-    trained: torch.Tensor, sequence_ids: torch.Tensor | None
-) -> tuple[torch.Tensor, int]:
+def _dense_sequence_index(trained: torch.Tensor, sequence_ids: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """For each trained token (in mask order), the index 0..n-1 of its sequence; and n.
 
     Sequences are told apart by (row, sequence id), so ids may restart in every packed row.

@@ -7,8 +7,12 @@ import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from trainer.trackers import Trackers
+
+# What a loss returns beside its value: floats (Total, Maximum, Minimum among them) or 0-dim tensors.
+LossMetrics = dict[str, Any]
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"

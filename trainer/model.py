@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,13 +13,16 @@ from trainer.losses import dpo, policy_loss, sft
 from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
 from trainer.step import ObjectiveShare
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 # The loss of each objective but rl and distill, whose loss is the configured one (LossConfig.name).
 OBJECTIVE_LOSSES = {"sft": sft, "dpo": dpo}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def load_policy(model: str, dtype: str = "float32") -> torch.nn.Module:
+def load_policy(model: str, dtype: str = "float32") -> PreTrainedModel:
     """A causal LM from a directory or hub name, with the trainer's attention (trainer.attention:
     sdpa, or variable-length attention over packed rows).
 
@@ -37,7 +41,7 @@ LOGIT_CHUNK_BYTES = 64 * 2**20
 NO_LOGITS = torch.empty(0, dtype=torch.long)
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each decoder layer in the backward pass (transformers' gradient checkpointing,
     non-reentrant), keeping the model in eval mode otherwise.
 
@@ -125,7 +129,7 @@ def token_logprobs(
 
 def hidden_logprobs(
     hidden: torch.Tensor,
-    head: torch.nn.Module,
+    head: torch.nn.Linear,
     input_ids: torch.Tensor,
     temperature: float | torch.Tensor = 1.0,
     predictors: torch.Tensor | None = None,
@@ -154,7 +158,11 @@ def hidden_logprobs(
     logprobs, entropies = [], []
     for start in range(0, len(targets), chunk) or [0]:  # one empty chunk keeps the graph connected
         part = slice(start, start + chunk)
-        inputs = (features[part], targets[part], temperature[part] if isinstance(temperature, torch.Tensor) else temperature)
+        inputs = (
+            features[part],
+            targets[part],
+            temperature[part] if isinstance(temperature, torch.Tensor) else temperature,
+        )
         if torch.is_grad_enabled() and features.requires_grad and len(targets) > chunk:
             picked, entropy = torch.utils.checkpoint.checkpoint(score, *inputs, use_reentrant=False)
         else:
@@ -162,7 +170,9 @@ def hidden_logprobs(
         logprobs.append(picked)
         entropies.append(entropy)
     shape = input_ids.shape[0], input_ids.shape[1] - 1
-    logprob, entropy = (torch.nn.functional.pad(torch.cat(parts).view(shape), (1, 0), value=0.0) for parts in (logprobs, entropies))
+    logprob, entropy = (
+        torch.nn.functional.pad(torch.cat(parts).view(shape), (1, 0), value=0.0) for parts in (logprobs, entropies)
+    )
     return logprob, entropy
 
 
@@ -191,10 +201,16 @@ def packed_logprobs(
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
     elif batch.shares_rows():
         bounds, longest = batch.sequence_bounds()
-        inputs.update(position_ids=batch.position_ids.to(device), cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
-                      max_length_q=longest, max_length_k=longest)  # fmt: skip
+        inputs.update(
+            position_ids=batch.position_ids.to(device),
+            cu_seq_lens_q=bounds,
+            cu_seq_lens_k=bounds,
+            max_length_q=longest,
+            max_length_k=longest,
+        )
     hidden = model(**inputs).hidden_states[-1]
-    head = getattr(model, "module", model).get_output_embeddings()
+    policy: Any = getattr(model, "module", model)  # a DeepSpeed engine holds the model as .module
+    head = policy.get_output_embeddings()
     return hidden_logprobs(hidden, head, input_ids, temperature, predictors=predictors)
 
 
@@ -229,7 +245,7 @@ def micro_batch_loss(
             computed, _ = packed_logprobs(reference, batch, device=device)
         if ref_logprobs is None:
             ref_logprobs = computed
-        else:
+        elif batch.has_stored_ref is not None:  # some sequences stored theirs: the rest computed
             ref_logprobs = torch.where(batch.has_stored_ref.to(device), ref_logprobs, computed)
     # Connected to the graph even with nothing to train, so every rank runs the same backward.
     total = logprobs.sum() * 0.0
@@ -282,9 +298,7 @@ def idle_micro_batch() -> PackedBatch:
     )
 
 
-def rank_micro_batches(
-    batches: Sequence[PackedBatch], rank: int, world_size: int
-) -> list[PackedBatch]:
+def rank_micro_batches(batches: Sequence[PackedBatch], rank: int, world_size: int) -> list[PackedBatch]:
     """This rank's share of a step's micro-batches: every world_size-th one, then idle ones so
     every rank runs ceil(len(batches) / world_size) of them."""
     mine = list(batches[rank::world_size])

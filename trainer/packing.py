@@ -194,7 +194,9 @@ class PackedBatch:
         """
         rows, length = self.input_ids.shape
         mask = torch.eye(length, dtype=torch.bool).repeat(rows, 1, 1)
-        starts = [tuple((self.sequence_ids == index).nonzero()[0].tolist()) for index in range(len(self.sequence_lengths))]
+        starts = [
+            tuple((self.sequence_ids == index).nonzero()[0].tolist()) for index in range(len(self.sequence_lengths))
+        ]
         prefixes = self.sequence_prefixes or [None] * len(self.sequence_lengths)
         for index, (size, extras) in enumerate(zip(self.sequence_lengths, self.sequence_extras, strict=True)):
             row, start = starts[index]  # the sequence's first slot
@@ -273,8 +275,10 @@ def pack_micro_batches(
         return []
     padded = padded_rows and all(len(unit) == 1 for unit in members)
     # Rows that need the dense mask (a shared prompt, a hook that changes a block) pay for it.
-    dense = any(s.prefix or s.position_offset or (s.extras and hooked_block(len(s.tokens), s.extras, DEFAULT_HOOKS)[1])
-                for s in sequences)  # fmt: skip
+    dense = any(
+        s.prefix or s.position_offset or (s.extras and hooked_block(len(s.tokens), s.extras, DEFAULT_HOOKS)[1])
+        for s in sequences
+    )
     row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work, padded, dense)
     rows = [sorted(i for u in units_in_row for i in members[u]) for units_in_row in plan]
     # As few micro-batches as the budget allows, the rows shared evenly (124 + 4 rows would pay a
@@ -301,7 +305,11 @@ def row_cost(length: int, token_work: int, causal_kernel: bool = False) -> float
 
 
 def choose_row_length(
-    lengths: Sequence[int], token_budget: int, row_multiple: int, token_work: int, padded: bool = False,
+    lengths: Sequence[int],
+    token_budget: int,
+    row_multiple: int,
+    token_work: int,
+    padded: bool = False,
     dense: bool = False,
 ) -> tuple[int, list[list[int]]]:
     """(row length, rows of indices into `lengths`) of least modelled cost.
@@ -322,6 +330,7 @@ def choose_row_length(
     length exactly, which runs sdpa's causal kernel, in one call, its padding attending itself:
     each slot attends half the row. It wins where lengths are alike (answers of one length).
     """
+
     def rounded(length: float) -> int:
         return min(math.ceil(length / row_multiple) * row_multiple, token_budget)
 
@@ -337,7 +346,11 @@ def choose_row_length(
     best: tuple[float, int, list[list[int]]] | None = None
     for row_length in sorted(candidates):
         rows = plan_micro_batches(lengths, row_length)
-        cost = len(rows) * row_cost(row_length, token_work) if dense else len(rows) * row_length * (token_work + 1) * (1 + SHARED_ROW_OVERHEAD) + attention
+        cost = (
+            len(rows) * row_cost(row_length, token_work)
+            if dense
+            else len(rows) * row_length * (token_work + 1) * (1 + SHARED_ROW_OVERHEAD) + attention
+        )
         if best is None or cost < best[0]:
             best = (cost, row_length, rows)
     assert best is not None
@@ -355,8 +368,18 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
     order = sorted(i for row in rows for i in row)
     ids = {index: position for position, index in enumerate(order)}
     sequences = [all_sequences[i] for i in order]
-    fill = {"input_ids": 0, "positions": 0, "ids": -1, "mask": False, "old": 0.0, "advantages": 0.0, "ref": 0.0,
-            "has_ref": False, "predictors": 0, "temperatures": 1.0}  # fmt: skip
+    fill = {
+        "input_ids": 0,
+        "positions": 0,
+        "ids": -1,
+        "mask": False,
+        "old": 0.0,
+        "advantages": 0.0,
+        "ref": 0.0,
+        "has_ref": False,
+        "predictors": 0,
+        "temperatures": 1.0,
+    }
     columns: dict[str, list[list]] = {name: [] for name in fill}
     prefix_of: dict[int, int | None] = {}
     for row in rows:
@@ -366,9 +389,11 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         for index in row:
             s = all_sequences[index]
             slot = len(values["input_ids"])
-            continues = s.position_offset > 0 and prefix is not None
-            values["predictors"] += [prefix[1] if continues else max(slot - 1, 0)] + list(range(slot, slot + len(s.tokens) - 1))
-            prefix_of[ids[index]] = prefix[0] if continues else None
+            shared = prefix if s.position_offset > 0 else None  # (id, last slot) this sequence continues
+            values["predictors"] += [shared[1] if shared else max(slot - 1, 0)] + list(
+                range(slot, slot + len(s.tokens) - 1)
+            )
+            prefix_of[ids[index]] = shared[0] if shared else None
             if s.prefix:
                 prefix = (ids[index], slot + len(s.tokens) - 1)
             values["input_ids"] += s.tokens
@@ -399,7 +424,8 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         sequence_prefixes=[prefix_of[i] for i in range(len(sequences))] if shares else [],
         predictors=torch.tensor(columns["predictors"], dtype=torch.long) if shares else None,
         temperatures=torch.tensor(columns["temperatures"], dtype=torch.float32)
-        if any(s.temperature != 1.0 for s in sequences) else None,
+        if any(s.temperature != 1.0 for s in sequences)
+        else None,
     )
 
 

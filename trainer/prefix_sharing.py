@@ -87,18 +87,32 @@ def share_prefixes(
         bounds = [len(group) * k // count for k in range(count + 1)]
         for start, end in zip(bounds, bounds[1:]):
             head = group[start]
-            laid_out.append(replace(
-                head, tokens=head.tokens[:prefix], mask=[False] * prefix, old_logprobs=[0.0] * prefix,
-                advantages=[0.0] * prefix, ref_logprobs=None if head.ref_logprobs is None else [0.0] * prefix,
-                name=f"{head.name} and {end - start - 1} more: their shared prefix", unit=next_unit, prefix=True,
-            ))  # fmt: skip
+            laid_out.append(
+                replace(
+                    head,
+                    tokens=head.tokens[:prefix],
+                    mask=[False] * prefix,
+                    old_logprobs=[0.0] * prefix,
+                    advantages=[0.0] * prefix,
+                    ref_logprobs=None if head.ref_logprobs is None else [0.0] * prefix,
+                    name=f"{head.name} and {end - start - 1} more: their shared prefix",
+                    unit=next_unit,
+                    prefix=True,
+                )
+            )
             for s in group[start:end]:
-                laid_out.append(replace(
-                    s, tokens=s.tokens[prefix:], mask=s.mask[prefix:], old_logprobs=s.old_logprobs[prefix:],
-                    advantages=s.advantages[prefix:],
-                    ref_logprobs=None if s.ref_logprobs is None else s.ref_logprobs[prefix:],
-                    unit=next_unit, position_offset=prefix,
-                ))  # fmt: skip
+                laid_out.append(
+                    replace(
+                        s,
+                        tokens=s.tokens[prefix:],
+                        mask=s.mask[prefix:],
+                        old_logprobs=s.old_logprobs[prefix:],
+                        advantages=s.advantages[prefix:],
+                        ref_logprobs=None if s.ref_logprobs is None else s.ref_logprobs[prefix:],
+                        unit=next_unit,
+                        position_offset=prefix,
+                    )
+                )
             next_unit += 1
         layouts[members[0]] = laid_out
         for index in members[1:]:

@@ -58,7 +58,9 @@ class StateStore:
         return join(run_url(self.storage, self.run), STATE)
 
     @classmethod
-    def for_run(cls, storage: str, run: str, enabled: bool | None, storage_options: dict[str, Any] | None = None) -> StateStore | None:
+    def for_run(
+        cls, storage: str, run: str, enabled: bool | None, storage_options: dict[str, Any] | None = None
+    ) -> StateStore | None:
         """The store when `enabled`, or (None) when the run's storage is not a local disk: a local
         run's work dir is already in its storage."""
         if enabled is None:
@@ -75,7 +77,9 @@ class StateStore:
                 if writer_rank(name) != rank:
                     continue
                 target = join(root, tag_dir.name, name)
-                fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)  # a local disk's directories (no-op on object stores)
+                fs.makedirs(
+                    target.rsplit("/", 1)[0], exist_ok=True
+                )  # a local disk's directories (no-op on object stores)
                 retrying(fs, target, fs.put_file, str(path), target)
                 uploaded[name] = path.stat().st_size
         return uploaded
@@ -86,7 +90,13 @@ class StateStore:
         fs, root = resolve(self.url, self.storage_options)
         with storage_errors(self.url):
             complete = join(root, tag, COMPLETE)
-            retrying(fs, complete, fs.pipe_file, complete, json.dumps({"tag": tag, "files": files, "saved_at": time.time()}).encode())
+            retrying(
+                fs,
+                complete,
+                fs.pipe_file,
+                complete,
+                json.dumps({"tag": tag, "files": files, "saved_at": time.time()}).encode(),
+            )
             latest = join(root, LATEST)
             retrying(fs, latest, fs.pipe_file, latest, tag.encode())
             names = (entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False))
@@ -117,7 +127,9 @@ class StateStore:
         shutil.rmtree(target, ignore_errors=True)  # a partial copy (a save cut short)
         download_whole(self.url, fs, join(root, tag), files, target)
         self._point_latest(state_dir, tag)
-        log.info("resume state %s fetched from %s (%d files, %.1f s)", tag, self.url, len(files), time.monotonic() - started)
+        log.info(
+            "resume state %s fetched from %s (%d files, %.1f s)", tag, self.url, len(files), time.monotonic() - started
+        )
         return True
 
     @staticmethod
@@ -145,7 +157,7 @@ class StateUpload:
         started = time.monotonic()
         try:
             self.files = self.store.upload(self.tag_dir, self.rank)
-        except BaseException as error:  # raised where the trainer waits for it (result)
+        except BaseException as error:  # noqa: BLE001 - raised where the trainer waits for it (result)
             self.error = error
         self.seconds = time.monotonic() - started
 

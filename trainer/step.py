@@ -79,9 +79,10 @@ def logprob_temperature(sequence: ScoredSequence, objective: str) -> float:
 def dpo_pair(group: ScoredGroup) -> tuple[int, int]:
     """(chosen, rejected) of a dpo group (core.scored_group.preference_pair), or a clear
     error for a group that is no pair (the trainer rejects those before packing)."""
-    if problems := objective_problems(group, "dpo"):
-        raise ValueError(f"group {group.group_id} (env {group.env}) trained as dpo: {problems[0]}")
-    return preference_pair(group)
+    pair = preference_pair(group)
+    if (problems := objective_problems(group, "dpo")) or pair is None:
+        raise ValueError(f"group {group.group_id} (env {group.env}) trained as dpo: {(problems or ['no pair'])[0]}")
+    return pair
 
 
 def distillation_advantages(group: ScoredGroup, index: int) -> list[float]:
@@ -89,9 +90,10 @@ def distillation_advantages(group: ScoredGroup, index: int) -> list[float]:
     if problems := objective_problems(group, "distill"):
         raise ValueError(f"group {group.group_id} (env {group.env}) trained as distill: {problems[0]}")
     sequence = group.sequences[index]
+    teacher_logprobs = sequence.teacher_logprobs or []  # objective_problems: every distill sequence has them
     return [
         teacher - sampled if trained else 0.0
-        for teacher, sampled, trained in zip(sequence.teacher_logprobs, sequence.logprobs, sequence.mask, strict=True)
+        for teacher, sampled, trained in zip(teacher_logprobs, sequence.logprobs, sequence.mask, strict=True)
     ]
 
 
@@ -155,9 +157,7 @@ def build_step(
         )
     rl_groups = [g for g, objective in zip(groups, objective_of) if objective == "rl"]
     trained_advantages = (
-        torch.cat([b.advantages[b.objective_mask("rl")] for b in batches])
-        if batches
-        else torch.zeros(0)
+        torch.cat([b.advantages[b.objective_mask("rl")] for b in batches]) if batches else torch.zeros(0)
     )
     staleness = [policy_version - g.policy_version for g in rl_groups]
     tokens = sum(len(s.tokens) for s in sequences)  # the sequences' own, a shared prompt in each

@@ -41,11 +41,15 @@ def check_report_to(names: list[str]) -> list[str]:
         if name in BUILT_IN:
             package = BUILT_IN[name][0]
             if importlib.util.find_spec(package) is None:
-                raise ValueError(f"'{name}' needs the {package} package, not installed here; pip install {package} (or drop it from report_to)")
+                raise ValueError(
+                    f"'{name}' needs the {package} package, not installed here; pip install {package} (or drop it from report_to)"
+                )
         elif ":" in name:
             _load(name)
         else:
-            raise ValueError(f"'{name}' is neither a built-in tracker ({', '.join(BUILT_IN)}) nor module:Class of your own")
+            raise ValueError(
+                f"'{name}' is neither a built-in tracker ({', '.join(BUILT_IN)}) nor module:Class of your own"
+            )
     return names
 
 
@@ -57,7 +61,9 @@ def _load(path: str) -> type:
 
 
 def open_trackers(names: list[str], *, run: str, config: dict[str, Any], directory: Path) -> Trackers:
-    return Trackers([_load(BUILT_IN.get(name, (None, name))[1])(run=run, config=config, directory=directory) for name in names])
+    return Trackers(
+        [_load(BUILT_IN.get(name, (None, name))[1])(run=run, config=config, directory=directory) for name in names]
+    )
 
 
 class Trackers:
@@ -72,9 +78,14 @@ class Trackers:
         for index, tracker in enumerate(self._trackers):
             try:
                 tracker.log(named, step)
-            except Exception as error:  # the JSONL and TensorBoard files have the step
+            except Exception as error:  # noqa: BLE001 - the JSONL and TensorBoard files have the step
                 if index not in self._failed:
-                    log.warning("tracker %s failed to log step %d (%s); the run goes on, metrics.jsonl has every step", type(tracker).__name__, step, error)
+                    log.warning(
+                        "tracker %s failed to log step %d (%s); the run goes on, metrics.jsonl has every step",
+                        type(tracker).__name__,
+                        step,
+                        error,
+                    )
                 self._failed.add(index)
 
     def close(self) -> None:
@@ -96,9 +107,13 @@ class WandbTracker:
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self._run = wandb.init(
-            project=os.environ.get("WANDB_PROJECT", "clotho"), name=run, id=run_id, resume="allow",
-            config=config, dir=str(directory),
-        )  # fmt: skip
+            project=os.environ.get("WANDB_PROJECT", "clotho"),
+            name=run,
+            id=run_id,
+            resume="allow",
+            config=config,
+            dir=str(directory),
+        )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._run.log(metrics, step=step)

@@ -17,7 +17,7 @@ import resource
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,11 +40,20 @@ from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, build_engine, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
+from trainer.model import (
+    enable_gradient_checkpointing,
+    gradient_norm,
+    load_policy,
+    micro_batch_loss,
+    rank_micro_batches,
+)
 from trainer.state_store import StateStore, StateUpload
-from trainer.model import enable_gradient_checkpointing, gradient_norm, load_policy, micro_batch_loss, rank_micro_batches
 from trainer.step import StepBatch, build_step
 from trainer.stopping import StopRequested, step_in_progress, stop_if_asked
 from trainer.trackers import open_trackers
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -96,27 +105,54 @@ class TrainingRun:
     """What one training run holds between steps, and its steps in order: read the step's groups,
     update, save (publish the weights, the resume state every state_every), record the metrics."""
 
-    def __init__(self, config: TrainerConfig, storage: str, run: str, work_dir: Path, storage_options: dict[str, Any] | None):
+    def __init__(
+        self, config: TrainerConfig, storage: str, run: str, work_dir: Path, storage_options: dict[str, Any] | None
+    ):
         self.config, self.storage, self.run, self.storage_options = config, storage, run, storage_options
         self.rank, self.world_size = init_distributed()
         self.work_dir, self.state_dir = work_dir, work_dir / "state"
         self.staging_dir = work_dir / "staging"  # checkpoints on their way to storage (see publish_step)
         # Since the run began: every group read (trained or skipped as stale) and every one trained,
         # in sequences too, and the seconds spent waiting for data and training.
-        self.totals: dict[str, Any] = dict(groups_consumed=0, groups_trained=0, sequences_consumed=0, sequences_trained=0,
-                                           wait_s=0.0, busy_s=0.0, retired_committed=0)  # fmt: skip
+        self.totals: dict[str, Any] = dict(
+            groups_consumed=0,
+            groups_trained=0,
+            sequences_consumed=0,
+            sequences_trained=0,
+            wait_s=0.0,
+            busy_s=0.0,
+            retired_committed=0,
+        )
         self.reader: ShardReader | None = None
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
         self.deltas = DeltaPublisher(config.full_every)  # a fresh trainer's first publish is full
         self.upload: StateUpload | None = None  # the newest resume state, on its way to the run's storage
+        # Set by start(): the policy, its DeepSpeed engine, the resume state's store, the last step taken.
+        self.model: PreTrainedModel
+        self.engine: Any
+        self.state_store: StateStore | None  # None: the resume state stays on local disk
+        self.step: int
 
     @classmethod
-    def start(cls, config: TrainerConfig, storage: str, run: str, *, work_dir: Path | None = None,
-              storage_options: dict[str, Any] | None = None) -> TrainingRun:  # fmt: skip
+    def start(
+        cls,
+        config: TrainerConfig,
+        storage: str,
+        run: str,
+        *,
+        work_dir: Path | None = None,
+        storage_options: dict[str, Any] | None = None,
+    ) -> TrainingRun:
         """Setup: the process group, the engine, the resume state, the shard reader (rank 0)."""
-        self = cls(config, storage, run, Path(work_dir) if work_dir is not None else default_work_dir(storage, run), storage_options)
+        self = cls(
+            config,
+            storage,
+            run,
+            Path(work_dir) if work_dir is not None else default_work_dir(storage, run),
+            storage_options,
+        )
         torch.manual_seed(config.seed)
         # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
         # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
@@ -135,25 +171,36 @@ class TrainingRun:
             clear_staging(self.staging_dir)
             ledger = Ledger.from_dict(saved["ledger"]) if saved else Ledger()
             self.reader = ShardReader(storage, run, ledger=ledger, storage_options=storage_options)
-            trackers = open_trackers(config.report_to, run=run, config=config.model_dump(mode="json"), directory=self.work_dir)
+            trackers = open_trackers(
+                config.report_to, run=run, config=config.model_dump(mode="json"), directory=self.work_dir
+            )
             self.metrics_log = MetricsLog(self.work_dir, trackers)
             self.publish_position(self.step)
             log.info(
                 "training %s on %s, %s from step %d to %d on %d rank(s); state in %s",
-                config.model, self.reader.url, "resuming" if saved else "starting", self.step, config.steps,
-                self.world_size, self.state_dir,
-            )  # fmt: skip
+                config.model,
+                self.reader.url,
+                "resuming" if saved else "starting",
+                self.step,
+                config.steps,
+                self.world_size,
+                self.state_dir,
+            )
         return self
 
     def publish_position(self, step: int, consumed_extra: int = 0) -> None:
         """Where the trainer is, for the samplers' admission (flows.admission): written after each
         read and each publish, so they can tell a pending group from a consumed one at every step."""
         position = TrainerPosition(
-            steps=step, groups_consumed=int(self.totals["groups_consumed"] + consumed_extra), policy_version=self.policy_version,
-            groups_per_step=self.config.groups_per_step, save_every=self.config.save_every,
-            max_staleness=self.config.max_staleness, end_step=self.config.steps,
+            steps=step,
+            groups_consumed=int(self.totals["groups_consumed"] + consumed_extra),
+            policy_version=self.policy_version,
+            groups_per_step=self.config.groups_per_step,
+            save_every=self.config.save_every,
+            max_staleness=self.config.max_staleness,
+            end_step=self.config.steps,
             retired_committed=int(self.totals.get("retired_committed", 0)),  # runs before sampler slots
-        )  # fmt: skip
+        )
         write_trainer_position(self.storage, self.run, position, storage_options=self.storage_options)
 
     def read_groups(self, data_timeout_s: float) -> tuple[list | None, list, list]:
@@ -168,12 +215,16 @@ class TrainingRun:
             rejected.append(group)
 
         groups, stale = next_step_groups(
-            self.reader, self.config.groups_per_step, policy_version=self.policy_version,
-            max_staleness=self.config.max_staleness, timeout_s=data_timeout_s, objective=self.config.objective,
+            self.reader,
+            self.config.groups_per_step,
+            policy_version=self.policy_version,
+            max_staleness=self.config.max_staleness,
+            timeout_s=data_timeout_s,
+            objective=self.config.objective,
             # Stale groups are consumed the moment they are skipped: tell the samplers.
             on_wait=lambda stale_groups: self.publish_position(self.step - 1, len(stale_groups) + len(rejected)),
             on_reject=reject,
-        )  # fmt: skip
+        )
         return groups, stale, rejected
 
     def update(self, groups: list | None, stale: list, rejected: list, *, waited_s: float) -> dict[str, float]:
@@ -182,7 +233,9 @@ class TrainingRun:
         config, totals = self.config, self.totals
         skipped = stale + rejected
         skipped_counts = (len(stale), len(rejected), sum(len(g.sequences) for g in skipped))
-        groups, (stale_count, rejected_count, skipped_sequences) = broadcast_object((groups, skipped_counts), self.world_size)
+        groups, (stale_count, rejected_count, skipped_sequences) = broadcast_object(
+            (groups, skipped_counts), self.world_size
+        )
         trained_sequences = sum(len(g.sequences) for g in groups)
         totals["groups_consumed"] += len(groups) + stale_count + rejected_count
         totals["groups_trained"] += len(groups)
@@ -193,11 +246,14 @@ class TrainingRun:
         # Update: every micro-batch's loss is its share of the step's, gradients add up.
         started = time.monotonic()
         batch = build_step(
-            groups, policy_version=self.policy_version, token_budget=config.micro_batch_tokens,
-            advantage_config=config.advantages, default_objective=config.objective,
+            groups,
+            policy_version=self.policy_version,
+            token_budget=config.micro_batch_tokens,
+            advantage_config=config.advantages,
+            default_objective=config.objective,
             token_work=6 * self.model.config.hidden_size,  # rows' length by their cost (packing.choose_row_length)
             share_prompts=config.share_prompts,
-        )  # fmt: skip
+        )
         if self.reference is None and batch.needs_reference(kl=config.loss.kl_coef > 0):
             # dpo pairs without stored reference logprobs: the initial model is the reference.
             self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
@@ -207,10 +263,15 @@ class TrainingRun:
         totals["wait_s"] += waited_s
         totals["busy_s"] += time.monotonic() - started
         metrics = step_metrics(
-            batch, stale_count, gather_objects(micro_metrics, self.world_size), self.engine,
-            grad_norm=grad_norm, policy_version=self.policy_version,
-            step_time_s=time.monotonic() - started, data_wait_s=waited_s,
-        )  # fmt: skip
+            batch,
+            stale_count,
+            gather_objects(micro_metrics, self.world_size),
+            self.engine,
+            grad_norm=grad_norm,
+            policy_version=self.policy_version,
+            step_time_s=time.monotonic() - started,
+            data_wait_s=waited_s,
+        )
         metrics["rejected_groups"] = float(rejected_count)
         return metrics | run_metrics(totals)
 
@@ -221,10 +282,18 @@ class TrainingRun:
         ledger_state = self.reader.ledger.to_dict() if self.reader is not None else None
         publish_started = time.monotonic()
         url = publish_step(
-            self.engine, zero_stage=config.zero_stage, base_model=config.model, storage=self.storage, run=self.run,
-            step=step, storage_options=self.storage_options, staging_dir=self.staging_dir, dtype=config.publish_dtype,
-            deltas=self.deltas, extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
-        )  # fmt: skip
+            self.engine,
+            zero_stage=config.zero_stage,
+            base_model=config.model,
+            storage=self.storage,
+            run=self.run,
+            step=step,
+            storage_options=self.storage_options,
+            staging_dir=self.staging_dir,
+            dtype=config.publish_dtype,
+            deltas=self.deltas,
+            extra={"ledger": ledger_state, "trainer_config": config.model_dump()},
+        )
         costs = {"publish_s": time.monotonic() - publish_started}  # what a step pays beside its update
         self.policy_version = step
         if self.rank == 0:
@@ -236,8 +305,14 @@ class TrainingRun:
             trainer_state = {"step": step, "policy_version": step, "ledger": ledger_state, "totals": self.totals}
             state_started = time.monotonic()
             costs |= self.settle_state(wait=True)  # one upload at a time
-            self.upload = save_resume_state(self.engine, self.state_dir, step, trainer_state,
-                                            gather_objects(rng_state(), self.world_size), self.state_store)  # fmt: skip
+            self.upload = save_resume_state(
+                self.engine,
+                self.state_dir,
+                step,
+                trainer_state,
+                gather_objects(rng_state(), self.world_size),
+                self.state_store,
+            )
             costs["save_state_s"] = time.monotonic() - state_started
             self.state_saved_at = time.monotonic()
             if self.upload is None:
@@ -245,8 +320,14 @@ class TrainingRun:
         if url is not None:
             log.info("step %d: published %s", step, url)
             if config.keep_last is not None:
-                apply_retention(self.storage, self.run, keep_last=config.keep_last, keep_every=config.keep_every,
-                                keep_after=self.state_step, storage_options=self.storage_options)  # fmt: skip
+                apply_retention(
+                    self.storage,
+                    self.run,
+                    keep_last=config.keep_last,
+                    keep_every=config.keep_every,
+                    keep_after=self.state_step,
+                    storage_options=self.storage_options,
+                )
         return costs
 
     def settle_state(self, wait: bool) -> dict[str, float]:
@@ -257,7 +338,9 @@ class TrainingRun:
             return {}
         upload, self.upload = self.upload, None
         self.state_step = upload.step
-        log.info("resume state of step %d in %s (%.1f s beside the steps)", upload.step, upload.store.url, upload.seconds)
+        log.info(
+            "resume state of step %d in %s (%.1f s beside the steps)", upload.step, upload.store.url, upload.seconds
+        )
         return {"state_upload_s": upload.seconds}
 
     def record(self, metrics: dict[str, float]) -> None:
@@ -281,7 +364,7 @@ def optimizer_step(
     rank: int,
     world_size: int,
     reference: torch.nn.Module | None = None,
-) -> tuple[list[dict[str, float]], float | None]:
+) -> tuple[list[dict[str, dict[str, float]]], float | None]:
     """Forward and backward this rank's micro-batches of the step, then one DeepSpeed step.
 
     Returns the micro-batches' loss metrics and the gradient norm before clipping (None when
@@ -290,9 +373,14 @@ def optimizer_step(
     micro_metrics = []
     for micro_batch in rank_micro_batches(batch.micro_batches, rank, world_size):
         loss, metrics = micro_batch_loss(
-            engine, micro_batch, config.loss, objectives=batch.objectives, world_size=world_size,
-            reference=reference, device=engine.device,
-        )  # fmt: skip
+            engine,
+            micro_batch,
+            config.loss,
+            objectives=batch.objectives,
+            world_size=world_size,
+            reference=reference,
+            device=engine.device,
+        )
         engine.backward(loss, scale_wrt_gas=False)
         micro_metrics.append(metrics)
     # DeepSpeed reports the gradient norm under ZeRO and bf16 only; without ZeRO one rank holds
@@ -318,9 +406,7 @@ def step_metrics(
     micro-batches, optimizer state and speed. grad_norm (before clipping) is left out when unknown:
     without ZeRO on several ranks."""
     weights = {objective: share.weight for objective, share in batch.objectives.items()}
-    merged = merge_objective_metrics(
-        (m for metrics in rank_micro_metrics for m in metrics), weights
-    )
+    merged = merge_objective_metrics((m for metrics in rank_micro_metrics for m in metrics), weights)
     # Each rank's loss divides by the global counts over the world size: their sum is
     # world_size times the step's loss.
     for key in [key for key in merged if key == "loss" or key.endswith("/loss")]:
@@ -357,6 +443,15 @@ def run_metrics(totals: dict[str, float]) -> dict[str, float]:
 
 
 def format_metrics(metrics: dict[str, float]) -> str:
-    shown = ("loss", "score_mean", "sft/nll", "clip_fraction", "importance_weight_mean", "grad_norm",
-             "stale_groups_skipped", "padding_waste", "tokens_per_s")  # fmt: skip
+    shown = (
+        "loss",
+        "score_mean",
+        "sft/nll",
+        "clip_fraction",
+        "importance_weight_mean",
+        "grad_norm",
+        "stale_groups_skipped",
+        "padding_waste",
+        "tokens_per_s",
+    )
     return " ".join(f"{name}={metrics[name]:.4g}" for name in shown if name in metrics)

@@ -57,15 +57,22 @@ from atroposlib.envs.base import BaseEnv
 from atroposlib.envs.server_handling.server_baseline import APIServerConfig
 from pydantic import Field, model_validator
 
-from environments.atropos_format import (
-    IGNORE_INDEX, UNSAMPLED_LOGPROB, check_sequence, decoded_messages, from_atropos, from_json_safe, is_exact_json,
-    to_json_safe, trained_runs,
-)  # fmt: skip
-from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
-from environments.chat import Messages
 from core.imports import load_attribute
 from core.scored_group import InvalidGroupError, ScoredGroup
 from environments.adapters.atropos_server import SAMPLED, ClothoServer
+from environments.atropos_format import (
+    IGNORE_INDEX,
+    UNSAMPLED_LOGPROB,
+    check_sequence,
+    decoded_messages,
+    from_atropos,
+    from_json_safe,
+    is_exact_json,
+    to_json_safe,
+    trained_runs,
+)
+from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item
+from environments.chat import Messages
 from inference.client import Completion, PolicyClient
 
 # The latest items handed out, kept as the objects the environment made (the rest read back from JSON).
@@ -75,7 +82,9 @@ log = logging.getLogger(__name__)
 
 
 class AtroposConfig(EnvironmentConfig):
-    env: str = Field(description="The Atropos environment: 'module.path:ClassName' or 'path/to/file.py:ClassName' of an atroposlib BaseEnv subclass.")
+    env: str = Field(
+        description="The Atropos environment: 'module.path:ClassName' or 'path/to/file.py:ClassName' of an atroposlib BaseEnv subclass."
+    )
     env_config: dict[str, Any] = Field(
         default_factory=dict,
         description="Fields of the environment's own config (its env_config_cls), over its config_init() defaults.",
@@ -87,12 +96,16 @@ class AtroposConfig(EnvironmentConfig):
         fields = env_class.env_config_cls.model_fields
         unknown = sorted(set(self.env_config) - set(fields))
         if unknown:
-            raise ValueError(f"env_config: {unknown} are not fields of {env_class.env_config_cls.__name__} ({', '.join(fields)})")
+            raise ValueError(
+                f"env_config: {unknown} are not fields of {env_class.env_config_cls.__name__} ({', '.join(fields)})"
+            )
         return self
 
 
 class AtroposItem(Item):
-    atropos: Any = Field(default=None, description="The Atropos item as JSON (environments.atropos_format.to_json_safe).")
+    atropos: Any = Field(
+        default=None, description="The Atropos item as JSON (environments.atropos_format.to_json_safe)."
+    )
 
 
 def atropos_class(path: str) -> type[BaseEnv]:
@@ -119,7 +132,9 @@ def ids_as_lists(tokenizer):
 
 def readable(item: Any) -> str:
     """The item for people (the UI, logs): JSON with tuples and sets as lists, cut at 500 characters."""
-    return json.dumps(item, ensure_ascii=False, default=lambda v: list(v) if isinstance(v, (set, frozenset)) else repr(v))[:500]
+    return json.dumps(
+        item, ensure_ascii=False, default=lambda v: list(v) if isinstance(v, (set, frozenset)) else repr(v)
+    )[:500]
 
 
 class Atropos(Environment):
@@ -135,17 +150,34 @@ class Atropos(Environment):
         tokenizer_path = tokenizer if isinstance(tokenizer, str) else self.tokenizer.name_or_path
         defaults, _ = env_class.config_init()  # the environment's own defaults; its servers are replaced
         env_config = type(defaults).model_validate(
-            {**defaults.model_dump(), **self.config.env_config, "group_size": self.config.group_size,
-             "tokenizer_name": tokenizer_path, "use_wandb": False}  # fmt: skip
+            {
+                **defaults.model_dump(),
+                **self.config.env_config,
+                "group_size": self.config.group_size,
+                "tokenizer_name": tokenizer_path,
+                "use_wandb": False,
+            }
         )
-        server = APIServerConfig(model_name=client.model, base_url=client.base_url, api_key=client.api_key or "",
-                                 tokenizer_name=tokenizer_path, health_check=False)  # fmt: skip
-        served = type(env_class.__name__, (env_class,), {"server_cls": ClothoServer, "__module__": env_class.__module__})
+        server = APIServerConfig(
+            model_name=client.model,
+            base_url=client.base_url,
+            api_key=client.api_key or "",
+            tokenizer_name=tokenizer_path,
+            health_check=False,
+        )
+        served = type(
+            env_class.__name__, (env_class,), {"server_cls": ClothoServer, "__module__": env_class.__module__}
+        )
         self.atropos: BaseEnv = served(env_config, [server], slurm=False, testing=False)
         ids_as_lists(self.atropos.tokenizer)
         for backend in self.atropos.server.servers:
-            backend.bind(client, self.atropos.tokenizer, default_max_tokens=self.config.max_tokens,
-                         greedy=self.config.temperature == 0.0, cap="max_tokens" in self.config.model_fields_set)  # fmt: skip
+            backend.bind(
+                client,
+                self.atropos.tokenizer,
+                default_max_tokens=self.config.max_tokens,
+                greedy=self.config.temperature == 0.0,
+                cap="max_tokens" in self.config.model_fields_set,
+            )
         self._held: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self.context: int | None = None  # the served model's max_model_len (setup asks)
         self._handed_out = 0
@@ -165,8 +197,12 @@ class Atropos(Environment):
             backend.context = self.context
         config = self.atropos.config
         if "max_token_length" not in self.config.env_config and self.context and self.context < config.max_token_length:
-            log.info("max_token_length %d of %s is more than the served model's context: %d", config.max_token_length,
-                     self.config.env, self.context)  # fmt: skip
+            log.info(
+                "max_token_length %d of %s is more than the served model's context: %d",
+                config.max_token_length,
+                self.config.env,
+                self.context,
+            )
             config.max_token_length = self.context
 
     async def get_item(self) -> AtroposItem | None:
@@ -188,7 +224,9 @@ class Atropos(Environment):
             return self._held[item.id]
         encoded = getattr(item, "atropos", None)
         if encoded is None or not is_exact_json(encoded):
-            raise ValueError(f"item {item.id}: not handed out by this instance, and its Atropos item was not stored exactly")
+            raise ValueError(
+                f"item {item.id}: not handed out by this instance, and its Atropos item was not stored exactly"
+            )
         return from_json_safe(encoded)
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
@@ -217,7 +255,9 @@ class Atropos(Environment):
         self._non_exact_groups += not group.extras["token_exact"]
         return group
 
-    async def to_group(self, item: Item, data: dict[str, Any], sampled: list[tuple[tuple[int, ...], Completion]]) -> ScoredGroup:
+    async def to_group(
+        self, item: Item, data: dict[str, Any], sampled: list[tuple[tuple[int, ...], Completion]]
+    ) -> ScoredGroup:
         """The ScoredDataGroup as a ScoredGroup, each sequence checked against what was sampled."""
         by_prompt: dict[tuple[int, ...], list[Completion]] = collections.defaultdict(list)
         for prompt_ids, completion in sampled:
@@ -226,35 +266,55 @@ class Atropos(Environment):
         given = data.get("inference_logprobs") or [None] * n
         env_messages = data.get("messages") or [None] * n
         overrides = data.get("overrides") or [{}] * n
-        checks = [check_sequence(list(data["tokens"][i]), list(data["masks"][i]), given[i], by_prompt) for i in range(n)]
+        checks = [
+            check_sequence(list(data["tokens"][i]), list(data["masks"][i]), given[i], by_prompt) for i in range(n)
+        ]
         rescore = [i for i, check in enumerate(checks) if check.logprobs is None]
         for i in rescore:  # scored by the served model: it must fit its context, as training must
             if self.context and len(data["tokens"][i]) >= self.context:  # prompt_logprobs samples one token after it
                 raise InvalidGroupError(
                     f"sequence {i}: {len(data['tokens'][i])} tokens, not less than the served model's context ({self.context}); "
                     "the environment re-tokenized its text into more tokens than were sampled: keep its conversations "
-                    "shorter (env_config max_token_length) or serve a model with a longer context", reason="too-large",
-                )  # fmt: skip
+                    "shorter (env_config max_token_length) or serve a model with a longer context",
+                    reason="too-large",
+                )
         rescored = await asyncio.gather(*(self.client.prompt_logprobs(list(data["tokens"][i])) for i in rescore))
         for i, values in zip(rescore, rescored):
-            checks[i].logprobs = [lp if m != IGNORE_INDEX else UNSAMPLED_LOGPROB for lp, m in zip(values, data["masks"][i])]
+            checks[i].logprobs = [
+                lp if m != IGNORE_INDEX else UNSAMPLED_LOGPROB for lp, m in zip(values, data["masks"][i])
+            ]
         messages, extras = [], []
         for i, check in enumerate(checks):
             extra = {**(overrides[i] or {}), "token_exact": check.exact, "logprobs_from": check.source}
             conversation = env_messages[i]
             if conversation is None:
                 runs = trained_runs(data["masks"][i])
-                conversation, extra["messages_from"] = decoded_messages(self.atropos.tokenizer, data["tokens"][i], runs), "tokens"
+                conversation, extra["messages_from"] = (
+                    decoded_messages(self.atropos.tokenizer, data["tokens"][i], runs),
+                    "tokens",
+                )
             conversation = [to_json_safe(dict(message)) for message in conversation]
             conversation[-1]["reward"] = float(data["scores"][i])  # where `reward` reads the score back
             messages.append(conversation)
             extras.append(to_json_safe(extra))
-        data.update(inference_logprobs=[check.logprobs for check in checks], messages=messages, overrides=extras,
-                    group_overrides=to_json_safe(dict(data.get("group_overrides") or {})))  # fmt: skip
-        converted = from_atropos(data, env=self.name, item_id=item.id, finish_reasons=[check.finish_reason for check in checks])
+        data.update(
+            inference_logprobs=[check.logprobs for check in checks],
+            messages=messages,
+            overrides=extras,
+            group_overrides=to_json_safe(dict(data.get("group_overrides") or {})),
+        )
+        converted = from_atropos(
+            data, env=self.name, item_id=item.id, finish_reasons=[check.finish_reason for check in checks]
+        )
         for sequence, check in zip(converted.sequences, checks, strict=True):
-            sequence.policy_versions = check.policy_versions  # None (not covered): collect_group gives the group's range
-        extras = {**converted.extras, "token_exact": all(check.exact for check in checks), "atropos_env": self.config.env}
+            sequence.policy_versions = (
+                check.policy_versions
+            )  # None (not covered): collect_group gives the group's range
+        extras = {
+            **converted.extras,
+            "token_exact": all(check.exact for check in checks),
+            "atropos_env": self.config.env,
+        }
         return self.make_group(item, converted.sequences, extras=extras)
 
     def reward(self, item: Item, messages: Messages) -> float:

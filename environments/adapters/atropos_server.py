@@ -26,7 +26,18 @@ from inference.client import Completion, PolicyClient, PolicyServerError
 SAMPLED: contextvars.ContextVar[list[tuple[tuple[int, ...], Completion]] | None] = contextvars.ContextVar(
     "clotho_atropos_sampled", default=None
 )
-SAMPLING_ARGS = ("n", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "min_tokens", "stop_token_ids")
+SAMPLING_ARGS = (
+    "n",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "seed",
+    "min_tokens",
+    "stop_token_ids",
+)
 MAX_TOKENS_ALIASES = ("max_new_tokens", "max_completion_tokens")
 
 log = logging.getLogger(__name__)
@@ -48,7 +59,9 @@ class ClothoServer(APIServer):
     _tokens_and_logprobs_comp = APIServer._tokens_and_logprobs_comp.retry_with(**_ONCE)
     _tokens_and_logprobs_comp_eval = APIServer._tokens_and_logprobs_comp_eval.retry_with(**_ONCE)
 
-    def bind(self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool, cap: bool = False) -> None:
+    def bind(
+        self, client: PolicyClient, tokenizer, *, default_max_tokens: int, greedy: bool, cap: bool = False
+    ) -> None:
         """`cap`: default_max_tokens is also the most any request may ask for (the config set it)."""
         self.client, self.tokenizer = client, tokenizer
         self.default_max_tokens, self.greedy, self.cap = default_max_tokens, greedy, cap
@@ -76,8 +89,14 @@ class ClothoServer(APIServer):
             )
         if not self.clamped:
             self.clamped = True
-            log.warning("the Atropos environment asks for up to %d tokens; the served model's context (max_model_len %d) "
-                        "leaves %d after a %d-token prompt: sampling up to that", max_tokens, self.context, room, len(prompt_ids))  # fmt: skip
+            log.warning(
+                "the Atropos environment asks for up to %d tokens; the served model's context (max_model_len %d) "
+                "leaves %d after a %d-token prompt: sampling up to that",
+                max_tokens,
+                self.context,
+                room,
+                len(prompt_ids),
+            )
         return room
 
     async def check_server_status_task(self, chat_completion: bool = True) -> None:
@@ -130,19 +149,35 @@ class ClothoServer(APIServer):
     async def _completion_wrapper(self, **kwargs) -> OpenAICompletion:
         prompt = kwargs.pop("prompt")
         completions = await self._sample(self.tokenizer.encode(prompt), kwargs)
-        choices = [CompletionChoice(index=i, text=text, finish_reason=finish)
-                   for i, (text, finish) in enumerate(map(self._text, completions))]  # fmt: skip
-        return OpenAICompletion(id=str(uuid.uuid4()), created=int(time.time()), model=self.config.model_name,
-                                object="text_completion", choices=choices)  # fmt: skip
+        choices = [
+            CompletionChoice(index=i, text=text, finish_reason=finish)
+            for i, (text, finish) in enumerate(map(self._text, completions))
+        ]
+        return OpenAICompletion(
+            id=str(uuid.uuid4()),
+            created=int(time.time()),
+            model=self.config.model_name,
+            object="text_completion",
+            choices=choices,
+        )
 
     async def _chat_completion_wrapper(self, **kwargs) -> ChatCompletion:
         messages, tools = kwargs.pop("messages"), kwargs.pop("tools", None)
         rendered = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
-        completions = await self._sample(self.tokenizer.encode(rendered, add_special_tokens=False), kwargs, self.turn_end)
-        choices = [Choice(index=i, finish_reason=finish, message=ChatCompletionMessage(role="assistant", content=text))
-                   for i, (text, finish) in enumerate(map(self._text, completions))]  # fmt: skip
-        return ChatCompletion(id=str(uuid.uuid4()), created=int(time.time()), model=self.config.model_name,
-                              object="chat.completion", choices=choices)  # fmt: skip
+        completions = await self._sample(
+            self.tokenizer.encode(rendered, add_special_tokens=False), kwargs, self.turn_end
+        )
+        choices = [
+            Choice(index=i, finish_reason=finish, message=ChatCompletionMessage(role="assistant", content=text))
+            for i, (text, finish) in enumerate(map(self._text, completions))
+        ]
+        return ChatCompletion(
+            id=str(uuid.uuid4()),
+            created=int(time.time()),
+            model=self.config.model_name,
+            object="chat.completion",
+            choices=choices,
+        )
 
 
 def turn_end_tokens(tokenizer) -> int:

@@ -49,11 +49,11 @@ from openenv.core.generic_client import GenericEnvClient
 from pydantic import Field, ValidationError
 from websockets.exceptions import ConnectionClosedOK
 
+from core.imports import load_attribute
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.adapters.openenv_session import Capacity, SchemaAction, server_error
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession, Messages
-from core.imports import load_attribute
-from core.scored_group import ScoredGroup, ScoredSequence
 
 URL_SCHEMES = ("http://", "https://", "ws://", "wss://")
 log = logging.getLogger(__name__)
@@ -106,7 +106,9 @@ def text_fields(observation: dict[str, Any]) -> str:
     if "tool_name" in observation and ("result" in observation or "error" in observation):
         shown = observation.get("error") or observation.get("result")
         return shown if isinstance(shown, str) else json.dumps(shown, sort_keys=True, default=str)
-    texts = [value for name, value in observation.items() if isinstance(value, str) and ("text" in name or "message" in name)]
+    texts = [
+        value for name, value in observation.items() if isinstance(value, str) and ("text" in name or "message" in name)
+    ]
     return "\n".join(texts) if texts else json.dumps(observation, sort_keys=True)
 
 
@@ -120,14 +122,16 @@ def accepted(method: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, An
 
 
 def as_step_result(payload: dict[str, Any]) -> StepResult[dict[str, Any]]:
-    return StepResult(observation=payload.get("observation", {}), reward=payload.get("reward"), done=bool(payload.get("done")))
+    return StepResult(
+        observation=payload.get("observation", {}), reward=payload.get("reward"), done=bool(payload.get("done"))
+    )
 
 
 def annotated_action(env_class: type[OpenEnvEnvironment]) -> type[Action] | None:
     """The Action subclass the class's `step` is annotated with, if any."""
     try:
         found = get_type_hints(env_class.step).get("action")
-    except Exception:  # an annotation that does not resolve names no class either
+    except Exception:  # noqa: BLE001 - an annotation that does not resolve names no class either
         found = None
     return found if isinstance(found, type) and issubclass(found, Action) and found is not Action else None
 
@@ -148,7 +152,9 @@ class InProcessEpisode:
         self.env: OpenEnvEnvironment | None = None
 
     async def run(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.executor, functools.partial(function, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(
+            self.executor, functools.partial(function, *args, **kwargs)
+        )
 
     def overrides(self, name: str) -> bool:
         return getattr(self.env_class, name) is not getattr(OpenEnvEnvironment, name)
@@ -215,7 +221,9 @@ class OpenEnv(Environment):
         config = self.config
         self.rng = random.Random(config.seed)
         self.count = 0
-        self.render: Callable[[dict[str, Any]], str] = load_attribute(config.render, "render") if config.render else text_fields
+        self.render: Callable[[dict[str, Any]], str] = (
+            load_attribute(config.render, "render") if config.render else text_fields
+        )
         self.capacity = Capacity(config.max_concurrent_episodes)
         if config.environment.startswith(URL_SCHEMES):
             self.env_class = None
@@ -257,7 +265,9 @@ class OpenEnv(Environment):
     def reward(self, item: Item, messages: Messages) -> float:
         """The episode's return: the rewards stored on its assistant messages, discounted by turn."""
         actions = [message for message in messages if message.get("role") == "assistant"]
-        return sum(self.config.discount**turn * float(message.get("reward") or 0.0) for turn, message in enumerate(actions))
+        return sum(
+            self.config.discount**turn * float(message.get("reward") or 0.0) for turn, message in enumerate(actions)
+        )
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         sequences, errors = await self.gather_sequences([self.episode(item) for _ in range(self.config.group_size)])
@@ -275,13 +285,19 @@ class OpenEnv(Environment):
         wait, refusals = 0.05, 0
         while True:  # a server at capacity: wait for a slot of the (learned) limit, then again
             async with self.capacity.slot():
-                episode = ServerEpisode(self.config.environment) if self.env_class is None else InProcessEpisode(self.env_class)
+                episode = (
+                    ServerEpisode(self.config.environment)
+                    if self.env_class is None
+                    else InProcessEpisode(self.env_class)
+                )
                 try:
                     result = await episode.reset(seed=item.extras["seed"], episode_id=episode_id)
                 except Exception as error:
                     await self.close(episode)
                     # A full server answers CAPACITY_REACHED and closes; the close can come first.
-                    refused = server_error(error) or (("CAPACITY_REACHED", "") if isinstance(error, ConnectionClosedOK) else None)
+                    refused = server_error(error) or (
+                        ("CAPACITY_REACHED", "") if isinstance(error, ConnectionClosedOK) else None
+                    )
                     if refused is None or refused[0] != "CAPACITY_REACHED":
                         raise
                     self.capacity.refused(refused[1])
@@ -302,16 +318,18 @@ class OpenEnv(Environment):
     async def tools_text(self, episode: InProcessEpisode | ServerEpisode) -> str:
         """The MCP environment's tools (OpenEnv's ListToolsAction), for the policy to call by name."""
         listed = await episode.step({"type": "list_tools"})
-        lines = [f"- {tool.get('name')}({json.dumps(tool.get('input_schema') or tool.get('inputSchema') or {}, sort_keys=True)}): "
-                 f"{(tool.get('description') or '').strip().splitlines()[0] if tool.get('description') else ''}"
-                 for tool in listed.observation.get("tools", [])]  # fmt: skip
+        lines = [
+            f"- {tool.get('name')}({json.dumps(tool.get('input_schema') or tool.get('inputSchema') or {}, sort_keys=True)}): "
+            f"{(tool.get('description') or '').strip().splitlines()[0] if tool.get('description') else ''}"
+            for tool in listed.observation.get("tools", [])
+        ]
         return "Tools you can call (tool_name, arguments):\n" + "\n".join(lines)
 
     async def close(self, episode: InProcessEpisode | ServerEpisode) -> None:
         """Closing an episode that is over is not part of it: a failure there is logged, not raised."""
         try:
             await episode.close()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - the episode is over; its close may fail any way
             log.warning("closing an OpenEnv episode: %s: %s", type(error).__name__, error)
 
     async def play(
@@ -334,7 +352,10 @@ class OpenEnv(Environment):
                 result = await episode.step(self.parse(session.messages[-1]["content"]))
             except ValidationError as error:  # in process: the action model refused the parsed fields
                 session.messages[-1]["reward"] = 0.0
-                return session, {"done": False, "invalid_action": f"{error.error_count()} errors: {error.errors()[0]['msg']}"}
+                return session, {
+                    "done": False,
+                    "invalid_action": f"{error.error_count()} errors: {error.errors()[0]['msg']}",
+                }
             except RuntimeError as error:
                 answered = server_error(error)
                 if answered is None or answered[0] != "VALIDATION_ERROR":

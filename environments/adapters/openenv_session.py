@@ -31,7 +31,9 @@ class SchemaAction:
         """The system message that asks for the action's form (none for a whole-text action)."""
         if self.whole_text:
             return None
-        return "Reply with one JSON object for your action, matching this JSON schema: " + json.dumps(self.schema, sort_keys=True)
+        return "Reply with one JSON object for your action, matching this JSON schema: " + json.dumps(
+            self.schema, sort_keys=True
+        )
 
     def __call__(self, text: str) -> dict[str, Any]:
         if self.whole_text:

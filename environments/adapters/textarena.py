@@ -37,9 +37,9 @@ import textarena as ta
 from pydantic import Field, model_validator
 from textarena.envs.registration import ENV_REGISTRY
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.chat import ChatSession, Messages
-from core.scored_group import ScoredGroup, ScoredSequence
 
 _RESULT = re.compile(r"Your reward: (\S+)\Z")
 # The line of an observation that lists the legal moves, e.g. TicTacToe's "Available Moves: '[0]', '[4]'".
@@ -55,12 +55,16 @@ class TextArenaConfig(EnvironmentConfig):
         default=None, ge=1, description="Seats at the table; default: the fewest players the game accepts."
     )
     opponent_seats: list[int] = Field(
-        default_factory=list, description="Seats played by the fixed opponent instead of the policy (not trained, not in the group)."
+        default_factory=list,
+        description="Seats played by the fixed opponent instead of the policy (not trained, not in the group).",
     )
     opponent_move: str = Field(
-        default="[pass]", description="What the fixed opponent plays when its observation lists no moves to pick from at random."
+        default="[pass]",
+        description="What the fixed opponent plays when its observation lists no moves to pick from at random.",
     )
-    max_turns: int = Field(default=100, ge=1, description="Moves after which a running game is stopped and scores 0 (a draw).")
+    max_turns: int = Field(
+        default=100, ge=1, description="Moves after which a running game is stopped and scores 0 (a draw)."
+    )
 
     @model_validator(mode="after")
     def _check_table(self) -> TextArenaConfig:
@@ -76,7 +80,9 @@ class TextArenaConfig(EnvironmentConfig):
         elif not accepts(self.game, self.num_players):
             raise ValueError(f"num_players {self.num_players}: {self.game} does not take {self.num_players} players")
         seats = range(self.num_players)
-        if any(seat not in seats for seat in self.opponent_seats) or len(set(self.opponent_seats)) != len(self.opponent_seats):
+        if any(seat not in seats for seat in self.opponent_seats) or len(set(self.opponent_seats)) != len(
+            self.opponent_seats
+        ):
             raise ValueError(f"opponent_seats {self.opponent_seats}: give distinct seats of 0..{self.num_players - 1}")
         policy = len(self.policy_seats)
         if policy == 0:
@@ -104,7 +110,7 @@ def accepts(game: str, players: int) -> bool:
     outer = random.getstate()  # reset seeds the global random
     try:
         env.reset(num_players=players, seed=0)
-    except Exception:
+    except Exception:  # noqa: BLE001 - games refuse a player count by asserts or errors of their own
         return False
     finally:
         random.setstate(outer)
@@ -147,8 +153,10 @@ class Game:
 
     def text(self, observation: list[tuple]) -> str:
         names = self.raw.state.role_mapping
-        return "\n".join(f"[{'GAME' if sender == ta.GAME_ID else names.get(sender, f'Player {sender}')}] {message}"
-                         for sender, message, _ in observation)  # fmt: skip
+        return "\n".join(
+            f"[{'GAME' if sender == ta.GAME_ID else names.get(sender, f'Player {sender}')}] {message}"
+            for sender, message, _ in observation
+        )
 
     def move(self, action: str) -> None:
         self.done, _ = self.run(self.env.step, action)
@@ -165,7 +173,10 @@ class Game:
         else:
             outcome = f"[GAME] The game was stopped unfinished after {self.moves} moves: a draw."
         unseen = self.text(self.raw.state.observations.get(seat, []))
-        return {"role": "user", "content": "\n".join(part for part in (unseen, outcome, f"Your reward: {score!r}") if part)}
+        return {
+            "role": "user",
+            "content": "\n".join(part for part in (unseen, outcome, f"Your reward: {score!r}") if part),
+        }
 
 
 def fixed_opponent_move(observation: list[tuple], fallback: str, rng: random.Random) -> str:
@@ -192,7 +203,9 @@ class TextArena(Environment):
     async def get_item(self) -> GameItem:
         self.count += 1
         game, seed = self.config.game, self.rng.randrange(2**31)
-        return GameItem(id=f"{game}-{self.config.seed}-{self.count}", prompt=f"{game}, seed {seed}", game=game, game_seed=seed)
+        return GameItem(
+            id=f"{game}-{self.config.seed}-{self.count}", prompt=f"{game}, seed {seed}", game=game, game_seed=seed
+        )
 
     def reward(self, item: Item, messages: Messages) -> float:
         last = messages[-1] if messages else {}
@@ -229,12 +242,19 @@ class TextArena(Environment):
         sequences = []
         for seat, session in sorted(game.sessions.items()):
             session.messages.append(game.closing(seat, scores[seat], game_info))  # messages only, never tokens
-            sequences.append(session.to_sequence(scores[seat], extras={"seat": seat, "game": index, "turns": session.trajectory.turns}))
+            sequences.append(
+                session.to_sequence(
+                    scores[seat], extras={"seat": seat, "game": index, "turns": session.trajectory.turns}
+                )
+            )
         record = {
-            "game": index, "finished": game.done, "moves": game.moves,
-            "rewards": {str(seat): score for seat, score in scores.items()}, "game_info": game_info,
+            "game": index,
+            "finished": game.done,
+            "moves": game.moves,
+            "rewards": {str(seat): score for seat, score in scores.items()},
+            "game_info": game_info,
             "seats_without_a_turn": [seat for seat in config.policy_seats if seat not in game.sessions],
-        }  # fmt: skip
+        }
         return record, sequences
 
     async def collect_trajectories(self, item: GameItem) -> ScoredGroup:
@@ -243,6 +263,9 @@ class TextArena(Environment):
         # gather_sequences records a failed game as one error; each finished game is (record, sequences).
         played, errors = await self.gather_sequences([self.play(item, index) for index in range(games)])
         sequences = [sequence for _, game_sequences in played for sequence in game_sequences]
-        extras = {"games": [record for record, _ in played], "policy_seats": config.policy_seats,
-                  "opponent_seats": config.opponent_seats}  # fmt: skip
+        extras = {
+            "games": [record for record, _ in played],
+            "policy_seats": config.policy_seats,
+            "opponent_seats": config.opponent_seats,
+        }
         return self.make_group(item, sequences[: config.group_size], errors=errors, extras=extras)

@@ -42,24 +42,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import time
 from typing import Any
 
 import verifiers.v1 as vf
 from pydantic import Field, TypeAdapter, field_validator
-from verifiers.v1.dialects.chat import message_to_wire, parse_message
 from verifiers.v1.configs.agent import agent_config_fields
+from verifiers.v1.dialects.chat import message_to_wire, parse_message
 from verifiers.v1.env import RunSlot
 from verifiers.v1.runtimes import SubprocessConfig
 from verifiers.v1.state import state_cls
 from verifiers.v1.trace import AgentInfo, TraceTask
 
+from core.scored_group import ScoredGroup, ScoredSequence, version_range
 from environments.adapters.verifiers_generate import generate_server
 from environments.adapters.verifiers_setup import local_env_config, provision_chat_program
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import Messages
 from environments.trajectory import shared_sampling
-from core.scored_group import ScoredGroup, ScoredSequence, version_range
 from inference.client import Completion, record_completions
 
 MESSAGE = TypeAdapter(vf.Message)
@@ -78,7 +77,8 @@ class VerifiersConfig(EnvironmentConfig):
         "limits ('agent' on the single-agent env). Agents default to the null harness on the subprocess runtime."
     )
     samples_per_episode: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Training samples one episode may give (its trainable agents' traces x their branches), each "
         "stored as a sequence of the group; None: up to 8, or one per agent the Env declares where it declares "
         "more (an Env that fans an episode into attempts, as code_golf does, or a self-play game's seats fit). "
@@ -95,7 +95,7 @@ class VerifiersConfig(EnvironmentConfig):
     def _resolves_in_verifiers(cls, env: dict[str, Any]) -> dict[str, Any]:
         try:
             local_env_config(env)
-        except Exception as error:  # verifiers' own message names the field or the missing package
+        except Exception as error:  # noqa: BLE001 - verifiers' own message names the field or the missing package
             raise ValueError(f"{type(error).__name__}: {error}") from None
         return env
 
@@ -104,7 +104,7 @@ class VerifiersConfig(EnvironmentConfig):
     def _is_a_renderer_config(cls, renderer: dict[str, Any] | None) -> dict[str, Any] | None:
         try:
             vf.TrainClientConfig(renderer=renderer, api_key_var=NO_KEY_VARIABLE)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - verifiers' own check, whatever it raises, as a field error
             raise ValueError(f"{type(error).__name__}: {error}") from None
         return renderer
 
@@ -137,7 +137,9 @@ class Verifiers(Environment):
         self.env_config = local_env_config(self.config.env)
         self.taskset = vf.load_taskset(self.env_config.taskset)
         self.task_type = type(self.taskset).task_type()
-        self.samples = self.config.samples_per_episode or max(SAMPLES_PER_EPISODE, len(agent_config_fields(self.env_config)))
+        self.samples = self.config.samples_per_episode or max(
+            SAMPLES_PER_EPISODE, len(agent_config_fields(self.env_config))
+        )
         self.epoch = 0
         self.tasks = self.epoch_tasks()
         provision_chat_program()
@@ -158,9 +160,10 @@ class Verifiers(Environment):
         data = task.data
         name = data.id if data.id is not None else str(data.idx)
         return Item(
-            id=f"{name}@{self.epoch}" if self.epoch else name, prompt=task_prompt(data),
+            id=f"{name}@{self.epoch}" if self.epoch else name,
+            prompt=task_prompt(data),
             extras={"task": data.model_dump(mode="json"), "task_key": task.key},
-        )  # fmt: skip
+        )
 
     def task_of(self, item: Item) -> vf.Task:
         """The task an item was made from, rebuilt from its wire data (verifiers' own contract)."""
@@ -174,9 +177,11 @@ class Verifiers(Environment):
 
     def model_context(self) -> vf.ModelContext:
         client = vf.TrainClientConfig(
-            base_url=f"{self.generate.url}/v1", api_key_var=NO_KEY_VARIABLE, renderer=self.config.renderer,
+            base_url=f"{self.generate.url}/v1",
+            api_key_var=NO_KEY_VARIABLE,
+            renderer=self.config.renderer,
             renderer_model_name=getattr(self.tokenizer, "name_or_path", None) or None,
-        )  # fmt: skip
+        )
         return vf.ModelContext(model=self.client.model, client=client, sampling=vf.SamplingConfig(**self.sampling()))
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
@@ -230,17 +235,24 @@ class Verifiers(Environment):
         last_call = branch.calls[-1] if branch.calls else None
         turns = self.branch_completions(branch)
         return ScoredSequence(
-            tokens=branch.token_ids, mask=branch.sampled_mask, logprobs=branch.logprobs, score=trace.reward,
+            tokens=branch.token_ids,
+            mask=branch.sampled_mask,
+            logprobs=branch.logprobs,
+            score=trace.reward,
             finish_reason="length" if last_call is not None and last_call.finish_reason == "length" else "stop",
             policy_versions=None if None in turns else version_range(turn.policy_versions for turn in turns),
             sampling=shared_sampling(turns),
             messages=self.conversation(branch),
             extras={
                 "rewards": {name: r.model_dump() for name, r in trace.rewards.items() if r is not None},
-                "metrics": trace.metrics, "trace_id": trace.id, "stop_condition": trace.stop_condition,
-                "turns": trace.num_turns, "agent": trace.agent.name, "episode": episode,
+                "metrics": trace.metrics,
+                "trace_id": trace.id,
+                "stop_condition": trace.stop_condition,
+                "turns": trace.num_turns,
+                "agent": trace.agent.name,
+                "episode": episode,
             },
-        )  # fmt: skip
+        )
 
     def branch_completions(self, branch) -> list[Completion | None]:
         """The completion the generate route returned for each of the branch's sampled turns, None
@@ -278,15 +290,19 @@ class Verifiers(Environment):
         task = self.task_of(item)
         prompt_length = len(prompt_messages(item))
         nodes = [
-            vf.MessageNode(parent=index - 1 if index else None, message=native_message(message),
-                           sampled=index >= prompt_length and message.get("role") == "assistant")
+            vf.MessageNode(
+                parent=index - 1 if index else None,
+                message=native_message(message),
+                sampled=index >= prompt_length and message.get("role") == "assistant",
+            )
             for index, message in enumerate(messages)
-        ]  # fmt: skip
+        ]
         trace = vf.Trace(
             task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
-            state=state_cls(type(task))(), agent=AgentInfo(config=vf.AgentConfig(runtime=SubprocessConfig())),
+            state=state_cls(type(task))(),
+            agent=AgentInfo(config=vf.AgentConfig(runtime=SubprocessConfig())),
             nodes=nodes,
-        )  # fmt: skip
+        )
         run_sync(task.score(trace))
         return trace.reward
 
@@ -294,5 +310,7 @@ class Verifiers(Environment):
 def task_prompt(data: vf.TaskData) -> Messages:
     """The task's opening messages as chat messages (its system prompt first)."""
     prompt = data.prompt
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [message_to_wire(m) for m in prompt or ()]
+    messages = (
+        [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [message_to_wire(m) for m in prompt or ()]
+    )
     return ([{"role": "system", "content": data.system_prompt}] if data.system_prompt else []) + messages

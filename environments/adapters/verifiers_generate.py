@@ -71,7 +71,9 @@ class GenerateServer:
         routes = [Route("/v1/models", self.models), Route("/inference/v1/generate", self.generate, methods=["POST"])]
         app = Starlette(routes=routes, lifespan=self.lifespan)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="verifiers-generate").start()
+        threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True, name="verifiers-generate"
+        ).start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if time.monotonic() > deadline:
@@ -107,11 +109,20 @@ class GenerateServer:
                 self.completions.popitem(last=False)
         pairs = zip(completion.token_ids, completion.logprobs)
         content = [{"token": f"token_id:{token}", "logprob": logprob} for token, logprob in pairs]
-        return JSONResponse({
-            "request_id": f"clotho-{uuid.uuid4().hex}", "prompt_token_ids": body["token_ids"],
-            "choices": [{"index": 0, "token_ids": completion.token_ids, "logprobs": {"content": content},
-                         "finish_reason": completion.finish_reason}],
-        })  # fmt: skip
+        return JSONResponse(
+            {
+                "request_id": f"clotho-{uuid.uuid4().hex}",
+                "prompt_token_ids": body["token_ids"],
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": completion.token_ids,
+                        "logprobs": {"content": content},
+                        "finish_reason": completion.finish_reason,
+                    }
+                ],
+            }
+        )
 
     def completion_of(self, token_ids: list[int], logprobs: list[float]) -> Completion | None:
         """This route's completion of these ids and logprobs (with its policy versions and sampling

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 import re
+from typing import Any
 
 from pydantic import Field
 
@@ -15,9 +15,18 @@ _NUMBER = re.compile(r"-?\d+")
 
 class ArithmeticConfig(EnvironmentConfig):
     max_operand: int = Field(default=20, ge=1, description="Operands are drawn from 0..max_operand.")
-    operations: str = Field(default="+-", pattern=r"^[+\-*]+$", description="Operators to draw from, a subset of '+-*'.")
-    pool: int | None = Field(default=None, ge=1, description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations; None: fresh problems.")
-    partial_credit: bool = Field(default=False, description="A wrong number still earns up to 0.5 the closer it is (a denser signal to learn from); exact answers always earn 1.")
+    operations: str = Field(
+        default="+-", pattern=r"^[+\-*]+$", description="Operators to draw from, a subset of '+-*'."
+    )
+    pool: int | None = Field(
+        default=None,
+        ge=1,
+        description="Draw from a fixed pool of this many problems (seeded), e.g. a few demonstrations; None: fresh problems.",
+    )
+    partial_credit: bool = Field(
+        default=False,
+        description="A wrong number still earns up to 0.5 the closer it is (a denser signal to learn from); exact answers always earn 1.",
+    )
 
 
 class Arithmetic(Environment):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from environments.base import Environment, Item, final_answer
 
-CAPITALS = "France Paris|Japan Tokyo|Kenya Nairobi|Peru Lima|Canada Ottawa|Egypt Cairo|Norway Oslo|Spain Madrid|Chile Santiago|Ghana Accra|Nepal Kathmandu"
+CAPITALS = "France Paris|Japan Tokyo|Kenya Nairobi|Peru Lima|Canada Ottawa|Egypt Cairo|Norway Oslo|Spain Madrid"
+CAPITALS += "|Chile Santiago|Ghana Accra|Nepal Kathmandu"
 HELD_OUT = {"Chile", "Ghana", "Nepal"}  # evaluate scores these; get_item never hands them out
 
 
@@ -15,8 +16,11 @@ class Capitals(Environment):
 
     def items(self, split: str) -> list[Item]:
         pairs = [pair.split(" ", 1) for pair in CAPITALS.split("|")]
-        return [Item(id=country, prompt=f"What is the capital of {country}? Answer with the city only.", answer=city)
-                for country, city in pairs if (country in HELD_OUT) == (split == "eval")]  # fmt: skip
+        return [
+            Item(id=country, prompt=f"What is the capital of {country}? Answer with the city only.", answer=city)
+            for country, city in pairs
+            if (country in HELD_OUT) == (split == "eval")
+        ]
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         return float(final_answer(messages).strip().rstrip(".").lower() == item.answer.lower())

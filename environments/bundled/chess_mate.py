@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 import re
+from typing import Any
 
 import chess
 from pydantic import Field, model_validator
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer
 from core.scored_group import ScoredGroup, ScoredSequence
+from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 SIDES = ("white", "black")
 LEGAL_REWARD = 0.1
@@ -209,10 +209,11 @@ class ChessMate(Environment):
         found = await asyncio.to_thread(playout_position, rng, n)
         boards = {side: found if found.turn == (side == "white") else turned(found) for side in SIDES}
         return dict(
-            n=n, fens={side: board.fen() for side, board in boards.items()},
+            n=n,
+            fens={side: board.fen() for side, board in boards.items()},
             prompt=[{"role": "user", "content": prompt_text(boards["white"].fen(), n)}],
             answer={side: [move.uci() for move in winning_moves(board, n)] for side, board in boards.items()},
-        )  # fmt: skip
+        )
 
     def side_of(self, item: ChessMateItem, messages: list[dict]) -> str:
         """Which of the item's problems the conversation asks: the FEN in its first user message."""

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pydantic import Field
 
 from core.advantages import AdvantageMode, group_advantages
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.bundled.code_tasks import TASKS
 from environments.failures import InfraError, infra_attempts
 from environments.sandbox import Limits, run_python
-from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion
 
 _CODE_BLOCK = re.compile(r"```(?:python|py)[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # unclosed: cut off by max_tokens
@@ -47,7 +47,7 @@ _CANDIDATE_LINE = re.compile(r'File "candidate\.py", line (\d+)')
 # here, over the reprs read back as literals, so a candidate that reads the harness's memory (the
 # nonce is in its caller's frame) can print values but not a pass, and an object that equals
 # everything is no literal. It deletes itself first so the calls are not on disk either.
-_HARNESS = '''import faulthandler, json, os, traceback
+_HARNESS = """import faulthandler, json, os, traceback
 os.unlink(__file__)
 def main(nonce, source, calls, dump_after):
     faulthandler.dump_traceback_later(dump_after)
@@ -66,7 +66,7 @@ def main(nonce, source, calls, dump_after):
     faulthandler.cancel_dump_traceback_later()
     print(f"\\n{{nonce}} {{json.dumps(values)}}", flush=True)
 main({nonce!r}, {source!r}, {calls!r}, {dump_after!r})
-'''
+"""
 
 
 class _CandidateCalls(ast.NodeTransformer):
@@ -99,7 +99,7 @@ def assert_holds(expression: ast.Expression, values: list[str] | None) -> bool:
     try:
         names = {f"_value_{index}": ast.literal_eval(value) for index, value in enumerate(values)}
         return bool(eval(compile(expression, "<test>", "eval"), {"__builtins__": builtins}, names))
-    except Exception:  # not a literal, or the assert's own expression fails on it
+    except Exception:  # noqa: BLE001 - not a literal, or the assert's own expression fails on it
         return False
 
 
@@ -162,10 +162,16 @@ class CodeExec(Environment):
             self.order = self.rng.sample(TASKS, len(TASKS))
         task = self.order.pop()
         self.count += 1
-        prompt = ("Write this Python function. Answer with the whole function in one ```python code block.\n\n"
-                  f"```python\n{task['stub']}\n```")  # fmt: skip
-        return CodeItem(id=f"{self.config.seed}-{self.count}-{task['id']}", prompt=[{"role": "user", "content": prompt}],
-                        tests=task["tests"], solution=task["solution"])  # fmt: skip
+        prompt = (
+            "Write this Python function. Answer with the whole function in one ```python code block.\n\n"
+            f"```python\n{task['stub']}\n```"
+        )
+        return CodeItem(
+            id=f"{self.config.seed}-{self.count}-{task['id']}",
+            prompt=[{"role": "user", "content": prompt}],
+            tests=task["tests"],
+            solution=task["solution"],
+        )
 
     def gold_completion(self, item: CodeItem) -> str:
         return f"```python\n{item.solution}\n```"
@@ -223,9 +229,14 @@ class CodeExec(Environment):
                 spans = token_spans(self.renderer.decode, completion.token_ids)
                 flagged = [any(s < end and start < e for start, end in verdict.spans) for s, e in spans]
                 advantages = [0.0] * len(prompt_ids) + [base - self.config.traceback_penalty * f for f in flagged]
-            sequences.append(ScoredSequence.from_completion(
-                prompt_ids, completion, score=verdict.score,
-                messages=prompt_messages(item) + [{"role": "assistant", "content": answer}], advantages=advantages,
-                extras={"tests_passed": verdict.passed, "traceback_lines": verdict.lines},
-            ))  # fmt: skip
+            sequences.append(
+                ScoredSequence.from_completion(
+                    prompt_ids,
+                    completion,
+                    score=verdict.score,
+                    messages=prompt_messages(item) + [{"role": "assistant", "content": answer}],
+                    advantages=advantages,
+                    extras={"tests_passed": verdict.passed, "traceback_lines": verdict.lines},
+                )
+            )
         return self.make_group(item, sequences)

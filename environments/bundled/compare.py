@@ -22,7 +22,9 @@ _SPLIT_SEED = 20261203
 
 class CompareConfig(EnvironmentConfig):
     max_value: int = Field(default=9, ge=1, description="Numbers are drawn from 0..max_value, two different ones.")
-    which: Literal["larger", "smaller"] = Field(default="larger", description="Ask for the larger or the smaller number.")
+    which: Literal["larger", "smaller"] = Field(
+        default="larger", description="Ask for the larger or the smaller number."
+    )
     pool: int | None = Field(
         default=None,
         ge=1,

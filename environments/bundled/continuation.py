@@ -10,13 +10,13 @@ one's `chat_template` is "none").
 from __future__ import annotations
 
 import random
-from typing import Any
 import re
+from typing import Any
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer
 from core.scored_group import ScoredGroup
+from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 _FIRST_NUMBER = re.compile(r"^\s*(-?\d+)")
 

@@ -45,17 +45,26 @@ VERIFY_SECONDS = 30.0  # beyond every limit above: only a child stuck in C code 
 
 
 class DatasetConfig(EnvironmentConfig):
-    source: str = Field(description="A local .parquet/.jsonl/.json/.csv file, a directory of them, or a hub dataset id.")
-    subset: str | None = Field(default=None, description="The dataset's configuration on the hub, e.g. 'main' of openai/gsm8k.")
+    source: str = Field(
+        description="A local .parquet/.jsonl/.json/.csv file, a directory of them, or a hub dataset id."
+    )
+    subset: str | None = Field(
+        default=None, description="The dataset's configuration on the hub, e.g. 'main' of openai/gsm8k."
+    )
     split: str = Field(default="train", description="The split items come from (a single file is split 'train').")
     eval_split: str = Field(
         default="test", description="The held-out split of `evaluate`; a source without it is sampled with eval_seed."
     )
-    prompt_column: str = Field(default="prompt", description="Column of the question: a string, or chat messages used as is.")
-    answer_column: str = Field(default="answer", description="Column of the gold answer, bare or a solution ending in it.")
+    prompt_column: str = Field(
+        default="prompt", description="Column of the question: a string, or chat messages used as is."
+    )
+    answer_column: str = Field(
+        default="answer", description="Column of the gold answer, bare or a solution ending in it."
+    )
     system_prompt: str | None = Field(default=None, description="A system message before the question; None: none.")
     prompt_template: str = Field(
-        default="{prompt}\n\nPut your final answer in \\boxed{}.", description="The user message; {prompt} becomes the question."
+        default="{prompt}\n\nPut your final answer in \\boxed{}.",
+        description="The user message; {prompt} becomes the question.",
     )
     answer_format: Literal["math", "text"] = Field(
         default="math", description="math: equal by math-verify; text: equal ignoring case and spacing."
@@ -114,7 +123,7 @@ def serve_math_checks() -> None:
         kind, *texts = json.loads(line)
         try:
             verdict = _math_match(*texts) if kind == "match" else _math_gold(*texts)
-        except Exception as error:  # math-verify catches its own; anything else must not end the loop
+        except Exception as error:  # noqa: BLE001 - math-verify catches its own; anything else must not end the loop
             print(f"math-verify on {texts[-1][:200]!r}: {type(error).__name__}: {error}", file=sys.stderr)
             verdict = None
         print(json.dumps(verdict), flush=True)
@@ -134,9 +143,16 @@ class MathChild:
             root = str(Path(__file__).resolve().parents[2])  # where `environments` is, installed or not
             path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
             self.process = subprocess.Popen(
-                [sys.executable, "-c", "from environments.bundled.dataset import serve_math_checks; serve_math_checks()"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path},
-            )  # fmt: skip
+                [
+                    sys.executable,
+                    "-c",
+                    "from environments.bundled.dataset import serve_math_checks; serve_math_checks()",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "PYTHONPATH": path},
+            )
             self.owner = os.getpid()
         return self.process
 
@@ -221,7 +237,9 @@ class Dataset(Environment):
             if len(rows) == 0:
                 raise ValueError(f"source: {config.source!r} split {rows.split} has no rows")
         self.streams = {
-            which: Shuffled(len(rows), config.seed, config.cycle) for which, rows in self.rows.items() if rows is not None
+            which: Shuffled(len(rows), config.seed, config.cycle)
+            for which, rows in self.rows.items()
+            if rows is not None
         }
 
     def _load(self) -> Any:
@@ -230,9 +248,13 @@ class Dataset(Environment):
         source, path = self.config.source, Path(self.config.source).expanduser()
         local = path.exists() or path.suffix in _BUILDERS or source.startswith((".", "/", "~"))
         if local and not path.exists():
-            raise FileNotFoundError(f"source: no file or directory {source!r}; give an existing path or a hub dataset id")
+            raise FileNotFoundError(
+                f"source: no file or directory {source!r}; give an existing path or a hub dataset id"
+            )
         if path.is_file() and path.suffix not in _BUILDERS:
-            raise ValueError(f"source: {source!r} is not a {'/'.join(_BUILDERS)} file; convert it or give a directory of them")
+            raise ValueError(
+                f"source: {source!r} is not a {'/'.join(_BUILDERS)} file; convert it or give a directory of them"
+            )
         try:
             if path.is_file():
                 return datasets.load_dataset(_BUILDERS[path.suffix], data_files={"train": str(path)})

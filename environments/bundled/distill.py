@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import Field
 
+from core.scored_group import ScoredGroup
 from environments.base import Environment, EnvironmentConfig, Item
 from environments.loading import load_config, load_environment_class
-from core.scored_group import ScoredGroup
 from inference.client import PolicyClient
 
 
@@ -34,14 +34,18 @@ async def teacher_logprobs(teacher: PolicyClient, tokens: list[int], mask: list[
 async def with_teacher_logprobs(group: ScoredGroup, teacher: PolicyClient) -> ScoredGroup:
     """`group` with every sequence's teacher_logprobs filled, marked objective="distill"."""
     scored = await asyncio.gather(*(teacher_logprobs(teacher, s.tokens, s.mask) for s in group.sequences))
-    sequences = [s.model_copy(update={"teacher_logprobs": values}) for s, values in zip(group.sequences, scored, strict=True)]
+    sequences = [
+        s.model_copy(update={"teacher_logprobs": values}) for s, values in zip(group.sequences, scored, strict=True)
+    ]
     return group.model_copy(update={"sequences": sequences, "objective": "distill"})
 
 
 class DistillConfig(EnvironmentConfig):
     env: str = Field(description="The environment whose samples the teacher scores: its name or 'module:Class'.")
     env_config: dict[str, Any] = Field(default_factory=dict, description="The `env` environment's config.")
-    teacher_url: str = Field(description="Base URL of the teacher's vLLM server (it must serve the policy's tokenizer).")
+    teacher_url: str = Field(
+        description="Base URL of the teacher's vLLM server (it must serve the policy's tokenizer)."
+    )
     teacher_model: str = Field(default="policy", description="The model name the teacher server serves.")
     teacher_api_key_env: str | None = Field(
         default=None, description="Environment variable holding the teacher server's API key, if it needs one."
@@ -57,7 +61,9 @@ class Distill(Environment):
 
     async def setup(self) -> None:
         source_class = load_environment_class(self.config.env)
-        self.source = source_class(load_config(source_class, self.config.env_config), client=self.client, tokenizer=self.tokenizer)
+        self.source = source_class(
+            load_config(source_class, self.config.env_config), client=self.client, tokenizer=self.tokenizer
+        )
         await self.source.setup()
         api_key = os.environ.get(self.config.teacher_api_key_env) if self.config.teacher_api_key_env else None
         self.teacher = PolicyClient(self.config.teacher_url, model=self.config.teacher_model, api_key=api_key)

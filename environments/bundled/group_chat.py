@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
 import re
+from typing import Any
 
 from pydantic import Field
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import ChatRenderer, ChatSession, Messages
-from core.scored_group import ScoredGroup, ScoredSequence
 
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "grace", "heidi")
 HOURS = range(9, 17)  # meetings start on the hour, 9 to 16
@@ -95,8 +95,9 @@ class GroupChat(Environment):
         ]
         return dict(
             prompt=prompt,
-            answer=sorted(set(HOURS).intersection(*free.values())), extras={"free": free, "speakers": speakers},
-        )  # fmt: skip
+            answer=sorted(set(HOURS).intersection(*free.values())),
+            extras={"free": free, "speakers": speakers},
+        )
 
     def reward(self, item: Item, messages: Messages) -> float:
         hour = proposed_hour(final_answer(messages))
@@ -113,9 +114,13 @@ class GroupChat(Environment):
         if hour is None:
             return [{"role": "user", "name": next(iter(free)), "content": "Please propose an hour: PROPOSE <hour>."}]
         return [
-            {"role": "user", "name": name, "content": f"{hour} works for me." if hour in hours else f"I can't make {hour}."}
+            {
+                "role": "user",
+                "name": name,
+                "content": f"{hour} works for me." if hour in hours else f"I can't make {hour}.",
+            }
             for name, hours in free.items()
-        ]  # fmt: skip
+        ]
 
     async def play(self, item: Item) -> list[ScoredSequence]:
         game = Game(self, item)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import random
-from typing import Any
 import re
+from typing import Any
 
 from pydantic import Field
 
+from core.scored_group import ScoredGroup
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession
-from core.scored_group import ScoredGroup
 
 _NUMBER = re.compile(r"-?\d+")
 
@@ -37,7 +37,9 @@ class GuessNumber(Environment):
     def new_item(self, rng: random.Random, index: int) -> dict[str, Any]:
         high = self.config.high
         return dict(
-            prompt=[{"role": "user", "content": f"Guess a number between 1 and {high}. {self.config.turns} tries left."}],
+            prompt=[
+                {"role": "user", "content": f"Guess a number between 1 and {high}. {self.config.turns} tries left."}
+            ],
             answer=rng.randint(1, high),
         )
 

@@ -7,8 +7,8 @@ policy-version read every group gets).
 
 from __future__ import annotations
 
-from environments.base import Environment, EnvironmentConfig, Item
 from core.scored_group import ScoredGroup, ScoredSequence
+from environments.base import Environment, EnvironmentConfig, Item
 
 
 class Instant(Environment):
@@ -30,5 +30,7 @@ class Instant(Environment):
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         messages = [*item.prompt, {"role": "assistant", "content": self.completion_text}]
-        sequence = ScoredSequence.from_prompt([1, 2, 3], [4, 5], [-0.5, -0.5], score=self.reward(item, messages), messages=messages)
+        sequence = ScoredSequence.from_prompt(
+            [1, 2, 3], [4, 5], [-0.5, -0.5], score=self.reward(item, messages), messages=messages
+        )
         return self.make_group(item, [sequence] * self.config.group_size)

@@ -24,13 +24,24 @@ from typing import Any
 import httpx
 from pydantic import Field
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import Messages
 from environments.failures import InfraError, async_infra_attempts, infra_attempts
-from core.scored_group import ScoredGroup, ScoredSequence
 from inference.client import Completion, PolicyServerAuthError
 
-TOPICS = ("cats", "coffee", "computers", "the weather", "Mondays", "airports", "dentists", "pirates", "socks", "the moon")
+TOPICS = (
+    "cats",
+    "coffee",
+    "computers",
+    "the weather",
+    "Mondays",
+    "airports",
+    "dentists",
+    "pirates",
+    "socks",
+    "the moon",
+)
 SCORES = [str(score) for score in range(1, 11)]
 CONNECT_RETRIES = 2  # a judge restarting refuses connections for a moment
 
@@ -44,13 +55,17 @@ class JudgeConfig(EnvironmentConfig):
     judge_url: str | None = Field(
         default=None, description="Base URL of the judge's OpenAI-compatible (vLLM) server; None: the policy server."
     )
-    judge_model: str | None = Field(default=None, description="Model name to ask; None: the one the judge serves (/v1/models).")
+    judge_model: str | None = Field(
+        default=None, description="Model name to ask; None: the one the judge serves (/v1/models)."
+    )
     judge_api_key_env: str | None = Field(
         default=None,
         description="Name of the environment variable holding the judge's API key (never the key itself); "
         "None: no key, or the policy server's key when judge_url is None.",
     )
-    judge_timeout_s: float = Field(default=120.0, gt=0, description="Seconds one judge call may take before it is tried again.")
+    judge_timeout_s: float = Field(
+        default=120.0, gt=0, description="Seconds one judge call may take before it is tried again."
+    )
 
 
 def judge_request(model: str, topic: str, joke: str) -> dict[str, Any]:
@@ -60,9 +75,12 @@ def judge_request(model: str, topic: str, joke: str) -> dict[str, Any]:
         "How funny is this joke, on a scale from 1 to 10? Answer with the number only."
     )
     return {
-        "model": model, "messages": [{"role": "user", "content": question}],
-        "temperature": 0.0, "max_tokens": 4, "structured_outputs": {"choice": SCORES},
-    }  # fmt: skip
+        "model": model,
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0.0,
+        "max_tokens": 4,
+        "structured_outputs": {"choice": SCORES},
+    }
 
 
 def checked(response: httpx.Response) -> dict[str, Any]:
@@ -104,7 +122,9 @@ def judge_errors(url: str):
     try:
         yield
     except httpx.HTTPError as error:
-        raise JudgeError(f"judge {url} could not be reached ({error!r}); is judge_url right and the server up?") from None
+        raise JudgeError(
+            f"judge {url} could not be reached ({error!r}); is judge_url right and the server up?"
+        ) from None
 
 
 class LLMJudge(Environment):
@@ -126,7 +146,9 @@ class LLMJudge(Environment):
         name = self.config.judge_api_key_env
         key = os.environ.get(name) if name else None
         if name and not key:
-            raise ValueError(f"judge_api_key_env: environment variable {name} is not set; export the judge's API key in it")
+            raise ValueError(
+                f"judge_api_key_env: environment variable {name} is not set; export the judge's API key in it"
+            )
         url = self.config.judge_url
         if url is None:
             if self.client is None:
@@ -148,7 +170,9 @@ class LLMJudge(Environment):
         transport = httpx.HTTPTransport(retries=CONNECT_RETRIES)
         for attempt in infra_attempts(f"judge {url}"):
             with attempt, judge_errors(url):
-                with httpx.Client(base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport) as http:
+                with httpx.Client(
+                    base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport
+                ) as http:
                     if self.judge_model() is None:
                         self._served_model = served_model_id(http.get("/v1/models"))
                     body = judge_request(self.judge_model(), item.extras["topic"], joke)
@@ -173,7 +197,9 @@ class LLMJudge(Environment):
         url, headers = self.judge_endpoint()
         transport = httpx.AsyncHTTPTransport(retries=CONNECT_RETRIES)
         # One connection pool per group: a client outlives no event loop it was made in.
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport) as http:
+        async with httpx.AsyncClient(
+            base_url=url, headers=headers, timeout=self.config.judge_timeout_s, transport=transport
+        ) as http:
 
             async def judged(completion: Completion) -> ScoredSequence:
                 joke = {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}

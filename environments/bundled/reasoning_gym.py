@@ -22,8 +22,8 @@ from reasoning_gym.coaching import RangeAttributeDefinition, ScalarAttributeDefi
 from reasoning_gym.factory import DATASETS, create_curriculum, has_curriculum
 from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer
 from core.scored_group import ScoredGroup
+from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,20 @@ CHUNK = 500
 
 
 class ReasoningGymConfig(EnvironmentConfig):
-    dataset: str = Field(default="basic_arithmetic", description="The reasoning-gym dataset, e.g. chain_sum or leg_counting.")
-    dataset_kwargs: dict[str, Any] = Field(default_factory=dict, description="Fields of the dataset's reasoning-gym config, e.g. {'operators': ['+', '-']}.")
-    curriculum: bool = Field(default=True, description="Difficulty follows the recent reward along the dataset's curriculum; off: dataset_kwargs alone.")
-    window: int = Field(default=16, ge=1, description="Groups of the current level whose mean reward decides a level change.")
+    dataset: str = Field(
+        default="basic_arithmetic", description="The reasoning-gym dataset, e.g. chain_sum or leg_counting."
+    )
+    dataset_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Fields of the dataset's reasoning-gym config, e.g. {'operators': ['+', '-']}.",
+    )
+    curriculum: bool = Field(
+        default=True,
+        description="Difficulty follows the recent reward along the dataset's curriculum; off: dataset_kwargs alone.",
+    )
+    window: int = Field(
+        default=16, ge=1, description="Groups of the current level whose mean reward decides a level change."
+    )
     raise_above: float = Field(default=0.8, description="Mean reward at or above which the level rises.")
     lower_below: float = Field(default=0.2, description="Mean reward below which the level falls.")
 
@@ -45,7 +55,9 @@ class ReasoningGymConfig(EnvironmentConfig):
     def _known(cls, name: str) -> str:
         if name not in DATASETS:
             close = difflib.get_close_matches(name, DATASETS, n=3) or ["basic_arithmetic", "chain_sum", "leg_counting"]
-            raise ValueError(f"reasoning-gym has no dataset {name!r}; e.g. {', '.join(close)} ({len(DATASETS)} in reasoning_gym.factory.DATASETS)")
+            raise ValueError(
+                f"reasoning-gym has no dataset {name!r}; e.g. {', '.join(close)} ({len(DATASETS)} in reasoning_gym.factory.DATASETS)"
+            )
         return name
 
     @model_validator(mode="after")
@@ -53,17 +65,23 @@ class ReasoningGymConfig(EnvironmentConfig):
         if not self.lower_below < self.raise_above:
             raise ValueError(f"lower_below {self.lower_below} must be below raise_above {self.raise_above}")
         if owned := {"seed", "size"} & set(self.dataset_kwargs):
-            raise ValueError(f"dataset_kwargs sets {sorted(owned)}, which the environment owns; set the environment's seed instead")
+            raise ValueError(
+                f"dataset_kwargs sets {sorted(owned)}, which the environment owns; set the environment's seed instead"
+            )
         if self.curriculum and not has_curriculum(self.dataset):
             raise ValueError(f"dataset {self.dataset!r} has no reasoning-gym curriculum; set curriculum: false")
         if self.curriculum and (taken := curriculum_fields(self.dataset) & set(self.dataset_kwargs)):
-            raise ValueError(f"dataset_kwargs sets {sorted(taken)}, which the curriculum controls; drop them or set curriculum: false")
+            raise ValueError(
+                f"dataset_kwargs sets {sorted(taken)}, which the curriculum controls; drop them or set curriculum: false"
+            )
         try:
             settings = dataset_config(self, level=0, seed=self.seed)
             if hasattr(settings, "validate"):  # as reasoning_gym.create_dataset checks: not every config has one
                 settings.validate()
         except (TypeError, ValueError, AssertionError) as error:
-            raise ValueError(f"dataset {self.dataset!r} at level 0 ({type(error).__name__}: {error}); fix dataset_kwargs or set curriculum: false") from None
+            raise ValueError(
+                f"dataset {self.dataset!r} at level 0 ({type(error).__name__}: {error}); fix dataset_kwargs or set curriculum: false"
+            ) from None
         return self
 
 
@@ -116,7 +134,9 @@ def from_json(value: Any) -> Any:
 
 class ReasoningGymItem(Item):
     level: int = Field(description="The curriculum level the entry was drawn at.")
-    entry: dict[str, Any] = Field(description="The reasoning-gym entry (question, answer, metadata), as to_json writes it.")
+    entry: dict[str, Any] = Field(
+        description="The reasoning-gym entry (question, answer, metadata), as to_json writes it."
+    )
 
 
 class Curriculum:
@@ -177,11 +197,17 @@ class ReasoningGym(Environment):
         chunk, position = divmod(index, CHUNK)
         entry = self.dataset(level, chunk)[position]
         self.count += 1
-        messages = [{"role": "system", "content": SYSTEM_PROMPTS["default"]}, {"role": "user", "content": entry["question"]}]
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPTS["default"]},
+            {"role": "user", "content": entry["question"]},
+        ]
         return ReasoningGymItem(
-            id=f"{self.config.dataset}-{self.config.seed}-{index}", prompt=messages, answer=entry["answer"],
-            level=level, entry=to_json(entry),
-        )  # fmt: skip
+            id=f"{self.config.dataset}-{self.config.seed}-{index}",
+            prompt=messages,
+            answer=entry["answer"],
+            level=level,
+            entry=to_json(entry),
+        )
 
     def reward(self, item: ReasoningGymItem, messages: list[dict]) -> float:
         answer = extract_answer(final_answer(messages))
@@ -189,7 +215,7 @@ class ReasoningGym(Environment):
             return 0.0
         try:
             return float(self.dataset(item.level).score_answer(answer, from_json(item.entry)))
-        except Exception:  # some scorers parse the answer and raise on what they cannot read: a wrong answer
+        except Exception:  # noqa: BLE001 - some scorers parse the answer and raise on what they cannot read: a wrong answer
             return 0.0
 
     def gold_completion(self, item: ReasoningGymItem) -> str | None:
@@ -208,10 +234,15 @@ class ReasoningGym(Environment):
             try:
                 self.dataset(self.curriculum.level)
             except (TypeError, ValueError, AssertionError) as error:
-                log.warning("%s level %d: %s; staying at level %d", self.config.dataset, self.curriculum.level, error, before)
+                log.warning(
+                    "%s level %d: %s; staying at level %d", self.config.dataset, self.curriculum.level, error, before
+                )
                 self.curriculum.top = before
                 self.curriculum.move(before)
 
     def metrics(self) -> dict[str, float]:
         recent = self.curriculum.recent
-        return {"curriculum level": float(self.curriculum.level), "level mean reward": statistics.fmean(recent) if recent else 0.0}
+        return {
+            "curriculum level": float(self.curriculum.level),
+            "level mean reward": statistics.fmean(recent) if recent else 0.0,
+        }

@@ -19,7 +19,9 @@ from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 class RepeatConfig(EnvironmentConfig):
     digits: int = Field(default=48, ge=1, description="Digits in the row to repeat.")
-    max_tokens: int = Field(default=128, ge=1, description="Most tokens sampled per answer (a row of n digits takes about 2n).")
+    max_tokens: int = Field(
+        default=128, ge=1, description="Most tokens sampled per answer (a row of n digits takes about 2n)."
+    )
 
 
 class Repeat(Environment):

@@ -9,10 +9,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item, evaluation_report, final_answer, prompt_messages
 from environments.chat import Messages
 from environments.loading import load_config, load_environment_class
-from core.scored_group import ScoredGroup, ScoredSequence
 
 # Local files load with the `datasets` builder their suffix names.
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -34,9 +34,7 @@ class SFTConfig(EnvironmentConfig):
     prompt_column: str = Field(
         default="prompt", description="Column of the prompt: a string or a list of chat messages."
     )
-    completion_column: str = Field(
-        default="completion", description="Column of the answer to learn, a string."
-    )
+    completion_column: str = Field(default="completion", description="Column of the answer to learn, a string.")
     env: str | None = Field(
         default=None,
         description="Learn another environment's gold answers instead: its name or 'module:Class'. "
@@ -93,7 +91,9 @@ class SFT(Environment):
                 f"{field}: cannot load {source!r} ({type(error).__name__}: {error}); give a local "
                 f".jsonl/.json/.parquet/.csv file or a dataset id the hub can serve"
             ) from error
-        missing = [c for c in (self.config.prompt_column, self.config.completion_column) if c not in dataset.column_names]
+        missing = [
+            c for c in (self.config.prompt_column, self.config.completion_column) if c not in dataset.column_names
+        ]
         if missing:
             raise ValueError(
                 f"{field}: {source!r} has no column {missing[0]!r} (columns: {dataset.column_names}); set "
@@ -145,7 +145,11 @@ class SFT(Environment):
         if self.renderer.eos_token_id is not None:
             completion_ids.append(self.renderer.eos_token_id)
         sequence = ScoredSequence.from_prompt(
-            prompt_ids, completion_ids, [0.0] * len(completion_ids), score=self.reward(item, messages), messages=messages
+            prompt_ids,
+            completion_ids,
+            [0.0] * len(completion_ids),
+            score=self.reward(item, messages),
+            messages=messages,
         )
         return self.make_group(item, [sequence], objective="sft")
 

@@ -20,9 +20,9 @@ import re
 
 from pydantic import Field
 
+from core.scored_group import ScoredGroup
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import ChatSession
-from core.scored_group import ScoredGroup
 
 PRICES = {"apple": 3, "pear": 5, "bread": 4, "milk": 2, "cheese": 7, "egg": 1, "rice": 6, "tea": 8}
 _CALL = re.compile(r"CALL\s+(\w+)\s*\((.*)\)\s*$", re.MULTILINE)
@@ -69,7 +69,11 @@ def run_tool(text: str) -> str | None:
     tool, argument = match.group(1), match.group(2).strip()
     if tool == "lookup":
         price = PRICES.get(argument.lower().strip("'\" "))
-        return f"{argument}: {price}" if price is not None else f"Tool error: no item {argument!r}; items: {', '.join(PRICES)}."
+        return (
+            f"{argument}: {price}"
+            if price is not None
+            else f"Tool error: no item {argument!r}; items: {', '.join(PRICES)}."
+        )
     if tool == "calc":
         try:
             result = calculate(argument)
@@ -100,9 +104,11 @@ class ToolUse(Environment):
             "price, CALL calc(expression) computes. End with ANSWER: <number>."
         )
         return Item(
-            id=f"{self.config.seed}-{self.count}", prompt=[{"role": "user", "content": prompt}],
-            answer=sum(PRICES[name] * quantity for name, quantity in basket.items()), extras={"basket": basket},
-        )  # fmt: skip
+            id=f"{self.config.seed}-{self.count}",
+            prompt=[{"role": "user", "content": prompt}],
+            answer=sum(PRICES[name] * quantity for name, quantity in basket.items()),
+            extras={"basket": basket},
+        )
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         match = _ANSWER.search(final_answer(messages))

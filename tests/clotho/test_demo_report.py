@@ -52,7 +52,10 @@ def test_the_curve_is_drawn_in_each_phase_color_with_the_training_reward(tmp_pat
 
 def test_the_legend_sits_above_the_plot_not_on_the_curve(tmp_path):
     path = tmp_path / "curve.png"
-    high = [{"phase": "rl", "step": step, "reward": 0.9, "minutes": step / 10, "train_reward": 0.95} for step in (0, 150, 155, 157, 160)]
+    high = [
+        {"phase": "rl", "step": step, "reward": 0.9, "minutes": step / 10, "train_reward": 0.95}
+        for step in (0, 150, 155, 157, 160)
+    ]
     draw_curve(high, path)
     image = Image.open(path).convert("RGB")
     legend_row = {image.getpixel((x, y)) for x in range(image.size[0]) for y in range(20, 40)}

@@ -83,18 +83,22 @@ def test_a_failed_install_names_pip_s_reason_and_leaves_no_layer_to_reuse(tmp_pa
 def test_a_project_that_asks_for_another_python_gets_one_that_fits_or_says_how_to(tmp_path) -> None:
     """OpenEnv's grid_world_env asks for Python >= 3.12 over 3.11 adapter venvs: its layer is a whole
     venv on the lowest interpreter here that fits, with the base's packages at their versions."""
-    here = "%d.%d.%d" % sys.version_info[:3]
+    here = ".".join(map(str, sys.version_info[:3]))
     plain = project(tmp_path / "plain", "1.0", requires_python=f">={sys.version_info[0]}.{sys.version_info[1]}")
     assert fits(here, required_python(pip_arguments([], [str(plain)])))
     later = required_python(pip_arguments([], [str(project(tmp_path / "later", "1.0", requires_python=">=3.99"))]))
     assert later == [(">=3.99", str(tmp_path / "later" / "pyproject.toml"))] and not fits(here, later)
-    with pytest.raises(LayerError, match=r"(?s)later/pyproject.toml asks for Python >=3.99.*no Python that fits.*pyenv install"):
+    with pytest.raises(
+        LayerError, match=r"(?s)later/pyproject.toml asks for Python >=3.99.*no Python that fits.*pyenv install"
+    ):
         find_python(later)
     executable, version = find_python([(f">={here}", "x")])  # this one, or another at least as new
     assert python_version(executable) == version and fits(version, [(f">={here}", "x")])
     pins = base_pins()
     assert "-e" in pins and str(Path(__file__).resolve().parents[2]) in pins  # clotho itself, editable
-    assert any(pin.lower().startswith("pydantic==") for pin in pins) and not any(pin.startswith("pip==") for pin in pins)
+    assert any(pin.lower().startswith("pydantic==") for pin in pins) and not any(
+        pin.startswith("pip==") for pin in pins
+    )
     assert layer_key(pip_arguments([], [str(plain)])) != layer_key(pip_arguments([], [str(plain)]), executable)
 
 
@@ -103,7 +107,12 @@ def test_a_layer_s_key_does_not_depend_on_the_working_directory(tmp_path) -> Non
     (and the pins of a whole venv) come from site-packages only, so `clotho env serve` and a
     script run elsewhere find the same layer."""
     source = project(tmp_path / "probe", "1.0")
-    code = f"from clotho.env_venv import layer_key, pip_arguments, base_pins; print(layer_key(pip_arguments([], [{str(source)!r}])), len(base_pins()))"
-    here, elsewhere = (subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True).stdout
-                       for cwd in (Path(__file__).resolve().parents[2], tmp_path))  # fmt: skip
+    code = (
+        "from clotho.env_venv import layer_key, pip_arguments, base_pins; "
+        f"print(layer_key(pip_arguments([], [{str(source)!r}])), len(base_pins()))"
+    )
+    here, elsewhere = (
+        subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, check=True).stdout
+        for cwd in (Path(__file__).resolve().parents[2], tmp_path)
+    )
     assert here == elsewhere

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.test_reprocess import groups
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
+from tests.flows.test_reprocess import groups
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -43,9 +43,19 @@ def test_a_first_command_on_a_new_machine_completes_on_two_busy_cores(tmp_path):
     try:
         started = time.monotonic()
         done = subprocess.run(
-            [CLOTHO, "reprocess", f"file://{tmp_path}/in/run", f"file://{tmp_path}/out/run", "filter:drop_equal_scores=true"],
-            cwd=REPO, env=environment, capture_output=True, text=True, timeout=600,
-        )  # fmt: skip
+            [
+                CLOTHO,
+                "reprocess",
+                f"file://{tmp_path}/in/run",
+                f"file://{tmp_path}/out/run",
+                "filter:drop_equal_scores=true",
+            ],
+            cwd=REPO,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         seconds = time.monotonic() - started
     finally:
         for process in busy:
@@ -68,8 +78,12 @@ def test_a_prefect_home_that_cannot_be_made_is_one_clear_line(tmp_path):
         writer.add_many(groups(3))
     done = subprocess.run(
         [CLOTHO, "reprocess", f"file://{tmp_path}/in/run", f"file://{tmp_path}/out/run", "dedupe"],
-        cwd=REPO, env=environment, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"PREFECT_HOME={blocker / 'prefect'}: cannot create or write it" in done.stderr
     assert "Traceback" not in done.stderr

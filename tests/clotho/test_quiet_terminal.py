@@ -37,9 +37,13 @@ chatter()
 
 @pytest.mark.parametrize("mode", ["quiet", "verbose"])
 def test_task_runs_chatter_reaches_the_terminal_only_when_asked(prefect_server, mode) -> None:
-    done = subprocess.run([sys.executable, "-c", FLOW, mode], env=prefect_server.env(), capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, "-c", FLOW, mode], env=prefect_server.env(), capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     terminal = done.stdout + done.stderr
     assert "a flow line stays" in terminal and "a task's warning stays" in terminal
-    chatter = [line for line in terminal.splitlines() if "Task run 'lane" in line and "Finished in state Completed()" in line]
+    chatter = [
+        line for line in terminal.splitlines() if "Task run 'lane" in line and "Finished in state Completed()" in line
+    ]
     assert len(chatter) == (3 if mode == "verbose" else 0), terminal[-3000:]

@@ -54,7 +54,9 @@ class Cluster:
         """`command` (a shell line) on `host`, to its end."""
         done = self.script("exec", host, "--", "bash", "-c", command, timeout=timeout)
         if check and done.returncode != 0:
-            raise RuntimeError(f"on {host}: {command!r} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+            raise RuntimeError(
+                f"on {host}: {command!r} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+            )
         return done
 
     def spawn(self, host: str, name: str, command: str) -> None:
@@ -122,22 +124,45 @@ MODEL = "s3://models/tiny"
 def start_shared_services(c: Cluster) -> None:
     """On a, the Prefect server and the S3 API; the model, built on c, in S3 at MODEL."""
     a, s3 = c.host("a"), c.s3_env()
-    c.spawn("a", "prefect", f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
-                            "exec prefect server start --host 0.0.0.0 --port 4200")  # fmt: skip
+    c.spawn(
+        "a",
+        "prefect",
+        f"PREFECT_SERVER_ANALYTICS_ENABLED=false PREFECT_UI_API_URL=http://{a}:4200/api "
+        "exec prefect server start --host 0.0.0.0 --port 4200",
+    )
     c.spawn("a", "s3", "exec moto_server -H 0.0.0.0 -p 5000")
     c.wait("c", f"curl -sf -m 2 http://{a}:5000/moto-api/ > /dev/null", "the S3 API on a", 60, (("a", "s3"),))
-    c.run("c", f"{s3} python -c \"import fsspec; from inference.tiny_model import build_tiny_model; "
-               "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
-               f"fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', '{MODEL}', recursive=True)\"")  # fmt: skip
-    c.wait("c", f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null", "the Prefect server on a", 180, (("a", "prefect"),))
+    c.run(
+        "c",
+        f'{s3} python -c "import fsspec; from inference.tiny_model import build_tiny_model; '
+        "build_tiny_model('/tmp/model', seed=0, size='small'); fs = fsspec.filesystem('s3'); "
+        f"fs.mkdir('models'); fs.mkdir('runs'); fs.put('/tmp/model', '{MODEL}', recursive=True)\"",
+    )
+    c.wait(
+        "c",
+        f"curl -sf -m 2 http://{a}:4200/api/health > /dev/null",
+        "the Prefect server on a",
+        180,
+        (("a", "prefect"),),
+    )
 
 
 def serve(c: Cluster, name: str, port: int, run: str) -> str:
     """`clotho serve` on b behind the key, its watcher reloading `run` from S3; its URL."""
     b = c.host("b")
-    c.spawn("b", name, f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
-                       f"--model {MODEL} --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log")  # fmt: skip
-    c.wait("c", f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null", f"the policy server {name} on b", 300, (("b", name),))
+    c.spawn(
+        "b",
+        name,
+        f"{c.s3_env()} CLOTHO_VLLM_ARGS=--enforce-eager VLLM_ENABLE_V1_MULTIPROCESSING=0 exec clotho serve "
+        f"--model {MODEL} --host 0.0.0.0 --port {port} --api-key {KEY} --run {run} --log-file /tmp/{name}-server.log",
+    )
+    c.wait(
+        "c",
+        f"curl -sf -m 2 {AUTH} http://{b}:{port}/v1/models > /dev/null",
+        f"the policy server {name} on b",
+        300,
+        (("b", name),),
+    )
     return f"http://{b}:{port}"
 
 
@@ -146,10 +171,12 @@ def deploy_loop(c: Cluster) -> None:
     trainer node (node-c, node-d), the rollout-pipeline and train-node deployments."""
     api = c.api_env()
     commands = [
-        "prefect work-pool create rollout-pool --type process --overwrite", "prefect work-pool create train-pool --type process --overwrite",
-        "prefect work-queue create node-c --pool train-pool", "prefect work-queue create node-d --pool train-pool",
+        "prefect work-pool create rollout-pool --type process --overwrite",
+        "prefect work-pool create train-pool --type process --overwrite",
+        "prefect work-queue create node-c --pool train-pool",
+        "prefect work-queue create node-d --pool train-pool",
         "prefect --no-prompt deploy --name rollout-pipeline --name train-node",
-    ]  # fmt: skip
+    ]
     deploy = " && ".join(f"{api} {command}" for command in commands)
     c.run("c", f"cd $REPO && ({deploy}) > /tmp/deploy.log 2>&1 || (cat /tmp/deploy.log; exit 1)", timeout=180)
 
@@ -158,8 +185,16 @@ def start_workers(c: Cluster, host: str, suffix: str = "") -> None:
     """On `host`: a worker of the rollout pool (one flow run at a time) and the worker of its
     trainer node's queue; logs worker{suffix}.log and train-worker{suffix}.log."""
     s3, api = c.s3_env(), c.api_env()
-    c.spawn(host, f"worker{suffix}", f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}")
-    c.spawn(host, f"train-worker{suffix}", f"{s3} {api} exec prefect worker start --pool train-pool --work-queue node-{host} --name trainer-{host}")
+    c.spawn(
+        host,
+        f"worker{suffix}",
+        f"{s3} {api} CLOTHO_API_KEY={KEY} exec prefect worker start --pool rollout-pool --limit 1 --name worker-{host}",
+    )
+    c.spawn(
+        host,
+        f"train-worker{suffix}",
+        f"{s3} {api} exec prefect worker start --pool train-pool --work-queue node-{host} --name trainer-{host}",
+    )
 
 
 # `clotho run`'s config across the cluster: the server on b, rollout flows on c and d, the trainer
@@ -183,14 +218,18 @@ phases:
 
 
 def loop_config(c: Cluster, run: str, server: str, steps: int) -> str:
-    return LOOP_CONFIG.format(run=run, model=MODEL, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps)
-
+    return LOOP_CONFIG.format(
+        run=run, model=MODEL, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps
+    )
 
 
 def tally(c: Cluster, run_url: str) -> dict:
     """soak.checks.run_tally of the run, read on d from S3 (JSON keys: steps as strings made ints)."""
-    out = c.run("d", f"{c.s3_env()} PYTHONPATH=$REPO python -c \"import json; from soak.checks import run_tally; "
-                     f"print(json.dumps(run_tally('{run_url}')))\"").stdout  # fmt: skip
+    out = c.run(
+        "d",
+        f'{c.s3_env()} PYTHONPATH=$REPO python -c "import json; from soak.checks import run_tally; '
+        f"print(json.dumps(run_tally('{run_url}')))\"",
+    ).stdout
     tallied = json.loads(out.strip().splitlines()[-1])
     for key in ("took", "read"):
         tallied[key] = {int(step): value for step, value in tallied[key].items()}

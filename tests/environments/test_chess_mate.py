@@ -10,10 +10,10 @@ import chess
 import pytest
 from pydantic import ValidationError
 
+from core.scored_group import ScoredGroup
 from environments.base import prompt_messages
 from environments.bundled.chess_mate import SIDES, ChessMate, ChessMateConfig, checking_moves, prompt_text, turned
 from environments.loading import EnvironmentLoadError, load_config
-from core.scored_group import ScoredGroup
 from environments.testing import EnvironmentConformance
 from inference.client import PolicyClient
 
@@ -94,7 +94,9 @@ def test_checking_moves_are_exactly_the_moves_that_give_check() -> None:
                 if position is not None and not position.is_check():
                     fast = checking_moves(position)
                     assert len(fast) == len(set(fast))
-                    assert set(fast) == {move for move in position.legal_moves if position.gives_check(move)}, position.fen()
+                    assert set(fast) == {move for move in position.legal_moves if position.gives_check(move)}, (
+                        position.fen()
+                    )
                     tried += 1
     assert tried > 1000
 
@@ -117,14 +119,31 @@ def test_reward_mate_one_legal_small_illegal_and_garbage_zero(tiny_model_dir) ->
     assert score("white", f"ANSWER: {quiet.uci()}") == score("white", f"ANSWER: {white.san(quiet)}") == 0.1
     assert score("white", f"ANSWER: {quiet.uci()}\nno, better:\nANSWER: {mate.uci()}") == 1.0  # the last answer counts
     assert score("white", f"ANSWER: {illegal.uci()}") == 0.0
-    for garbage in ("", "no idea", "-99999", mate.uci(), "ANSWER: banana", "ANSWER: 0000", "ANSWER: --", "ANSWER: z9z9"):
+    for garbage in (
+        "",
+        "no idea",
+        "-99999",
+        mate.uci(),
+        "ANSWER: banana",
+        "ANSWER: 0000",
+        "ANSWER: --",
+        "ANSWER: z9z9",
+    ):
         assert score("white", garbage) == 0.0, garbage
     # The black-to-move prompt is scored on black's board: white's mate moves a white piece there.
     assert score("black", f"ANSWER: {item.answer['black'][0]}") == 1.0
     assert score("black", f"ANSWER: {mate.uci()}") == 0.0
-    assert env.reward(item, prompt_messages(item) + [{"role": "assistant", "content": env.gold_completion(item)}]) == 1.0
+    assert (
+        env.reward(item, prompt_messages(item) + [{"role": "assistant", "content": env.gold_completion(item)}]) == 1.0
+    )
     with pytest.raises(ValueError, match="no FEN of this item"):
-        env.reward(item, [{"role": "user", "content": prompt_text(chess.STARTING_FEN, 1)}, {"role": "assistant", "content": "ANSWER: e2e4"}])
+        env.reward(
+            item,
+            [
+                {"role": "user", "content": prompt_text(chess.STARTING_FEN, 1)},
+                {"role": "assistant", "content": "ANSWER: e2e4"},
+            ],
+        )
 
 
 def test_items_are_determined_by_the_seed(tiny_model_dir) -> None:

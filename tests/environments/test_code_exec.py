@@ -85,19 +85,29 @@ def test_under_a_cpu_hog_a_correct_answer_scores_right_or_fails_as_infra_never_z
         outcomes = list(pool.map(verdict, items))
     assert all(outcome in (1.0, "infra") for outcome in outcomes), outcomes
     assert "infra" in outcomes, outcomes  # the hog did starve the sandbox
-    assert [score(env, item, answer(slow + item.solution)) for item in items] == [1.0] * len(items)  # a host that gives it a CPU
+    assert [score(env, item, answer(slow + item.solution)) for item in items] == [1.0] * len(
+        items
+    )  # a host that gives it a CPU
     endless = CodeExec({"limits": {"cpu_seconds": 1}}, client=None, tokenizer=env.tokenizer)
     add = CodeItem(id="add", prompt="p", tests=["assert add(1, 2) == 3"], solution="def add(a, b):\n    return a + b")
     assert score(endless, add, answer("def add(a, b):\n    while True:\n        pass")) == 0.0
 
 
 def test_the_lines_a_traceback_names_get_the_extra_negative_advantage(env) -> None:
-    item = CodeItem(id="mean", prompt=[{"role": "user", "content": "Write mean(values)."}],
-                    tests=["assert mean([1, 2, 3]) == 2", "assert mean([4]) == 4"], solution="")  # fmt: skip
+    item = CodeItem(
+        id="mean",
+        prompt=[{"role": "user", "content": "Write mean(values)."}],
+        tests=["assert mean([1, 2, 3]) == 2", "assert mean([4]) == 4"],
+        solution="",
+    )
     right = answer("def mean(values):\n    return sum(values) / len(values)")
-    failing = answer("def mean(values):\n    total = sum(values)\n    label = 'café: ' + total\n    return total / len(values)")
+    failing = answer(
+        "def mean(values):\n    total = sum(values)\n    label = 'café: ' + total\n    return total / len(values)"
+    )
     prompt_ids = env.renderer.prompt_ids(item.prompt)
-    group = asyncio.run(env.score_group(item, prompt_ids, [sampled(env, right), sampled(env, failing), sampled(env, "no code")]))
+    group = asyncio.run(
+        env.score_group(item, prompt_ids, [sampled(env, right), sampled(env, failing), sampled(env, "no code")])
+    )
     assert group.scores == [1.0, 0.0, 0.0]
     ok, broken, empty = group.sequences
     assert ok.advantages is None and empty.advantages is None  # nothing to point at: the trainer's own

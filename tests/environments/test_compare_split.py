@@ -32,7 +32,11 @@ async def test_training_items_never_come_from_the_held_out_problems(config, tiny
 
 async def test_sft_demonstrations_of_compare_are_training_problems(tiny_model_dir):
     _, held_out = split_pairs(9, 0.3)
-    sft = SFT({"env": "compare", "env_config": {"max_value": 9, "pool": 8, "seed": 5}}, client=None, tokenizer=str(tiny_model_dir))
+    sft = SFT(
+        {"env": "compare", "env_config": {"max_value": 9, "pool": 8, "seed": 5}},
+        client=None,
+        tokenizer=str(tiny_model_dir),
+    )
     await sft.setup()
     items = [await sft.get_item() for _ in range(40)]
     assert not {tuple(item.extras["pair"]) for item in items} & set(held_out)

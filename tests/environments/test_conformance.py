@@ -9,8 +9,8 @@ import random
 import pytest
 
 from environments.base import Environment, EnvironmentConfig
-from environments.conformance import run_checks
 from environments.bundled.instant import Instant
+from environments.conformance import run_checks
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from tasks.rollout import EnvSpec
 
@@ -49,12 +49,20 @@ class Unnamed(Instant):
 @pytest.mark.integration
 @pytest.mark.parametrize(
     ("environment", "failing"),
-    [(Instant, set()), (RandomScore, {"scores are the reward", "evaluate is greedy"}), (RetokenizedText, {"tokens match messages"}),
-     (WrongGold, {"gold answer scores top"})],  # fmt: skip
+    [
+        (Instant, set()),
+        (RandomScore, {"scores are the reward", "evaluate is greedy"}),
+        (RetokenizedText, {"tokens match messages"}),
+        (WrongGold, {"gold answer scores top"}),
+    ],
 )
 def test_each_check_fails_on_the_environment_that_breaks_it(policy_server, tiny_model_dir, environment, failing):
-    results = asyncio.run(run_checks(environment, {"group_size": 2}, server_url=policy_server.base_url, tokenizer=str(tiny_model_dir)))
-    assert {r.name for r in results if r.status == "failed"} == failing, [(r.name, r.detail) for r in results if r.status == "failed"]
+    results = asyncio.run(
+        run_checks(environment, {"group_size": 2}, server_url=policy_server.base_url, tokenizer=str(tiny_model_dir))
+    )
+    assert {r.name for r in results if r.status == "failed"} == failing, [
+        (r.name, r.detail) for r in results if r.status == "failed"
+    ]
 
 
 def test_environments_are_checked_when_loaded():
@@ -73,7 +81,10 @@ def test_environments_are_checked_when_loaded():
 
 def test_a_bad_config_is_refused_before_sampling_naming_the_field():
     arithmetic = load_environment_class("arithmetic")
-    with pytest.raises(EnvironmentLoadError, match=r"max_operand: Input should be greater than or equal to 1.*fields of ArithmeticConfig"):
+    with pytest.raises(
+        EnvironmentLoadError,
+        match=r"max_operand: Input should be greater than or equal to 1.*fields of ArithmeticConfig",
+    ):
         load_config(arithmetic, {"max_operand": 0})
     with pytest.raises(ValueError, match="group_sise: Extra inputs are not permitted"):
         EnvSpec(import_path="arithmetic", config={"group_sise": 8})

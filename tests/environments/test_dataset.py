@@ -14,13 +14,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from environments.base import Item, prompt_messages
 import environments.bundled.dataset as dataset_module
+from environments.base import Item, prompt_messages
 from environments.bundled.dataset import Dataset, last_boxed
 from environments.testing import EnvironmentConformance
 
 MATH_PROBLEMS = Path(__file__).parent / "data" / "math_problems"  # train.jsonl, test.jsonl: prompt, answer
-ROWS = [{"question": f"What is {n} + {n}?", "solution": f"{n} + {n} = \\boxed{{{2 * n}}}", "level": n} for n in range(6)]
+ROWS = [
+    {"question": f"What is {n} + {n}?", "solution": f"{n} + {n} = \\boxed{{{2 * n}}}", "level": n} for n in range(6)
+]
 
 
 def dataset(tokenizer, **config) -> Dataset:
@@ -62,7 +64,10 @@ def test_rows_through_the_column_mapping_in_a_seeded_stream(tokenizer, files, ki
     assert asyncio.run(env.get_item()) is None  # one epoch, then no more when cycle is False
     assert sorted(item.id for item in items) == [f"train-{n}" for n in range(len(ROWS))]
     n = int(items[0].id.split("-")[1])
-    assert items[0].prompt == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Q: What is {n} + {n}?"}]
+    assert items[0].prompt == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": f"Q: What is {n} + {n}?"},
+    ]
     assert items[0].answer == ROWS[n]["solution"] and env.gold_completion(items[0]) == f"\\boxed{{{2 * n}}}"
     again = dataset(tokenizer, **config, cycle=False)
     assert [asyncio.run(again.get_item()).id for _ in range(len(ROWS))] == [item.id for item in items]  # seeded
@@ -70,7 +75,9 @@ def test_rows_through_the_column_mapping_in_a_seeded_stream(tokenizer, files, ki
     assert [asyncio.run(other.get_item()).id for _ in range(len(ROWS))] != [item.id for item in items]
     cycling = [asyncio.run(other.get_item()) for _ in range(len(ROWS) + 2)]  # cycle (the default) starts over
     assert all(item is not None for item in cycling)
-    assert answered(env, items[0], f"It is \\boxed{{{2 * n}}}.") == 1.0 and answered(env, items[0], "\\boxed{-1}") == 0.0
+    assert (
+        answered(env, items[0], f"It is \\boxed{{{2 * n}}}.") == 1.0 and answered(env, items[0], "\\boxed{-1}") == 0.0
+    )
 
 
 def test_the_held_out_split_when_the_source_has_one(tokenizer, math_env, files) -> None:
@@ -107,14 +114,20 @@ def test_math_verify_equivalences(math_env, gold, answer, score) -> None:
 
 
 def test_gold_completions_are_boxed_and_score_top(math_env) -> None:
-    for gold, boxed in [("0.5", "\\boxed{\\frac{1}{2}}"), ("So \\boxed{7}.", "\\boxed{7}"), ("a\n#### 72", "\\boxed{72}")]:
+    for gold, boxed in [
+        ("0.5", "\\boxed{\\frac{1}{2}}"),
+        ("So \\boxed{7}.", "\\boxed{7}"),
+        ("a\n#### 72", "\\boxed{72}"),
+    ]:
         item = Item(id="q", prompt="?", answer=gold)
         assert math_env.gold_completion(item) == boxed and answered(math_env, item, boxed) == 1.0
     assert last_boxed("x \\boxed{\\frac{1}{2}} y") == "\\frac{1}{2}" and last_boxed("\\boxed{1") is None
 
 
 def test_text_answers_match_ignoring_case_and_spacing(tokenizer, files) -> None:
-    env = dataset(tokenizer, source=str(files["jsonl"]), prompt_column="question", answer_column="level", answer_format="text")
+    env = dataset(
+        tokenizer, source=str(files["jsonl"]), prompt_column="question", answer_column="level", answer_format="text"
+    )
     item = Item(id="q", prompt="?", answer="New  York")
     assert answered(env, item, "It is \\boxed{new york}") == 1.0 and answered(env, item, "new york") == 1.0
     assert answered(env, item, "\\boxed{York}") == 0.0 and env.gold_completion(item) == "\\boxed{New  York}"
@@ -136,7 +149,9 @@ def test_reward_in_a_worker_thread_and_a_runaway_answer_times_out(math_env) -> N
     assert time.monotonic() - started < 20  # math-verify's alarm in the child stopped the runaway power
 
     async def in_tasks() -> list[float]:
-        return await asyncio.gather(*(asyncio.to_thread(answered, math_env, item, f"\\boxed{{{n}}}") for n in (3, 3.0, 5)))
+        return await asyncio.gather(
+            *(asyncio.to_thread(answered, math_env, item, f"\\boxed{{{n}}}") for n in (3, 3.0, 5))
+        )
 
     assert asyncio.run(in_tasks()) == [1.0, 1.0, 0.0]
 
@@ -151,7 +166,9 @@ def test_a_child_past_its_deadline_is_replaced(math_env, monkeypatch) -> None:
 
 
 def test_bad_columns_splits_and_paths_are_named(tokenizer, files, tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"prompt_column: .* has no column 'prompt' \(columns: \['question', 'solution', 'level'\]\)"):
+    with pytest.raises(
+        ValueError, match=r"prompt_column: .* has no column 'prompt' \(columns: \['question', 'solution', 'level'\]\)"
+    ):
         dataset(tokenizer, source=str(files["parquet"]), answer_column="solution")
     with pytest.raises(ValueError, match=r"answer_column: .* split train has no column 'final'"):
         dataset(tokenizer, source=str(MATH_PROBLEMS), answer_column="final")

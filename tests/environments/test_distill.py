@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from environments.bundled.distill import Distill
-from environments.testing import EnvironmentConformance
 from environments.conformance import run_checks
+from environments.testing import EnvironmentConformance
 from inference.client import PolicyClient
-from trainer.step import training_sequences
 from trainer.config import AdvantageConfig
+from trainer.step import training_sequences
 
 pytestmark = pytest.mark.integration
 
@@ -22,15 +22,26 @@ class TestDistillConformance(EnvironmentConformance):
     @pytest.fixture(scope="class")
     def conformance_results(self, policy_server, policy_tokenizer):
         config = {"env": "arithmetic", "env_config": {"max_tokens": 8}, "teacher_url": policy_server.base_url}
-        results = asyncio.run(run_checks(Distill, config, server_url=policy_server.base_url, tokenizer=policy_tokenizer,
-                                         api_key=getattr(policy_server, "api_key", None)))  # fmt: skip
+        results = asyncio.run(
+            run_checks(
+                Distill,
+                config,
+                server_url=policy_server.base_url,
+                tokenizer=policy_tokenizer,
+                api_key=getattr(policy_server, "api_key", None),
+            )
+        )
         return {result.name: result for result in results}
 
 
 async def test_the_teacher_scores_exactly_the_sampled_tokens(policy_server, tiny_model_dir):
     # The teacher is the student's own server: its score of each sampled token is the sampler's
     # logprob, so the distillation advantage is ~0 on every trained token and 0 elsewhere.
-    config = {"env": "arithmetic", "env_config": {"max_tokens": 8, "group_size": 3}, "teacher_url": policy_server.base_url}
+    config = {
+        "env": "arithmetic",
+        "env_config": {"max_tokens": 8, "group_size": 3},
+        "teacher_url": policy_server.base_url,
+    }
     async with PolicyClient(policy_server.base_url) as client:
         env = Distill(config, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
@@ -46,7 +57,9 @@ async def test_the_teacher_scores_exactly_the_sampled_tokens(policy_server, tiny
     assert max(abs(a) for a in advantages) < 2e-2
 
 
-async def test_a_teacher_that_is_not_there_stops_the_run_as_an_unreachable_policy_server_does(policy_server, tiny_model_dir):
+async def test_a_teacher_that_is_not_there_stops_the_run_as_an_unreachable_policy_server_does(
+    policy_server, tiny_model_dir
+):
     # Not a bad rollout but a broken run: raised (a rollout task retries it, then the flow stops).
     from inference.client import PolicyServerUnreachable
 

@@ -21,10 +21,14 @@ def test_a_failed_run_time_download_is_named_with_what_it_tried_to_fetch() -> No
             raise RuntimeError("could not load the dataset") from cause
     except RuntimeError as chained:
         assert "raw.githubusercontent.com" in run_time_fetch(chained)
-        assert fetch_failed("environment x setup", chained).startswith("environment x setup: it downloads data at run time")
+        assert fetch_failed("environment x setup", chained).startswith(
+            "environment x setup: it downloads data at run time"
+        )
     assert run_time_fetch(KeyError("answer")) is None and fetch_failed("x", ValueError("bad")) is None
 
 
 def test_a_group_the_environment_chose_to_drop_has_its_own_reason() -> None:
-    assert RolloutFailure.of("atropos", "i", DroppedByEnvironment("all scores equal")).reason == "dropped-by-environment"
+    assert (
+        RolloutFailure.of("atropos", "i", DroppedByEnvironment("all scores equal")).reason == "dropped-by-environment"
+    )
     assert RolloutFailure.of("atropos", "i", RuntimeError("a bug")).reason == "exception"

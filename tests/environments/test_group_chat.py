@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from environments.bundled.group_chat import HOURS, Game, GroupChat, seen_by
 from environments.chat import ChatRenderer
 from environments.conformance import trained_segments
-from environments.bundled.group_chat import HOURS, Game, GroupChat, seen_by
 from environments.testing import EnvironmentConformance
 from inference.client import Completion, PolicyClient
 
@@ -62,7 +62,10 @@ def test_each_organiser_is_one_sequence_and_only_its_turns_train(tiny_model_dir)
     assert [s.extras for s in sequences] == [{"speaker": first, "turns": 2}, {"speaker": second, "turns": 1}]
     assert [s.score for s in sequences] == [1.0, 1.0]
     decode = env.tokenizer.decode
-    for sequence, speaker, turns in [(one, first, [f"PROPOSE {bad}", f"PROPOSE {good}"]), (two, second, [f"I say PROPOSE {good}"])]:
+    for sequence, speaker, turns in [
+        (one, first, [f"PROPOSE {bad}", f"PROPOSE {good}"]),
+        (two, second, [f"I say PROPOSE {good}"]),
+    ]:
         mine = [m for m in sequence.messages if m["role"] == "assistant"]
         assert [m["content"] for m in mine] == turns and {m["name"] for m in mine} == {speaker}
         assert [decode(sequence.tokens[a:b], skip_special_tokens=True) for a, b in trained_segments(sequence)] == turns
@@ -86,7 +89,11 @@ def test_the_reward_is_the_share_of_attendees_free_at_the_last_proposal(tiny_mod
 
     def turns(*texts: str, other: str = "") -> list[dict]:
         chat = [{"role": "assistant", "name": organiser, "content": text} for text in texts]
-        return item.prompt + chat + ([seen_by(organiser, {"role": "user", "name": "zed", "content": other})] if other else [])
+        return (
+            item.prompt
+            + chat
+            + ([seen_by(organiser, {"role": "user", "name": "zed", "content": other})] if other else [])
+        )
 
     assert set(free) == {m["name"] for m in item.prompt[1:]} and organiser not in free and common in HOURS
     assert env.reward(item, turns(f"Let us meet. PROPOSE {common}")) == 1.0

@@ -83,7 +83,9 @@ def test_a_bundled_environment_s_path_outside_bundled_names_where_it_is() -> Non
     from environments.loading import EnvironmentLoadError, load_environment_class
 
     assert load_environment_class("capitals") is Capitals
-    with pytest.raises(EnvironmentLoadError, match="use 'environments.bundled.capitals:Capitals' or the name 'capitals'"):
+    with pytest.raises(
+        EnvironmentLoadError, match="use 'environments.bundled.capitals:Capitals' or the name 'capitals'"
+    ):
         load_environment_class("environments.capitals:Capitals")
     with pytest.raises(Exception, match="cannot import environments.nothing_here"):
         load_environment_class("environments.nothing_here:Thing")
@@ -99,7 +101,9 @@ class Made(Environment):
 
     async def new_item(self, rng, index):
         a = rng.randint(0, 99)
-        return {"prompt": f"{a} + {index}?", "answer": a + index} if index != 2 else Item(id="own", prompt="p", answer=0)
+        return (
+            {"prompt": f"{a} + {index}?", "answer": a + index} if index != 2 else Item(id="own", prompt="p", answer=0)
+        )
 
     def reward(self, item, messages):
         return 0.0
@@ -108,8 +112,12 @@ class Made(Environment):
 def test_made_items_are_drawn_from_the_seed_and_numbered_from_it():
     items = draw(Made({"seed": 5}), 4)
     assert [i.id for i in items] == ["5-1", "5-2", "own", "5-4"]  # an item's own id is kept
-    assert all(i.answer == int(i.prompt.split(" + ")[0]) + n for n, i in enumerate(items) if i.id != "own")  # a mapping made an Item
-    assert draw(Made({"seed": 5}), 4) == items and draw(Made({"seed": 6}), 4) != items  # the seed decides, one stream an instance
+    assert all(
+        i.answer == int(i.prompt.split(" + ")[0]) + n for n, i in enumerate(items) if i.id != "own"
+    )  # a mapping made an Item
+    assert (
+        draw(Made({"seed": 5}), 4) == items and draw(Made({"seed": 6}), 4) != items
+    )  # the seed decides, one stream an instance
 
 
 def test_an_environment_with_no_items_says_the_three_ways_to_give_them():
@@ -118,4 +126,3 @@ def test_an_environment_with_no_items_says_the_three_ways_to_give_them():
 
     with pytest.raises(NotImplementedError, match=r"items\(split\).*new_item\(rng, index\).*get_item"):
         draw(Nothing(), 1)
-

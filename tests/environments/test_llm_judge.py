@@ -18,7 +18,10 @@ from inference.client import PolicyClient, PolicyServerAuthError
 
 JOKES = [
     template.format(topic=topic)
-    for template in ("Why did {topic} cross the road? To get to the punchline.", "I told {topic} a secret; now everyone knows.")
+    for template in (
+        "Why did {topic} cross the road? To get to the punchline.",
+        "I told {topic} a secret; now everyone knows.",
+    )
     for topic in TOPICS
 ]
 
@@ -46,7 +49,10 @@ def conversation(joke: str, topic: str = "cats") -> list[dict]:
 def test_the_judge_is_asked_greedily_for_one_of_ten_scores_and_its_answer_is_the_reward() -> None:
     body = judge_request("policy", "cats", "Why did the cat sit on the laptop?")
     assert body["temperature"] == 0.0 and body["structured_outputs"] == {"choice": SCORES} and SCORES[0] == "1"
-    assert "Why did the cat sit on the laptop?" in body["messages"][0]["content"] and "cats" in body["messages"][0]["content"]
+    assert (
+        "Why did the cat sit on the laptop?" in body["messages"][0]["content"]
+        and "cats" in body["messages"][0]["content"]
+    )
     assert [read_score(chat_answer(s)) for s in ("1", "10", " 4\n")] == [0.0, 1.0, pytest.approx(1 / 3)]
     for content in ("11", "seven", "", "7/10"):  # a judge that ignored the choice constraint
         with pytest.raises(JudgeError, match="not a score 1..10; the judge must be a vLLM server that honours"):
@@ -95,7 +101,9 @@ async def test_a_hanging_judge_is_tried_again_then_raises_infra_never_scores(tin
 
     threading.Thread(target=accept, daemon=True).start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-    env = LLMJudge({"judge_url": url, "judge_model": "judge", "judge_timeout_s": 0.3}, client=None, tokenizer=tiny_tokenizer)
+    env = LLMJudge(
+        {"judge_url": url, "judge_model": "judge", "judge_timeout_s": 0.3}, client=None, tokenizer=tiny_tokenizer
+    )
     await env.setup()
     item = await env.get_item()
     try:
@@ -128,13 +136,17 @@ async def test_the_tiny_judge_scores_every_joke_and_both_paths_agree(policy_serv
 async def test_an_unreachable_judge_fails_the_group_as_infra_never_a_score(policy_server, tiny_model_dir) -> None:
     judge_url = f"http://127.0.0.1:{closed_port()}"
     async with PolicyClient(policy_server.base_url, api_key=policy_server.api_key) as client:
-        env = LLMJudge({"group_size": 2, "max_tokens": 4, "judge_url": judge_url}, client=client, tokenizer=str(tiny_model_dir))
+        env = LLMJudge(
+            {"group_size": 2, "max_tokens": 4, "judge_url": judge_url}, client=client, tokenizer=str(tiny_model_dir)
+        )
         await env.setup()
         item = await env.get_item()
         result = await env.collect_group(item)
     assert isinstance(result, RolloutFailure) and result.env == "llm_judge" and result.item_id == item.id
     assert result.reason == "infra"
-    assert f"JudgeError: judge {judge_url} could not be reached" in result.error and "is judge_url right" in result.error
+    assert (
+        f"JudgeError: judge {judge_url} could not be reached" in result.error and "is judge_url right" in result.error
+    )
     with pytest.raises(JudgeError, match=f"judge {judge_url} could not be reached"):
         env.reward(item, conversation("A joke."))
 

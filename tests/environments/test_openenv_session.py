@@ -9,11 +9,17 @@ from environments.adapters.openenv_session import Capacity, SchemaAction, server
 
 MOVE = {  # grid_world's kind: an enum field (as $ref), with OpenEnv's metadata
     "properties": {"metadata": {"type": "object"}, "action": {"$ref": "#/$defs/MoveAction"}},
-    "required": ["action"], "$defs": {"MoveAction": {"enum": ["UP", "DOWN", "LEFT", "RIGHT"], "type": "string"}},
-}  # fmt: skip
-STEP = {"properties": {"direction": {"type": "string", "enum": ["up", "down"]}, "steps": {"type": "integer"}}, "required": ["direction"]}
+    "required": ["action"],
+    "$defs": {"MoveAction": {"enum": ["UP", "DOWN", "LEFT", "RIGHT"], "type": "string"}},
+}
+STEP = {
+    "properties": {"direction": {"type": "string", "enum": ["up", "down"]}, "steps": {"type": "integer"}},
+    "required": ["direction"],
+}
 MESSAGE = {"properties": {"metadata": {"type": "object"}, "message": {"type": "string"}}, "required": ["message"]}
-TOOL = {"properties": {"type": {"const": "call_tool"}, "tool_name": {"type": "string"}, "arguments": {"type": "object"}}}
+TOOL = {
+    "properties": {"type": {"const": "call_tool"}, "tool_name": {"type": "string"}, "arguments": {"type": "object"}}
+}
 
 
 def test_an_action_s_schema_decides_how_text_becomes_it() -> None:
@@ -26,13 +32,20 @@ def test_an_action_s_schema_decides_how_text_becomes_it() -> None:
     assert step('```json\n{"direction": "up", "steps": 2, "other": 1}\n```') == {"direction": "up", "steps": 2}
     assert step("no json here") == {}  # nothing to read: validation refuses it, the episode ends there
     tool = SchemaAction(TOOL)  # constants are filled in, not asked for
-    assert tool('{"tool_name": "echo", "arguments": {"x": 1}}') == {"tool_name": "echo", "arguments": {"x": 1}, "type": "call_tool"}
+    assert tool('{"tool_name": "echo", "arguments": {"x": 1}}') == {
+        "tool_name": "echo",
+        "arguments": {"x": 1},
+        "type": "call_tool",
+    }
 
 
 def test_a_server_s_errors_are_read_with_their_code() -> None:
     refused = RuntimeError("Server error: Server at capacity: 1/1 sessions active (code: CAPACITY_REACHED)")
     assert server_error(refused) == ("CAPACITY_REACHED", "Server at capacity: 1/1 sessions active")
-    assert server_error(RuntimeError("something else")) is None and server_error(ValueError("Server error: x (code: Y)")) is None
+    assert (
+        server_error(RuntimeError("something else")) is None
+        and server_error(ValueError("Server error: x (code: Y)")) is None
+    )
 
 
 def test_a_refusal_for_capacity_sets_the_limit_and_episodes_wait_for_a_slot() -> None:

@@ -9,8 +9,8 @@ import json
 import pytest
 import reasoning_gym
 
-from environments.loading import EnvironmentLoadError, load_config
 from environments.bundled.reasoning_gym import CHUNK, ReasoningGym, ReasoningGymItem, from_json, to_json
+from environments.loading import EnvironmentLoadError, load_config
 from environments.testing import EnvironmentConformance
 
 
@@ -110,7 +110,9 @@ def test_the_curriculum_stops_below_a_level_reasoning_gym_cannot_build(tiny_mode
 
 
 def test_without_the_curriculum_the_dataset_kwargs_set_the_difficulty(tiny_model_dir) -> None:
-    env = environment(tiny_model_dir, dataset="chain_sum", curriculum=False, window=1, dataset_kwargs={"min_terms": 5, "max_terms": 5})
+    env = environment(
+        tiny_model_dir, dataset="chain_sum", curriculum=False, window=1, dataset_kwargs={"min_terms": 5, "max_terms": 5}
+    )
     env.record(0, [1.0])
     env.count = CHUNK - 1  # the stream crosses into its next chunk of entries
     items = [asyncio.run(env.get_item()) for _ in range(3)]

@@ -9,9 +9,9 @@ import pytest
 from environments.bundled.arithmetic import Arithmetic
 from environments.bundled.capitals import Capitals
 from environments.bundled.compare import Compare
-from environments.conformance import trained_segments
 from environments.bundled.guess_number import GuessNumber
 from environments.bundled.instant import Instant
+from environments.conformance import trained_segments
 from environments.testing import EnvironmentConformance
 from inference.client import Completion, PolicyClient, PolicyServerUnreachable
 
@@ -72,7 +72,9 @@ class RecordingClient(PolicyClient):
 async def test_multi_turn_tokens_and_logprobs_are_exactly_what_vllm_returned(policy_server, tiny_model_dir):
     # A guess can never be right with high=10**6, so every rollout runs all 3 turns.
     async with RecordingClient(policy_server.base_url) as client:
-        env = GuessNumber({"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(tiny_model_dir))
+        env = GuessNumber(
+            {"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(tiny_model_dir)
+        )
         await env.setup()
         group = await env.collect_trajectories(await env.get_item())
     [sequence] = group.sequences
@@ -97,7 +99,9 @@ async def test_multi_turn_tokens_and_logprobs_are_exactly_what_vllm_returned(pol
 
 async def test_length_stopped_sequences_end_without_eos(policy_server, tiny_model_dir):
     async with PolicyClient(policy_server.base_url) as client:
-        env = Arithmetic({"group_size": 4, "max_tokens": 3, "temperature": 0.0}, client=client, tokenizer=str(tiny_model_dir))
+        env = Arithmetic(
+            {"group_size": 4, "max_tokens": 3, "temperature": 0.0}, client=client, tokenizer=str(tiny_model_dir)
+        )
         await env.setup()
         group = await env.collect_trajectories(await env.get_item())
     eos = env.tokenizer.eos_token_id
@@ -177,10 +181,15 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
             return response
 
     async with TimedClient(policy_server.base_url) as client:
-        env = Arithmetic({"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir))
+        env = Arithmetic(
+            {"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir)
+        )
         await env.setup()
         group = await env.collect_group(await env.get_item())
-        (version_sent, version_back), (completion_sent, completion_back) = client.spans["/weight_info"], client.spans["/inference/v1/generate"]
+        (version_sent, version_back), (completion_sent, completion_back) = (
+            client.spans["/weight_info"],
+            client.spans["/inference/v1/generate"],
+        )
         assert group.policy_version == await client.weight_version()
         assert all(s.policy_versions == (group.policy_version,) * 2 for s in group.sequences)
     # Both requests were out at once: the group did not wait a round-trip before sampling.

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 
+from core.scored_group import ScoredGroup
 from environments.base import RolloutFailure
 from environments.conformance import run_checks
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
 from environments.remote import RemoteEnvironment, remote_environment_class
-from core.scored_group import ScoredGroup
 from environments.testing import serve_environment
 from inference.client import PolicyClient
 from inference.server import free_port
@@ -44,12 +44,17 @@ def test_a_url_nobody_serves_is_a_load_error_saying_how_to_start_one() -> None:
 
 
 @pytest.mark.integration
-def test_a_served_environment_passes_the_conformance_suite_by_url(served_arithmetic, policy_server, policy_tokenizer) -> None:
+def test_a_served_environment_passes_the_conformance_suite_by_url(
+    served_arithmetic, policy_server, policy_tokenizer
+) -> None:
     results = asyncio.run(
         run_checks(
-            load_environment_class(served_arithmetic.url), {"group_size": 3, "max_tokens": 8},
-            server_url=policy_server.base_url, tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
-        )  # fmt: skip
+            load_environment_class(served_arithmetic.url),
+            {"group_size": 3, "max_tokens": 8},
+            server_url=policy_server.base_url,
+            tokenizer=policy_tokenizer,
+            api_key=getattr(policy_server, "api_key", None),
+        )
     )
     assert [(r.name, r.status) for r in results if r.status != "passed"] == []
 
@@ -61,7 +66,9 @@ def test_a_killed_service_fails_the_group_as_data_naming_it(policy_server, polic
 
     async def run() -> tuple[ScoredGroup | RolloutFailure, RolloutFailure]:
         async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
-            env = env_class(load_config(env_class, {"group_size": 2, "max_tokens": 4}), client=client, tokenizer=policy_tokenizer)
+            env = env_class(
+                load_config(env_class, {"group_size": 2, "max_tokens": 4}), client=client, tokenizer=policy_tokenizer
+            )
             await env.setup()
             item = await env.get_item()
             first = await env.collect_group(item)

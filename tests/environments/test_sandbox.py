@@ -20,7 +20,9 @@ needs_bwrap = pytest.mark.skipif(LEVEL != "bwrap", reason=f"needs bubblewrap (th
 def test_the_strongest_isolation_is_active_when_its_tool_is_installed() -> None:
     assert LEVEL in LEVELS and available("rlimits")
     if shutil.which("bwrap"):  # installed but failing its probe would silently weaken every run
-        assert LEVEL == "bwrap", "bwrap is installed but cannot run a program; see run_python(..., level='bwrap').stderr"
+        assert LEVEL == "bwrap", (
+            "bwrap is installed but cannot run a program; see run_python(..., level='bwrap').stderr"
+        )
     result = run_python("import os, sys\nprint(os.listdir('.'), sys.stdin.read() == '')")
     assert result.exit_code == 0 and result.stdout == "['main.py'] True\n" and result.isolation == LEVEL
 
@@ -55,18 +57,27 @@ def test_a_memory_bomb_stops_at_the_address_space_limit() -> None:
     assert bomb.killed == "memory" and bomb.exit_code != 0 and "MemoryError" in bomb.stderr
 
 
-@pytest.mark.skipif(not drops_uid(LEVEL), reason=f"{LEVEL} runs the program as this (root) user, whom RLIMIT_NPROC exempts")
+@pytest.mark.skipif(
+    not drops_uid(LEVEL), reason=f"{LEVEL} runs the program as this (root) user, whom RLIMIT_NPROC exempts"
+)
 def test_a_fork_bomb_stops_at_the_process_limit_and_leaves_nothing_behind() -> None:
     limits = Limits(processes=12, wall_seconds=5)
-    counting = "import os, time\nforks = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n" \
-               "            os._exit(0)\n        forks += 1\nexcept BlockingIOError:\n    print(os.getuid(), forks)"  # fmt: skip
+    counting = (
+        "import os, time\nforks = 0\ntry:\n    while True:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+        "            os._exit(0)\n        forks += 1\nexcept BlockingIOError:\n    print(os.getuid(), forks)"
+    )
     result = run_python(counting, limits)
     uid, forks = map(int, result.stdout.split())
     assert forks == limits.processes - 1, result.stderr  # the program itself is the 12th process
     bomb = run_python("import os\nprint(os.getuid(), flush=True)\nwhile True:\n    os.fork()", limits)
     assert bomb.exit_code != 0 and bomb.seconds < limits.wall_seconds + 1
     for bomb_uid in (uid, int(bomb.stdout.split()[0])):  # the sleepers and the bomb's processes are gone
-        owners = [line.split()[1] for status in Path("/proc").glob("[0-9]*/status") for line in _lines(status) if line.startswith("Uid:")]
+        owners = [
+            line.split()[1]
+            for status in Path("/proc").glob("[0-9]*/status")
+            for line in _lines(status)
+            if line.startswith("Uid:")
+        ]
         assert str(bomb_uid) not in owners
 
 
@@ -84,8 +95,10 @@ def test_a_socket_connect_to_the_host_never_arrives() -> None:
         listener.listen()
         listener.settimeout(0.5)
         port = listener.getsockname()[1]
-        program = f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\n" \
-                  "except OSError as error:\n    print(type(error).__name__)"  # fmt: skip
+        program = (
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n    print('connected')\n"
+            "except OSError as error:\n    print(type(error).__name__)"
+        )
         result = run_python(program)
         assert result.stdout in ("ConnectionRefusedError\n", "OSError\n"), result.stderr
         with pytest.raises(TimeoutError):
@@ -97,10 +110,16 @@ def test_writes_outside_its_directory_do_not_reach_the_host() -> None:
     host = Path(tempfile.mkdtemp(prefix="clotho-sandbox-test-"))
     host.chmod(0o777)  # writable by anyone: only the sandbox's own filesystem keeps the program out
     try:
-        targets = [host / "escaped.txt", Path("/tmp") / f"{host.name}-escaped.txt", Path(PATH.split(":")[0]) / "escaped"]
-        program = f"open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\nfor path in {[str(t) for t in targets]!r}:\n" \
-                  "    try:\n        open(path, 'w').write('escaped')\n        print('wrote', path)\n" \
-                  "    except OSError as error:\n        print(type(error).__name__)"  # fmt: skip
+        targets = [
+            host / "escaped.txt",
+            Path("/tmp") / f"{host.name}-escaped.txt",
+            Path(PATH.split(":")[0]) / "escaped",
+        ]
+        program = (
+            f"open('mine.txt', 'w').write('ok')\nprint(open('mine.txt').read())\nfor path in {[str(t) for t in targets]!r}:\n"
+            "    try:\n        open(path, 'w').write('escaped')\n        print('wrote', path)\n"
+            "    except OSError as error:\n        print(type(error).__name__)"
+        )
         result = run_python(program)
         assert result.stdout.splitlines()[0] == "ok" and "wrote" not in result.stdout, result.stdout
         assert not any(target.exists() for target in targets)

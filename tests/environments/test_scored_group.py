@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from environments.atropos_format import from_atropos, to_atropos
 from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
+from environments.atropos_format import from_atropos, to_atropos
 
 
 def seq(**overrides):
@@ -66,12 +66,22 @@ def test_limits_need_the_run_context():
 
 
 def test_atropos_round_trip():
-    g = group(seq(messages=[{"role": "user", "content": "hi"}], advantages=[0.0, 0.0, 1.0, -1.0]),
-              seq(score=0.0, messages=[{"role": "user", "content": "yo"}], advantages=[0.0] * 4), extras={"k": 1})
+    g = group(
+        seq(messages=[{"role": "user", "content": "hi"}], advantages=[0.0, 0.0, 1.0, -1.0]),
+        seq(score=0.0, messages=[{"role": "user", "content": "yo"}], advantages=[0.0] * 4),
+        extras={"k": 1},
+    )
     data = to_atropos(g)
     assert data["masks"][0] == [-100, -100, 3, 4]
     assert data["inference_logprobs"][0] == [1.0, 1.0, -0.5, -1.5]
     back = from_atropos(data, env="test", item_id="i1")
     for a, b in zip(g.sequences, back.sequences):
-        assert (a.tokens, a.mask, a.logprobs, a.score, a.advantages, a.messages) == (b.tokens, b.mask, b.logprobs, b.score, b.advantages, b.messages)
+        assert (a.tokens, a.mask, a.logprobs, a.score, a.advantages, a.messages) == (
+            b.tokens,
+            b.mask,
+            b.logprobs,
+            b.score,
+            b.advantages,
+            b.messages,
+        )
     assert back.extras == {"k": 1}

@@ -84,7 +84,10 @@ async def test_bad_sources_name_the_field_and_the_fix(policy_server, tiny_model_
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"question": "q", "completion": "a"}) + "\n")
     for config, message in [
-        ({"data": str(data)}, r"data: .* has no column 'prompt' \(columns: \['question', 'completion'\]\); set prompt_column"),
+        (
+            {"data": str(data)},
+            r"data: .* has no column 'prompt' \(columns: \['question', 'completion'\]\); set prompt_column",
+        ),
         ({"data": str(tmp_path / "missing.jsonl")}, r"data: cannot load .*missing.jsonl.*no such file"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from environments.testing import EnvironmentConformance
 from environments.bundled.tool_use import PRICES, ToolUse, calculate, run_tool
+from environments.testing import EnvironmentConformance
 from inference.client import Completion
 
 

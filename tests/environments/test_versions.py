@@ -10,14 +10,26 @@ import pytest
 from core.sampling import Sampling
 from core.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
 from environments.trajectory import Trajectory, complete_record, version_stamp
-from inference.client import Completion, PolicyClient, PolicyServerAuthError, loaded_version, parse_weight_version, recording_completions, token_versions, version_tag
+from inference.client import (
+    Completion,
+    PolicyClient,
+    PolicyServerAuthError,
+    PolicyServerError,
+    loaded_version,
+    parse_weight_version,
+    recording_completions,
+    token_versions,
+    version_tag,
+)
 
 HOT = Sampling(temperature=1.25, logprobs_mode="processed_logprobs")
 COLD = Sampling(temperature=0.7, logprobs_mode="processed_logprobs")
 
 
 def completion(tokens: list[int], versions: list[int] | None, sampling: Sampling | None = HOT) -> Completion:
-    return Completion(token_ids=tokens, logprobs=[-0.5] * len(tokens), finish_reason="stop", versions=versions, sampling=sampling)
+    return Completion(
+        token_ids=tokens, logprobs=[-0.5] * len(tokens), finish_reason="stop", versions=versions, sampling=sampling
+    )
 
 
 def stamp(group: ScoredGroup, sampled: list[Completion | None], announced: int) -> int:
@@ -102,8 +114,18 @@ async def test_a_server_without_the_generate_route_is_sampled_through_completion
         if request.url.path == "/server_info":
             return httpx.Response(404)
         if request.url.path == "/inference/v1/generate":
-            return httpx.Response(403, json={"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out"}})
-        choice = {"token_ids": [7, 8], "logprobs": {"token_logprobs": [-0.1, -0.2]}, "finish_reason": "length", "text": "ab"}
+            return httpx.Response(
+                403,
+                json={
+                    "error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out"}
+                },
+            )
+        choice = {
+            "token_ids": [7, 8],
+            "logprobs": {"token_logprobs": [-0.1, -0.2]},
+            "finish_reason": "length",
+            "text": "ab",
+        }
         return httpx.Response(200, json={"choices": [choice]})
 
     client = PolicyClient("http://policy")
@@ -114,7 +136,11 @@ async def test_a_server_without_the_generate_route_is_sampled_through_completion
             [second] = await client.complete([1, 2], max_tokens=2, temperature=0.7)
     # /server_info is read once, beside the first request (not before it: no round-trip added).
     assert seen.count("/server_info") == 1
-    assert [path for path in seen if path != "/server_info"] == ["/inference/v1/generate", "/v1/completions", "/v1/completions"]
+    assert [path for path in seen if path != "/server_info"] == [
+        "/inference/v1/generate",
+        "/v1/completions",
+        "/v1/completions",
+    ]
     assert first.token_ids == second.token_ids == [7, 8] and first.versions is None
     assert sampled == [first, second] and [c.policy_versions for c in sampled] == [None, None]
     # What was sent, and a logprobs mode the server did not say (no /server_info: no dev mode).
@@ -135,7 +161,7 @@ async def test_the_sampling_sent_and_the_server_s_logprobs_mode_travel_with_each
     client.generate_route = True  # straight to the generate route; the 404 ends the test
     async with client:
         assert await client.logprobs_mode() == "processed_logprobs"
-        with pytest.raises(Exception):
+        with pytest.raises(PolicyServerError, match="404"):
             await client.complete([1, 2], max_tokens=2, temperature=1.25, top_k=5, min_p=0.1)
     body = sent[0].read().decode()
     assert '"top_k":5' in body and '"min_p":0.1' in body and '"temperature":1.25' in body

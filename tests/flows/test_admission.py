@@ -95,9 +95,13 @@ class Simulation:
                 self.queue.append(done[1])
                 self.committed += 1
             while len(self.sampling) < self.lanes and admits(
-                pending=self.pending(), steps=self.steps, served_version=self.served,
-                groups_per_step=self.groups_per_step, save_every=self.save_every, max_lag=self.max_lag,
-            ):  # fmt: skip
+                pending=self.pending(),
+                steps=self.steps,
+                served_version=self.served,
+                groups_per_step=self.groups_per_step,
+                save_every=self.save_every,
+                max_lag=self.max_lag,
+            ):
                 self.sampling.append((now + rng.uniform(0.5, 1.5), self.served))
             self.most_waiting = max(self.most_waiting, self.pending())
             # trainer: finish a step (publish), or gather the next step's fresh groups
@@ -186,11 +190,17 @@ async def admitted_within(admission: Admission, seconds: float) -> bool:
     return True
 
 
-def position(steps: int, consumed: int, version: int, groups_per_step: int = 2, max_staleness: int = 0) -> TrainerPosition:
+def position(
+    steps: int, consumed: int, version: int, groups_per_step: int = 2, max_staleness: int = 0
+) -> TrainerPosition:
     return TrainerPosition(
-        steps=steps, groups_consumed=consumed, policy_version=version,
-        groups_per_step=groups_per_step, save_every=1, max_staleness=max_staleness,
-    )  # fmt: skip
+        steps=steps,
+        groups_consumed=consumed,
+        policy_version=version,
+        groups_per_step=groups_per_step,
+        save_every=1,
+        max_staleness=max_staleness,
+    )
 
 
 async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(tmp_path):
@@ -204,9 +214,15 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
         writer["buffered"] = 0
 
     admission = Admission(
-        root, "run", max_lag=0, served_version=served, buffered=lambda: writer["buffered"], flush=flush,
-        sampler="a", refresh_s=0.02,
-    )  # fmt: skip
+        root,
+        "run",
+        max_lag=0,
+        served_version=served,
+        buffered=lambda: writer["buffered"],
+        flush=flush,
+        sampler="a",
+        refresh_s=0.02,
+    )
     assert not await admitted_within(admission, 0.2), "no trainer position yet: wait for one"
     write_trainer_position(root, "run", position(steps=0, consumed=0, version=0))
     assert await admitted_within(admission, 1) and await admitted_within(admission, 1)
@@ -215,7 +231,9 @@ async def test_the_controller_follows_the_trainer_and_flushes_what_it_waits_for(
         writer["buffered"] += 1
     assert not await admitted_within(admission, 0.2), "two groups pending = one step for k = 0"
     assert flushed[:1] == [2], "blocked with groups buffered: flush them for the trainer"
-    assert read_sampler_positions(root, "run") == [SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12), holder="a")]
+    assert read_sampler_positions(root, "run") == [
+        SamplerPosition("a", 2, 0, updated_at=pytest.approx(0, abs=1e12), holder="a")
+    ]
 
     # The trainer took both for step 1 and trains on version 0: k = 0 waits for version 1 served.
     write_trainer_position(root, "run", position(steps=1, consumed=2, version=0))
@@ -238,8 +256,9 @@ async def test_a_blocked_sampler_looks_again_soon_not_at_its_slowest_refresh(tmp
     async def flush():
         pass
 
-    admission = Admission(root, "run", max_lag=0, served_version=served, buffered=lambda: 0, flush=flush,
-                          sampler="a", refresh_s=3.0)  # fmt: skip
+    admission = Admission(
+        root, "run", max_lag=0, served_version=served, buffered=lambda: 0, flush=flush, sampler="a", refresh_s=3.0
+    )
     write_trainer_position(root, "run", position(steps=1, consumed=2, version=1))
     waiting = asyncio.ensure_future(admission.acquire())
     await asyncio.sleep(0.1)
@@ -255,9 +274,16 @@ async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_p
     sampler admits nothing more and acquire says it is done (False), as at a phase's last step."""
     root = str(tmp_path)
     admission = Admission(
-        root, "run", max_lag=1, served_version=Served(3), buffered=lambda: 0, flush=lambda: asyncio.sleep(0),
-        sampler="a", refresh_s=0.02, last_step=100,
-    )  # fmt: skip
+        root,
+        "run",
+        max_lag=1,
+        served_version=Served(3),
+        buffered=lambda: 0,
+        flush=lambda: asyncio.sleep(0),
+        sampler="a",
+        refresh_s=0.02,
+        last_step=100,
+    )
     write_trainer_position(root, "run", position(steps=3, consumed=6, version=3, max_staleness=1))
     assert await admitted_within(admission, 1) and admission.end_step == 100
     write_run_end(root, "run", 3)
@@ -271,9 +297,16 @@ async def test_a_sampler_of_a_later_phase_waits_for_that_phases_trainer(tmp_path
     phase's batch: a sampler of steps up to 10 waits until a trainer of those steps announces."""
     root = str(tmp_path)
     admission = Admission(
-        root, "run", max_lag=1, served_version=Served(4), buffered=lambda: 0, flush=lambda: asyncio.sleep(0),
-        sampler="a", refresh_s=0.02, last_step=10,
-    )  # fmt: skip
+        root,
+        "run",
+        max_lag=1,
+        served_version=Served(4),
+        buffered=lambda: 0,
+        flush=lambda: asyncio.sleep(0),
+        sampler="a",
+        refresh_s=0.02,
+        last_step=10,
+    )
     write_trainer_position(root, "run", dataclasses.replace(position(steps=4, consumed=8, version=4), end_step=4))
     assert not await admitted_within(admission, 0.2)
     assert "a trainer of steps up to 10" in admission._why_blocked()
@@ -308,8 +341,17 @@ async def flush_nothing():
 
 
 def sampler(root: str, name: str, **options) -> Admission:
-    return Admission(root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush_nothing, sampler=name,
-                     refresh_s=0.0, **options)  # fmt: skip
+    return Admission(
+        root,
+        "run",
+        max_lag=0,
+        served_version=Served(0),
+        buffered=lambda: 0,
+        flush=flush_nothing,
+        sampler=name,
+        refresh_s=0.0,
+        **options,
+    )
 
 
 async def store(admission: Admission, groups: int) -> None:

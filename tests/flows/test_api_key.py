@@ -22,9 +22,23 @@ CLOTHO = str(Path(sys.executable).with_name("clotho"))
 
 def rollout_command(server, storage: str, run: str, tokenizer) -> list[str]:
     return [
-        CLOTHO, "rollout", "--env", "arithmetic", "--run", f"{storage}/{run}", "--server", server.base_url,
-        "--groups", "4", "--tokenizer", str(tokenizer), "--set", "group_size=2", "--set", "max_tokens=4",
-    ]  # fmt: skip
+        CLOTHO,
+        "rollout",
+        "--env",
+        "arithmetic",
+        "--run",
+        f"{storage}/{run}",
+        "--server",
+        server.base_url,
+        "--groups",
+        "4",
+        "--tokenizer",
+        str(tokenizer),
+        "--set",
+        "group_size=2",
+        "--set",
+        "max_tokens=4",
+    ]
 
 
 def environment(prefect_server, **extra: str) -> dict[str, str]:
@@ -32,10 +46,17 @@ def environment(prefect_server, **extra: str) -> dict[str, str]:
     return {**env, **prefect_server.env(), **extra}
 
 
-def test_a_keyed_server_serves_rollouts_with_its_key_and_refuses_others(prefect_server, keyed_server, tiny_model_dir, tmp_path):
+def test_a_keyed_server_serves_rollouts_with_its_key_and_refuses_others(
+    prefect_server, keyed_server, tiny_model_dir, tmp_path
+):
     storage = f"file://{tmp_path}/store"
-    done = subprocess.run(rollout_command(keyed_server, storage, "keyed", tiny_model_dir) + ["--api-key", KEY],
-                          env=environment(prefect_server), capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        rollout_command(keyed_server, storage, "keyed", tiny_model_dir) + ["--api-key", KEY],
+        env=environment(prefect_server),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "'failures': 0" in done.stdout and "'groups': 4" in done.stdout, done.stdout[-2000:]
     groups = list(ShardReader(storage, "keyed").groups())
@@ -44,19 +65,34 @@ def test_a_keyed_server_serves_rollouts_with_its_key_and_refuses_others(prefect_
     assert KEY not in done.stdout
 
     # CLOTHO_API_KEY works the same; a wrong one stops the run at once, naming server and option.
-    from_variable = subprocess.run(rollout_command(keyed_server, storage, "from-variable", tiny_model_dir),
-                                   env=environment(prefect_server, CLOTHO_API_KEY=KEY), capture_output=True, text=True, timeout=300)  # fmt: skip
+    from_variable = subprocess.run(
+        rollout_command(keyed_server, storage, "from-variable", tiny_model_dir),
+        env=environment(prefect_server, CLOTHO_API_KEY=KEY),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert from_variable.returncode == 0, from_variable.stderr[-3000:]
     # How long the command takes to start and fail on its own (imports, on a loaded machine many
     # seconds): the refusal must come within a few seconds of that, never after retries (> 15 s).
     started = time.monotonic()
-    control = subprocess.run(rollout_command(keyed_server, storage, "control", tiny_model_dir) + ["--env", "no_such_environment"],
-                             env=environment(prefect_server), capture_output=True, text=True, timeout=120)  # fmt: skip
+    control = subprocess.run(
+        rollout_command(keyed_server, storage, "control", tiny_model_dir) + ["--env", "no_such_environment"],
+        env=environment(prefect_server),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     startup_s = time.monotonic() - started
     assert control.returncode == 2, control.stderr[-2000:]
     started = time.monotonic()
-    refused = subprocess.run(rollout_command(keyed_server, storage, "refused", tiny_model_dir) + ["--api-key", "wrong"],
-                             env=environment(prefect_server), capture_output=True, text=True, timeout=120)  # fmt: skip
+    refused = subprocess.run(
+        rollout_command(keyed_server, storage, "refused", tiny_model_dir) + ["--api-key", "wrong"],
+        env=environment(prefect_server),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     seconds = time.monotonic() - started
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     assert seconds < startup_s + 8, (seconds, startup_s)
@@ -65,7 +101,9 @@ def test_a_keyed_server_serves_rollouts_with_its_key_and_refuses_others(prefect_
     assert not list(ShardReader(storage, "refused").groups())
 
 
-def test_a_deployment_reads_the_key_from_a_secret_block(prefect_server, keyed_server, tiny_model_dir, tmp_path, monkeypatch):
+def test_a_deployment_reads_the_key_from_a_secret_block(
+    prefect_server, keyed_server, tiny_model_dir, tmp_path, monkeypatch
+):
     from prefect.blocks.system import Secret
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -79,13 +117,34 @@ def test_a_deployment_reads_the_key_from_a_secret_block(prefect_server, keyed_se
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         Secret(value=KEY).save("policy-server-key", overwrite=True)
         summary = asyncio.run(
-            rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/secret",
-                    tokenizer=str(tiny_model_dir), groups=3, api_key_secret="policy-server-key")  # fmt: skip
+            rollout(
+                environments=[spec],
+                servers=[keyed_server.base_url],
+                run_url=f"{storage}/secret",
+                tokenizer=str(tiny_model_dir),
+                groups=3,
+                api_key_secret="policy-server-key",
+            )
         )
         assert summary["totals"]["groups"] == 3 and summary["totals"]["failures"] == 0
         with pytest.raises(PolicyServerAuthError, match="refused no API key"):
-            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/no-key",
-                                tokenizer=str(tiny_model_dir), groups=3))  # fmt: skip
+            asyncio.run(
+                rollout(
+                    environments=[spec],
+                    servers=[keyed_server.base_url],
+                    run_url=f"{storage}/no-key",
+                    tokenizer=str(tiny_model_dir),
+                    groups=3,
+                )
+            )
         with pytest.raises(ValueError, match="no such Secret block"):
-            asyncio.run(rollout(environments=[spec], servers=[keyed_server.base_url], run_url=f"{storage}/no-block",
-                                tokenizer=str(tiny_model_dir), groups=3, api_key_secret="missing-block"))  # fmt: skip
+            asyncio.run(
+                rollout(
+                    environments=[spec],
+                    servers=[keyed_server.base_url],
+                    run_url=f"{storage}/no-block",
+                    tokenizer=str(tiny_model_dir),
+                    groups=3,
+                    api_key_secret="missing-block",
+                )
+            )

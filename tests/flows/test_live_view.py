@@ -15,18 +15,36 @@ from inference.watcher import ReloadOutcome
 
 def step_rows(count: int) -> list[dict]:
     return [
-        {"step": s, "time": 1000.0 + 2 * s, "score_mean": s / count, "loss": 0.123456789 * s, "policy_version": s - 1,
-         "staleness_max": 1, "groups_per_s": 1.98765, "tokens": 3000 + s, "step_time_s": 0.812345}
+        {
+            "step": s,
+            "time": 1000.0 + 2 * s,
+            "score_mean": s / count,
+            "loss": 0.123456789 * s,
+            "policy_version": s - 1,
+            "staleness_max": 1,
+            "groups_per_s": 1.98765,
+            "tokens": 3000 + s,
+            "step_time_s": 0.812345,
+        }
         for s in range(1, count + 1)
-    ]  # fmt: skip
+    ]
 
 
 def test_numbers_are_rounded_and_missing_ones_are_a_dash() -> None:
-    assert [rounded(v) for v in (0.123456789, 3.0, 12, None, float("nan"), 1234.5678)] == ["0.1235", "3", "12", "–", "–", "1235"]
+    assert [rounded(v) for v in (0.123456789, 3.0, 12, None, float("nan"), 1234.5678)] == [
+        "0.1235",
+        "3",
+        "12",
+        "–",
+        "–",
+        "1235",
+    ]
 
 
 def test_the_chart_puts_the_lowest_and_highest_points_in_its_corners() -> None:
-    chart = text_chart({"trained": ("·", [(1, 0.0), (50, 0.5), (100, 1.0)]), "held out": ("o", [(100, 1.0)])}, width=20, height=5)
+    chart = text_chart(
+        {"trained": ("·", [(1, 0.0), (50, 0.5), (100, 1.0)]), "held out": ("o", [(100, 1.0)])}, width=20, height=5
+    )
     lines = chart.splitlines()
     assert lines[0].startswith("1.00 ┤") and lines[0].endswith("o")  # held out drawn over trained at (100, 1.0)
     assert lines[4].startswith("0.00 ┤·")
@@ -37,8 +55,13 @@ def test_the_chart_puts_the_lowest_and_highest_points_in_its_corners() -> None:
 
 def test_the_card_says_where_the_run_is_and_shows_the_latest_steps_newest_first() -> None:
     steps = step_rows(24)
-    curve = [{"phase": "rl", "step": 0, "reward": 0.25, "minutes": 0.1}, {"phase": "rl", "step": 20, "reward": 0.75, "minutes": 1.4}]
-    text = live_markdown("demo", "rl", 100, steps, curve, {19: 0.061, 23: 0.0712}, 95.0, {"0": 6.0, "1": 42.0}, seconds_per_step=2.0)
+    curve = [
+        {"phase": "rl", "step": 0, "reward": 0.25, "minutes": 0.1},
+        {"phase": "rl", "step": 20, "reward": 0.75, "minutes": 1.4},
+    ]
+    text = live_markdown(
+        "demo", "rl", 100, steps, curve, {19: 0.061, 23: 0.0712}, 95.0, {"0": 6.0, "1": 42.0}, seconds_per_step=2.0
+    )
     assert text.startswith("# Run `demo`: running")
     assert "step **24** of 100 (24%)" in text and "1.6 min elapsed" in text
     assert "~2.5 min left at 2.00 s a step" in text  # 76 steps left at 2 s each
@@ -84,7 +107,9 @@ def test_the_card_is_one_artifact_updated_in_place_at_most_every_interval(prefec
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         artifact_id, throttled, artifacts = asyncio.run(scenario())
     assert throttled == ["step 1", "step 3"]  # stored before the end: step 1; built: only the end's content
-    assert [(a.id, a.type, a.data) for a in artifacts] == [(artifact_id, "markdown", "step 3")]  # one artifact, replaced in place
+    assert [(a.id, a.type, a.data) for a in artifacts] == [
+        (artifact_id, "markdown", "step 3")
+    ]  # one artifact, replaced in place
 
 
 def test_the_card_shows_a_new_served_version_at_once_and_otherwise_waits_its_interval(tmp_path) -> None:
@@ -93,8 +118,13 @@ def test_the_card_shows_a_new_served_version_at_once_and_otherwise_waits_its_int
     from flows.live_view import RunView
     from flows.pipeline_config import PipelineConfig
 
-    config = PipelineConfig.model_validate({"run": f"file://{tmp_path}/run", "model": "m",
-                                            "phases": [{"name": "rl", "steps": 10, "environments": [{"env": "arithmetic"}]}]})  # fmt: skip
+    config = PipelineConfig.model_validate(
+        {
+            "run": f"file://{tmp_path}/run",
+            "model": "m",
+            "phases": [{"name": "rl", "steps": 10, "environments": [{"env": "arithmetic"}]}],
+        }
+    )
     view = RunView(config, "run", tmp_path / "work")
     sent: list[bool] = []
 

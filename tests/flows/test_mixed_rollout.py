@@ -9,7 +9,9 @@ import pytest
 
 
 @pytest.mark.integration
-def test_a_rollout_mixing_chat_and_base_model_environments_writes_both_to_one_run(prefect_server, policy_server, tiny_model_dir, tmp_path) -> None:
+def test_a_rollout_mixing_chat_and_base_model_environments_writes_both_to_one_run(
+    prefect_server, policy_server, tiny_model_dir, tmp_path
+) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from clotho.flow_runtime import drain_prefect_reporting
@@ -22,8 +24,16 @@ def test_a_rollout_mixing_chat_and_base_model_environments_writes_both_to_one_ru
         EnvSpec(import_path="continuation", config={"group_size": 2, "max_tokens": 4}),
     ]
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        summary = asyncio.run(rollout(environments=environments, servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/mixed",
-                                      tokenizer=str(tiny_model_dir), groups=8, max_concurrent_groups=2))  # fmt: skip
+        summary = asyncio.run(
+            rollout(
+                environments=environments,
+                servers=[policy_server.base_url],
+                run_url=f"file://{tmp_path}/store/mixed",
+                tokenizer=str(tiny_model_dir),
+                groups=8,
+                max_concurrent_groups=2,
+            )
+        )
         drain_prefect_reporting()  # while the server is still the one they report to
     assert summary["totals"]["groups"] == 8
     groups = list(ShardReader(f"file://{tmp_path}/store", "mixed").groups())
@@ -45,7 +55,9 @@ def env_decode(model_dir, ids: list[int]) -> str:
 
 
 @pytest.mark.integration
-def test_the_curriculum_learns_from_the_groups_the_flow_stores_in_process_and_served(prefect_server, policy_server, tiny_model_dir, tmp_path) -> None:
+def test_the_curriculum_learns_from_the_groups_the_flow_stores_in_process_and_served(
+    prefect_server, policy_server, tiny_model_dir, tmp_path
+) -> None:
     """Every stored group goes back to the instance that handed out its item (Environment.observe),
     also through `clotho env serve`; the level shows in the flow's per-environment stats."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -56,13 +68,31 @@ def test_the_curriculum_learns_from_the_groups_the_flow_stores_in_process_and_se
     from tasks.rollout import EnvSpec
 
     # Any group's mean reward (>= 0) passes raise_above: the level climbs one step per stored group.
-    config = {"dataset": "chain_sum", "group_size": 2, "max_tokens": 4, "window": 1, "raise_above": 0.0, "lower_below": -1.0}
+    config = {
+        "dataset": "chain_sum",
+        "group_size": 2,
+        "max_tokens": 4,
+        "window": 1,
+        "raise_above": 0.0,
+        "lower_below": -1.0,
+    }
     served = serve_environment("reasoning_gym")
     try:
-        environments = [EnvSpec(import_path="reasoning_gym", config=config), EnvSpec(import_path=served.url, config=config)]
+        environments = [
+            EnvSpec(import_path="reasoning_gym", config=config),
+            EnvSpec(import_path=served.url, config=config),
+        ]
         with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-            summary = asyncio.run(rollout(environments=environments, servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/curriculum",
-                                          tokenizer=str(tiny_model_dir), groups=12, max_concurrent_groups=2))  # fmt: skip
+            summary = asyncio.run(
+                rollout(
+                    environments=environments,
+                    servers=[policy_server.base_url],
+                    run_url=f"file://{tmp_path}/store/curriculum",
+                    tokenizer=str(tiny_model_dir),
+                    groups=12,
+                    max_concurrent_groups=2,
+                )
+            )
             drain_prefect_reporting()
     finally:
         served.stop()

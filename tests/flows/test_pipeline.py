@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -21,7 +21,6 @@ import pytest
 import yaml
 
 from inference.watcher import DEFAULT_CACHE, run_cache_dir
-from storage.checkpoints import checkpoints_url
 from storage.inspection import verify
 from storage.reader import ShardReader
 from trainer.metrics import read_metrics
@@ -39,7 +38,11 @@ def write_config(tmp_path: Path, model: Path, steps: int, **fields) -> Path:
         "max_lag": 1,
         "trainer": {"lr": 3e-3, "groups_per_step": 2, "save_every": 1},
         "phases": [
-            {"name": "rl", "steps": steps, "environments": [{"env": "arithmetic", "config": {"group_size": 4, "max_tokens": 4}}]}
+            {
+                "name": "rl",
+                "steps": steps,
+                "environments": [{"env": "arithmetic", "config": {"group_size": 4, "max_tokens": 4}}],
+            }
         ],
         "rollout": {"max_concurrent_groups": 2, "task_run_s": 2.0},
         "servers": {"reload_poll_s": 0.25},
@@ -81,16 +84,23 @@ def stopped_run(tmp_path_factory, prefect_server, tiny_model_dir):
     the run going long enough for the live card to be read a few times while it goes)."""
     tmp_path = tmp_path_factory.mktemp("stopped-run")
     model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
-    config = write_config(tmp_path, model, steps=1000, evaluation={"env": "arithmetic", "config": {"max_tokens": 4}, "items": 4, "every": 2})
+    config = write_config(
+        tmp_path,
+        model,
+        steps=1000,
+        evaluation={"env": "arithmetic", "config": {"max_tokens": 4}, "items": 4, "every": 2},
+    )
     settings = yaml.safe_load(config.read_text())
     settings["phases"][0]["stop"] = {"reward": 0.0, "patience": 2, "min_delta": 1.0}
     config.write_text(yaml.safe_dump(settings))
-    started = datetime.now(timezone.utc)
+    started = datetime.now(UTC)
     stdout, stderr = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with stdout.open("w") as out, stderr.open("w") as err:
         # asyncio's debug mode: every callback on the flow's loop longer than SLOW_CALLBACK_S is logged.
         environment = marked({**prefect_server.env(), "PYTHONASYNCIODEBUG": "1"}, tmp_path)
-        process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=environment, stdout=out, stderr=err, text=True)
+        process = subprocess.Popen(
+            [CLOTHO, "run", str(config)], cwd=REPO, env=environment, stdout=out, stderr=err, text=True
+        )
     live: list[tuple[str, str]] = []  # (artifact id, text) of the live card, as the UI reads it while the run goes
     try:
         deadline = time.monotonic() + 900
@@ -144,7 +154,9 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
 
     root = tmp_path / "store"
     checkpoints = sorted(p.name for p in (root / "run" / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert len(checkpoints) == steps and all((root / "run" / "checkpoints" / s / "STABLE").exists() for s in checkpoints), checkpoints
+    assert len(checkpoints) == steps and all(
+        (root / "run" / "checkpoints" / s / "STABLE").exists() for s in checkpoints
+    ), checkpoints
     groups = list(ShardReader(f"file://{root}", "run").groups())
     versions = [g.policy_version for g in groups]
     assert max(versions) >= 2, f"the servers never served a new checkpoint: {versions}"  # reloaded
@@ -166,15 +178,21 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
     assert summary["reloads"] == len(reloads) and summary["reload_s_max"] == max(reloads.values())
     assert [e["phase"] for e in events if e["event"] == "phase"] == ["rl"]
     assert [e["step"] for e in events if e["event"] == "evaluation"][-1] == stopped_at
-    assert 0 < summary["sample_utilization"] <= 1 and summary["groups_trained"] == 2 * steps <= summary["groups_sampled"]
-    assert set(summary["staleness_histogram"]) <= {"0", "1"} and sum(summary["staleness_histogram"].values()) == 2 * steps
+    assert (
+        0 < summary["sample_utilization"] <= 1 and summary["groups_trained"] == 2 * steps <= summary["groups_sampled"]
+    )
+    assert (
+        set(summary["staleness_histogram"]) <= {"0", "1"} and sum(summary["staleness_histogram"].values()) == 2 * steps
+    )
     staleness = prefect_server.cli("artifact", "inspect", "pipeline-run-staleness").stdout
     assert "versions_behind" in staleness, staleness
     # The best evaluated checkpoint is marked (BEST: the first of the highest held-out rewards after
     # version 0), still there, and named by the stop line and the summary.
     curve = {e["step"]: e["reward"] for e in events if e["event"] == "evaluation" and e["step"] > 0}
     best = summary["best"]
-    assert best["reward"] == max(curve.values()) and best["step"] == min(s for s, r in curve.items() if r == best["reward"])
+    assert best["reward"] == max(curve.values()) and best["step"] == min(
+        s for s, r in curve.items() if r == best["reward"]
+    )
     assert json.loads((root / "run" / "checkpoints" / "BEST").read_text())["step"] == best["step"]
     assert (root / "run" / "checkpoints" / f"step-{best['step']:08d}" / "STABLE").exists()
     assert f"stopping (best: step {best['step']} (held-out {best['reward']:.3f}))" in output
@@ -211,24 +229,47 @@ def test_the_live_card_shows_the_run_while_it_goes_and_is_one_card(stopped_run):
     assert after[0]["data"].startswith("# Run `run`: finished") and f"step **{summary['steps']}**" in after[0]["data"]
 
 
-def test_the_run_s_page_has_its_effective_config_and_its_reloads_evaluations_and_phases_as_events(stopped_run, prefect_server):
-    config = httpx.post(f"{prefect_server.api_url}/artifacts/filter", json={"artifacts": {"key": {"any_": ["pipeline-run-config"]}}, "sort": "CREATED_DESC"}, timeout=30).json()
+def test_the_run_s_page_has_its_effective_config_and_its_reloads_evaluations_and_phases_as_events(
+    stopped_run, prefect_server
+):
+    config = httpx.post(
+        f"{prefect_server.api_url}/artifacts/filter",
+        json={"artifacts": {"key": {"any_": ["pipeline-run-config"]}}, "sort": "CREATED_DESC"},
+        timeout=30,
+    ).json()
     text = config[0]["data"]
-    assert "with `--set" not in text and "max_lag: 1" in text and "groups_per_step: 2" in text and "patience: 2" in text, text
-    body = {"filter": {"event": {"prefix": ["clotho.pipeline."]}, "resource": {"id": ["clotho.run.run"]},
-                       "occurred": {"since": stopped_run.started.isoformat()}}, "limit": 50}  # fmt: skip
+    assert (
+        "with `--set" not in text and "max_lag: 1" in text and "groups_per_step: 2" in text and "patience: 2" in text
+    ), text
+    body = {
+        "filter": {
+            "event": {"prefix": ["clotho.pipeline."]},
+            "resource": {"id": ["clotho.run.run"]},
+            "occurred": {"since": stopped_run.started.isoformat()},
+        },
+        "limit": 50,
+    }
     deadline, kinds = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # the server stores events in batches
         response = httpx.post(f"{prefect_server.api_url}/events/filter", json=body, timeout=30)
         assert response.status_code == 200, response.text
         events = response.json()["events"]
-        kinds = {kind: [e["payload"] for e in events if e["event"] == f"clotho.pipeline.{kind}"] for kind in ("phase", "reload", "evaluation")}
-        if all(kinds.values()) and len(kinds["reload"]) >= stopped_run.summary["reloads"] and len(kinds["evaluation"]) >= 3:
+        kinds = {
+            kind: [e["payload"] for e in events if e["event"] == f"clotho.pipeline.{kind}"]
+            for kind in ("phase", "reload", "evaluation")
+        }
+        if (
+            all(kinds.values())
+            and len(kinds["reload"]) >= stopped_run.summary["reloads"]
+            and len(kinds["evaluation"]) >= 3
+        ):
             break  # every reload stored (the last ones may land a batch later than the evaluations)
         time.sleep(2)
     assert [p["phase"] for p in kinds["phase"]] == ["rl"], kinds
     assert len(kinds["reload"]) == stopped_run.summary["reloads"], kinds["reload"]
-    assert sorted(p["step"] for p in kinds["evaluation"])[-1] == stopped_run.summary["stopped_by_rule"]["version"], kinds
+    assert sorted(p["step"] for p in kinds["evaluation"])[-1] == stopped_run.summary["stopped_by_rule"]["version"], (
+        kinds
+    )
 
 
 def own_run_after_steps(tmp_path: Path, model: Path, steps: int) -> tuple[subprocess.Popen, Path]:
@@ -237,8 +278,15 @@ def own_run_after_steps(tmp_path: Path, model: Path, steps: int) -> tuple[subpro
     config = write_config(tmp_path, model, steps=1000)
     environment = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     environment["PREFECT_HOME"] = str(tmp_path / "prefect-home")
-    process = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=marked(environment, tmp_path), start_new_session=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    process = subprocess.Popen(
+        [CLOTHO, "run", str(config)],
+        cwd=REPO,
+        env=marked(environment, tmp_path),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     metrics = tmp_path / "store" / "run" / "trainer"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline and len(read_metrics(metrics)) < steps:
@@ -297,7 +345,9 @@ def test_a_sigkill_of_the_command_leaves_none_of_its_processes(tmp_path, tiny_mo
                     child.kill()
 
 
-def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline(tmp_path, prefect_server, tiny_model_dir):
+def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline(
+    tmp_path, prefect_server, tiny_model_dir
+):
     """rollout.deployment: the pipeline starts its rollout flows as runs of the rollout deployment;
     two `prefect worker` processes on the pool (one flow run at a time each) take one each."""
     import contextlib
@@ -305,18 +355,43 @@ def test_two_workers_on_the_rollout_pool_both_take_rollout_flows_of_one_pipeline
     prefect_server.cli("work-pool", "create", "rollout-pool", "--type", "process", "--overwrite")
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-pipeline", cwd=REPO)
     model = tiny_model_dir  # read only: no copy needed; CLOTHO_TEST_MARKER (marked) finds the processes
-    config = write_config(tmp_path, model, steps=8, rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2})
+    config = write_config(
+        tmp_path,
+        model,
+        steps=8,
+        rollout={"flows": 2, "deployment": "rollout/rollout-pipeline", "max_concurrent_groups": 2},
+    )
     logs = [tmp_path / f"worker-{name}.log" for name in ("a", "b")]
     workers = [
         subprocess.Popen(
-            [str(Path(sys.executable).with_name("prefect")), "worker", "start", "--pool", "rollout-pool", "--name", log.stem, "--limit", "1"],
-            env={**prefect_server.env(), "PREFECT_WORKER_QUERY_SECONDS": "2"}, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            [
+                str(Path(sys.executable).with_name("prefect")),
+                "worker",
+                "start",
+                "--pool",
+                "rollout-pool",
+                "--name",
+                log.stem,
+                "--limit",
+                "1",
+            ],
+            env={**prefect_server.env(), "PREFECT_WORKER_QUERY_SECONDS": "2"},
+            cwd=REPO,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         for log in logs
     ]
     try:
-        done = subprocess.run([CLOTHO, "run", str(config)], cwd=REPO, env=marked(prefect_server.env(), tmp_path), capture_output=True, text=True, timeout=900)
+        done = subprocess.run(
+            [CLOTHO, "run", str(config)],
+            cwd=REPO,
+            env=marked(prefect_server.env(), tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
     finally:
         for worker in workers:
             with contextlib.suppress(ProcessLookupError):

@@ -28,14 +28,22 @@ def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table
     assert [e["event"] for e in events] == ["reload", "reload", "reload", "phase", "evaluation"]
     assert any(path.name.startswith("events.out.tfevents") for path in (tmp_path / "tensorboard").iterdir())
 
-    rows = [{"step": 1, "score_mean": 0.25, "staleness/0": 2, "time": 1.0}, {"step": 2, "staleness/0": 1, "staleness/1": 3, "time": 2.0}]
+    rows = [
+        {"step": 1, "score_mean": 0.25, "staleness/0": 2, "time": 1.0},
+        {"step": 2, "staleness/0": 1, "staleness/1": 3, "time": 2.0},
+    ]
     for row in rows:
         write_step_metrics(f"file://{tmp_path}", "run", row)
     steps = StepLog(f"file://{tmp_path}", "run", since=0.0)
     steps.new()
     table = steps.table(measured.reload_s)
     assert [row["step"] for row in table] == [2, 1] and [row["reload_s"] for row in table] == [0.4, 0.7]  # newest first
-    assert list(table[0]) == ["step", "score_mean", "groups_per_s", "reload_s"]  # the watched columns only: no epoch time
+    assert list(table[0]) == [
+        "step",
+        "score_mean",
+        "groups_per_s",
+        "reload_s",
+    ]  # the watched columns only: no epoch time
     assert steps.staleness_histogram() == {"0": 3, "1": 3}
     assert staleness_table(steps.staleness_histogram()) == [
         {"versions_behind": 0, "groups": 3, "share": 0.5},
@@ -44,7 +52,14 @@ def test_reload_times_are_the_slowest_server_per_version_and_join_the_step_table
 
 
 def test_numbers_in_the_tables_keep_four_significant_digits():
-    assert [significant(v) for v in (0.123456789, 1234.5678, 3, None, 0.0, -0.00098765)] == [0.1235, 1235.0, 3, None, 0.0, -0.0009877]
+    assert [significant(v) for v in (0.123456789, 1234.5678, 3, None, 0.0, -0.00098765)] == [
+        0.1235,
+        1235.0,
+        3,
+        None,
+        0.0,
+        -0.0009877,
+    ]
 
 
 def test_the_step_line_says_step_of_total_and_time_left(tmp_path):
@@ -55,7 +70,9 @@ def test_the_step_line_says_step_of_total_and_time_left(tmp_path):
     steps.new()
     assert steps.seconds_per_step() == 3.0
     line = progress_line("rl", steps.rows[-1], 90.0, 24, steps.seconds_per_step())
-    assert line.startswith("[rl] step 4/24 reward 0.500 policy v0") and line.endswith("(1.5 min, ~1.0 min left at most)")
+    assert line.startswith("[rl] step 4/24 reward 0.500 policy v0") and line.endswith(
+        "(1.5 min, ~1.0 min left at most)"
+    )
     assert progress_line("rl", {"step": 24}, 90.0, 24, 3.0).endswith("(1.5 min)")
 
 

@@ -47,7 +47,14 @@ def test_the_readme_deploy_block_works_as_printed(tmp_path, policy_server, tiny_
     script, log = tmp_path / "deploy.sh", tmp_path / "deploy.log"
     script.write_text("set -euo pipefail\n" + deploy_block())
     with log.open("w") as sink:  # its own session: the background server and worker stop with it below
-        block = subprocess.Popen(["bash", str(script)], cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        block = subprocess.Popen(
+            ["bash", str(script)],
+            cwd=REPO,
+            env=environment,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         block.wait(timeout=600)
         output = log.read_text()
@@ -56,23 +63,47 @@ def test_the_readme_deploy_block_works_as_printed(tmp_path, policy_server, tiny_
         client = {**environment, "PREFECT_API_URL": "http://127.0.0.1:4200/api", "DO_NOT_TRACK": "1"}
 
         def prefect(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-            done = subprocess.run([str(Path(sys.executable).with_name("prefect")), *args], cwd=REPO, env=client,
-                                  capture_output=True, text=True, timeout=timeout)  # fmt: skip
+            done = subprocess.run(
+                [str(Path(sys.executable).with_name("prefect")), *args],
+                cwd=REPO,
+                env=client,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
             assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
             return done
 
         api = "http://127.0.0.1:4200/api"
         pools = {pool["name"] for pool in httpx.post(f"{api}/work_pools/filter", json={}, timeout=30).json()}
         assert {"rollout-pool", "train-pool", "inference-pool", "reprocess-pool"} <= pools, pools
-        names = sorted(deployment["name"] for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"])
-        deployed = sorted(deployment["name"] for deployment in httpx.post(f"{api}/deployments/filter", json={}, timeout=30).json())
+        names = sorted(
+            deployment["name"] for deployment in yaml.safe_load((REPO / "prefect.yaml").read_text())["deployments"]
+        )
+        deployed = sorted(
+            deployment["name"] for deployment in httpx.post(f"{api}/deployments/filter", json={}, timeout=30).json()
+        )
         assert deployed == names, (deployed, names)  # `deploy --all`: every deployment of prefect.yaml
 
         # The worker the block left running takes a run of a deployment it made.
         run_url = f"file://{tmp_path}/store/readme"
-        watched = prefect("deployment", "run", "rollout/rollout-arithmetic", "--param", "groups=2",
-                          "--param", f"servers={json.dumps([policy_server.base_url])}", "--param", f"tokenizer={tiny_model_dir}",
-                          "--param", f"run_url={run_url}", "--watch", "--watch-timeout", "300", timeout=400)  # fmt: skip
+        watched = prefect(
+            "deployment",
+            "run",
+            "rollout/rollout-arithmetic",
+            "--param",
+            "groups=2",
+            "--param",
+            f"servers={json.dumps([policy_server.base_url])}",
+            "--param",
+            f"tokenizer={tiny_model_dir}",
+            "--param",
+            f"run_url={run_url}",
+            "--watch",
+            "--watch-timeout",
+            "300",
+            timeout=400,
+        )
         assert "Flow run finished successfully" in watched.stdout, watched.stdout[-3000:]
         root, run = run_url.rsplit("/", 1)
         assert len(list(ShardReader(root, run).groups())) >= 2

@@ -41,9 +41,17 @@ def test_a_remote_environment_killed_mid_run_leaves_its_finished_groups_stored_a
     spec = EnvSpec(import_path=served.url, config={"group_size": 2, "max_tokens": 8})
     try:
         with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-            summary = asyncio.run(rollout(environments=[spec], servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/remote",
-                                          tokenizer=str(tiny_model_dir), groups=10_000, max_concurrent_groups=2,
-                                          shard_max_groups=4))  # fmt: skip
+            summary = asyncio.run(
+                rollout(
+                    environments=[spec],
+                    servers=[policy_server.base_url],
+                    run_url=f"file://{tmp_path}/store/remote",
+                    tokenizer=str(tiny_model_dir),
+                    groups=10_000,
+                    max_concurrent_groups=2,
+                    shard_max_groups=4,
+                )
+            )
             drain_prefect_reporting()
     finally:
         killer.join(timeout=5)

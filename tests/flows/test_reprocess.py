@@ -32,10 +32,15 @@ def groups(count: int, seed: int = 0) -> list[ScoredGroup]:
     for i in range(count):
         scores = [1.0, 0.0, 0.5] if i % 3 else [0.5, 0.5, 0.5]
         sequences = [
-            ScoredSequence.from_prompt([5, 6, 7], [10 + i, 20 + j + seed], [-0.5, -0.25], score=score,
-                                       messages=[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{j}"}])
+            ScoredSequence.from_prompt(
+                [5, 6, 7],
+                [10 + i, 20 + j + seed],
+                [-0.5, -0.25],
+                score=score,
+                messages=[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{j}"}],
+            )
             for j, score in enumerate(scores)
-        ]  # fmt: skip
+        ]
         made.append(ScoredGroup(env="toy", item_id=f"item-{i}", sequences=sequences))
     return made
 
@@ -69,7 +74,14 @@ def test_filter_then_advantages_writes_a_run_a_trainer_reads_with_lineage(source
     out = f"file://{tmp_path}/out/run"
     operations = ["filter:drop_equal_scores=true", "advantages:mode=mean_only"]
     lineage = reprocess(input_run_url=source, output_url=out, operations=operations)
-    assert lineage["counts"] | {"files_out": 0} == {"shards_in": 4, "rows_in": 36, "groups_in": 12, "rows_out": 24, "groups_out": 8, "files_out": 0}
+    assert lineage["counts"] | {"files_out": 0} == {
+        "shards_in": 4,
+        "rows_in": 36,
+        "groups_in": 12,
+        "rows_out": 24,
+        "groups_out": 8,
+        "files_out": 0,
+    }
     root, run = out.rsplit("/", 1)
     stored = list(ShardReader(root, run).groups())
     assert sorted(g.item_id for g in stored) == sorted(f"item-{i}" for i in range(12) if i % 3)
@@ -91,8 +103,14 @@ def test_a_job_killed_half_way_and_run_again_ends_with_the_same_output(source, t
     reprocess(input_run_url=source, output_url=whole, operations=operations)
     # A kill leaves some output files (each one whole: published atomically) and no lineage.
     command = [sys.executable, "-m", "clotho.cli", "reprocess", source, killed, *operations]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**prefect.env(), "PYTHONUNBUFFERED": "1"})  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**prefect.env(), "PYTHONUNBUFFERED": "1"},
+    )
     for line in process.stdout:  # killed once the first output file is logged
         if "reprocess: 1/" in line or "files," in line:
             break
@@ -105,7 +123,9 @@ def test_a_job_killed_half_way_and_run_again_ends_with_the_same_output(source, t
 
 def test_exports_load_with_datasets_and_train_a_step(source, tmp_path, prefect, tiny_model_dir) -> None:
     sft_dir, dpo_dir = tmp_path / "sft", tmp_path / "dpo"
-    reprocess(input_run_url=source, output_url=f"file://{sft_dir}", operations=["export-sft:tokenizer=" + str(tiny_model_dir)])
+    reprocess(
+        input_run_url=source, output_url=f"file://{sft_dir}", operations=["export-sft:tokenizer=" + str(tiny_model_dir)]
+    )
     reprocess(input_run_url=source, output_url=f"file://{dpo_dir}", operations=["export-dpo"])
     sft = datasets.load_dataset("parquet", data_files=str(sft_dir / "data" / "*.parquet"), split="train")
     dpo = datasets.load_dataset("parquet", data_files=str(dpo_dir / "data" / "*.parquet"), split="train")
@@ -114,20 +134,63 @@ def test_exports_load_with_datasets_and_train_a_step(source, tmp_path, prefect, 
     # The exported rows as the trainer's SFT and DPO groups, one step each objective.
     train = []
     for row in sft:
-        train.append(ScoredGroup(env="sft", item_id=row["item_id"], objective="sft", sequences=[ScoredSequence.from_prompt(
-            row["prompt_token_ids"], row["completion_token_ids"], [0.0] * len(row["completion_token_ids"]), score=row["score"])]))  # fmt: skip
+        train.append(
+            ScoredGroup(
+                env="sft",
+                item_id=row["item_id"],
+                objective="sft",
+                sequences=[
+                    ScoredSequence.from_prompt(
+                        row["prompt_token_ids"],
+                        row["completion_token_ids"],
+                        [0.0] * len(row["completion_token_ids"]),
+                        score=row["score"],
+                    )
+                ],
+            )
+        )
     for row in dpo:
-        train.append(ScoredGroup(env="pairs", item_id=row["item_id"], objective="dpo", sequences=[
-            ScoredSequence.from_prompt(row["prompt_token_ids"], row[f"{side}_token_ids"], [0.0] * len(row[f"{side}_token_ids"]),
-                                       score=row[f"{side}_score"]) for side in ("chosen", "rejected")]))  # fmt: skip
+        train.append(
+            ScoredGroup(
+                env="pairs",
+                item_id=row["item_id"],
+                objective="dpo",
+                sequences=[
+                    ScoredSequence.from_prompt(
+                        row["prompt_token_ids"],
+                        row[f"{side}_token_ids"],
+                        [0.0] * len(row[f"{side}_token_ids"]),
+                        score=row[f"{side}_score"],
+                    )
+                    for side in ("chosen", "rejected")
+                ],
+            )
+        )
     with ShardWriter(f"file://{tmp_path}/train", "run", tokenizer=str(tiny_model_dir)) as writer:
         writer.add_many(train)
-    command = [sys.executable, "-m", "trainer.cli", "--run", f"file://{tmp_path}/train/run", "--model", str(tiny_model_dir),
-               "--steps", "1", "--set", f"groups_per_step={len(train)}", "--data-timeout-s", "60"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        "--run",
+        f"file://{tmp_path}/train/run",
+        "--model",
+        str(tiny_model_dir),
+        "--steps",
+        "1",
+        "--set",
+        f"groups_per_step={len(train)}",
+        "--data-timeout-s",
+        "60",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads((tmp_path / "train" / "run" / "trainer" / "metrics.jsonl").read_text().splitlines()[0])
-    assert metrics["groups"] == 20 and "dpo/accuracy" in metrics and metrics.get("sft/loss", metrics.get("loss")) is not None
+    assert (
+        metrics["groups"] == 20
+        and "dpo/accuracy" in metrics
+        and metrics.get("sft/loss", metrics.get("loss")) is not None
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,28 +227,52 @@ def test_the_scheduled_reprocess_deployment_runs_on_a_worker(source, tmp_path, p
     assert len(output_rows(out)) == 12 and (tmp_path / "nightly" / "run" / "lineage.json").exists()
 
 
-def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(tmp_path, prefect, tiny_model_dir, policy_server) -> None:
+def test_evaluate_two_checkpoints_writes_two_results_with_their_versions(
+    tmp_path, prefect, tiny_model_dir, policy_server
+) -> None:
     from flows.evaluate import EvaluationError, evaluate, find_checkpoint
     from storage.checkpoints import mark_best, publish_checkpoint
 
     root = f"file://{tmp_path}/store"
     for step in (1, 2):
         publish_checkpoint(tiny_model_dir, root, "run", step)
-    first = evaluate(env="compare", checkpoint=f"{root}/run/checkpoints/step-00000001", env_config={"max_value": 9}, items=4)
+    first = evaluate(
+        env="compare", checkpoint=f"{root}/run/checkpoints/step-00000001", env_config={"max_value": 9}, items=4
+    )
     latest = evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4)
     assert (first["step"], first["policy_version"], latest["step"], latest["policy_version"]) == (1, 1, 2, 2)
     for step, result in ((1, first), (2, latest)):
-        written = json.loads((tmp_path / "store" / "run" / "checkpoints" / f"step-{step:08d}" / "evaluation-compare.json").read_text())
+        written = json.loads(
+            (tmp_path / "store" / "run" / "checkpoints" / f"step-{step:08d}" / "evaluation-compare.json").read_text()
+        )
         assert written == result and written["report"]["items"] == 4
-    assert evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == latest  # once
+    assert (
+        evaluate(env="compare", checkpoint="LATEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4)
+        == latest
+    )  # once
     # BEST: the step the run's evaluator marked best (checkpoints/BEST), none before it marked one.
     with pytest.raises(EvaluationError, match="has no best checkpoint: its pipeline marks one"):
         find_checkpoint("BEST", f"{root}/run")
     mark_best(root, "run", 1, 0.25)
-    assert evaluate(env="compare", checkpoint="BEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == first
+    assert (
+        evaluate(env="compare", checkpoint="BEST", run_url=f"{root}/run", env_config={"max_value": 9}, items=4) == first
+    )
     # A running server must serve the checkpoint's version: the fixture's serves 0.
-    command = [sys.executable, "-m", "clotho.cli", "evaluate", "--env", "compare", "--checkpoint", "LATEST", "--run", f"{root}/run",
-               "--server", policy_server.base_url, "--force"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "clotho.cli",
+        "evaluate",
+        "--env",
+        "compare",
+        "--checkpoint",
+        "LATEST",
+        "--run",
+        f"{root}/run",
+        "--server",
+        policy_server.base_url,
+        "--force",
+    ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300, env=prefect.env())
     assert done.returncode == 2 and "serves version 0, not 2" in done.stderr, done.stderr[-2000:]
 

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import prompt_messages
 from environments.bundled.compare import Compare
-from core.scored_group import ScoredGroup, ScoredSequence
 from storage.schema import groups_to_table, table_to_groups
 from tasks.exports import export_dpo, export_sft
 from tasks.reprocess import (
@@ -25,7 +25,9 @@ from tasks.reprocess import (
 
 
 def sequence(completion: list[int], score: float, finish_reason: str = "stop", **fields) -> ScoredSequence:
-    return ScoredSequence.from_prompt([1, 2], completion, [-0.5] * len(completion), score=score, finish_reason=finish_reason, **fields)
+    return ScoredSequence.from_prompt(
+        [1, 2], completion, [-0.5] * len(completion), score=score, finish_reason=finish_reason, **fields
+    )
 
 
 def group(item_id: str, *sequences: ScoredSequence, env: str = "a", policy_version: int = 0) -> ScoredGroup:
@@ -65,7 +67,9 @@ def test_filter_with_an_unknown_column_names_the_columns() -> None:
 
 
 def test_advantages_from_scores_on_the_trained_tokens() -> None:
-    source = table(group("x", sequence([3, 4], 3.0), sequence([5], 1.0), sequence([6], 2.0)), group("y", sequence([7], 1.0)))
+    source = table(
+        group("x", sequence([3, 4], 3.0), sequence([5], 1.0), sequence([6], 2.0)), group("y", sequence([7], 1.0))
+    )
     x, y = run(["advantages:mode=leave_one_out"], source)
     assert [s.advantages for s in x.sequences] == [[0.0, 0.0, 1.5, 1.5], [0.0, 0.0, -1.5], [0.0, 0.0, 0.0]]
     assert y.sequences[0].advantages == [0.0, 0.0, 0.0]  # a group of one: no signal
@@ -80,7 +84,10 @@ def test_dedupe_drops_later_copies_of_a_completion_of_the_same_item() -> None:
     duplicates = [duplicate_rows(first, seen), duplicate_rows(second, seen)]
     assert duplicates == [{1}, {0}]  # same item, same completion tokens; item y's [3] is another item's
     kept = [run(["dedupe"], t, Context(duplicates=d)) for t, d in zip((first, second), duplicates, strict=True)]
-    assert [[(g.item_id, [s.tokens[-1] for s in g.sequences]) for g in gs] for gs in kept] == [[("x", [3, 4])], [("x", [5]), ("y", [3])]]
+    assert [[(g.item_id, [s.tokens[-1] for s in g.sequences]) for g in gs] for gs in kept] == [
+        [("x", [3, 4])],
+        [("x", [5]), ("y", [3])],
+    ]
 
 
 def test_rescore_reruns_the_environments_reward_and_keeps_the_old_score(tiny_model_dir) -> None:
@@ -89,10 +96,13 @@ def test_rescore_reruns_the_environments_reward_and_keeps_the_old_score(tiny_mod
     item = asyncio.run(env.get_item())
     prompt = env.renderer.prompt_ids(prompt_messages(item))
     right, wrong = (env.renderer.encode(str(answer)) for answer in (item.answer, item.answer + 1))
-    stored = env.make_group(item, [  # scored the wrong way round: rescore puts it right
-        ScoredSequence.from_prompt(prompt, right, [-0.5] * len(right), score=0.0),
-        ScoredSequence.from_prompt(prompt, wrong, [-0.5] * len(wrong), score=1.0),
-    ])  # fmt: skip
+    stored = env.make_group(
+        item,
+        [  # scored the wrong way round: rescore puts it right
+            ScoredSequence.from_prompt(prompt, right, [-0.5] * len(right), score=0.0),
+            ScoredSequence.from_prompt(prompt, wrong, [-0.5] * len(wrong), score=1.0),
+        ],
+    )
     source = groups_to_table([stored], str(tiny_model_dir))
     operation = make_operation("rescore", {"env": "compare", "env_config": {"max_value": 9}})
     context = Context(rescore=make_rescorer(operation.args, str(tiny_model_dir)))
@@ -109,13 +119,24 @@ def test_rescore_reruns_the_environments_reward_and_keeps_the_old_score(tiny_mod
 
 def test_exports_take_the_best_completion_and_the_preference_pair() -> None:
     messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    groups = [group("x", sequence([3], 0.0), sequence([4, 5], 1.0, messages=messages), sequence([6], 0.5)), group("tie", sequence([7], 1.0), sequence([8], 1.0))]
+    groups = [
+        group("x", sequence([3], 0.0), sequence([4, 5], 1.0, messages=messages), sequence([6], 0.5)),
+        group("tie", sequence([7], 1.0), sequence([8], 1.0)),
+    ]
     sft = export_sft(groups, make_operation("export-sft", {}).args, decode=lambda ids: " ".join(map(str, ids)))
-    assert [(r["item_id"], r["completion_token_ids"], r["score"], r["completion"]) for r in sft] == [("x", [4, 5], 1.0, "4 5"), ("tie", [7], 1.0, "7")]
+    assert [(r["item_id"], r["completion_token_ids"], r["score"], r["completion"]) for r in sft] == [
+        ("x", [4, 5], 1.0, "4 5"),
+        ("tie", [7], 1.0, "7"),
+    ]
     assert sft[0]["prompt_token_ids"] == [1, 2] and "messages" in sft[0] and "messages" not in sft[1]
     assert export_sft(groups, make_operation("export-sft", {"min_score": 2}).args, decode=None) == []
     [pair] = export_dpo(groups, make_operation("export-dpo", {}).args, decode=None)  # the tie has no pair
-    assert (pair["chosen_token_ids"], pair["rejected_token_ids"], pair["chosen_score"], pair["rejected_score"]) == ([4, 5], [3], 1.0, 0.0)
+    assert (pair["chosen_token_ids"], pair["rejected_token_ids"], pair["chosen_score"], pair["rejected_score"]) == (
+        [4, 5],
+        [3],
+        1.0,
+        0.0,
+    )
 
 
 @pytest.mark.parametrize(

@@ -41,10 +41,15 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
     prefect_server.cli("--no-prompt", "deploy", "--name", "rollout-arithmetic", cwd=REPO)
     storage = f"file://{tmp_path}/store"
     params = {
-        "servers": [policy_server.base_url], "run_url": f"{storage}/deployed",
-        "tokenizer": str(tiny_model_dir), "groups": 6, "shard_max_groups": 4,
-        "environments": [{"import_path": "environments.bundled.arithmetic:Arithmetic", "config": {"group_size": 3, "max_tokens": 6}}],
-    }  # fmt: skip
+        "servers": [policy_server.base_url],
+        "run_url": f"{storage}/deployed",
+        "tokenizer": str(tiny_model_dir),
+        "groups": 6,
+        "shard_max_groups": 4,
+        "environments": [
+            {"import_path": "environments.bundled.arithmetic:Arithmetic", "config": {"group_size": 3, "max_tokens": 6}}
+        ],
+    }
     out = prefect_server.cli("deployment", "run", "rollout/rollout-arithmetic", "--params", json.dumps(params)).stdout
     flow_run_id = out.split("UUID:")[1].split()[0]
     prefect_server.cli("worker", "start", "--pool", "rollout-pool", "--run-once", timeout=600)
@@ -55,7 +60,9 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
     groups = list(ShardReader(storage, "deployed").groups())
     assert len(groups) == 6 and len({g.group_id for g in groups}) == 6
     assert all(g.env == "arithmetic" and len(g.sequences) == 3 for g in groups)
-    artifacts = api(prefect_server, "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    artifacts = api(
+        prefect_server, "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+    ).json()
     assert {a["type"] for a in artifacts} >= {"progress", "table", "markdown"}
     progress = next(a for a in artifacts if a["type"] == "progress")
     assert progress["data"] == 100.0
@@ -66,7 +73,9 @@ def test_deployed_rollout_runs_on_a_worker(prefect_server, policy_server, tiny_m
 def groups_shown_done(server, flow_run_id: str, run: str) -> int:
     """What the open-ended flow's progress card says, '**N groups done**, open-ended: runs until
     cancelled' (stored groups, replaced in place every few seconds)."""
-    body = {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": [artifact_key("rollout-progress", run)]}}}
+    body = {
+        "artifacts": {"flow_run_id": {"any_": [flow_run_id]}, "key": {"any_": [artifact_key("rollout-progress", run)]}}
+    }
     [card] = api(server, "POST", "/artifacts/filter", json=body).json() or [{"data": ""}]
     shown = re.match(r"\*\*(\d+) groups done\*\*, open-ended: runs until cancelled$", card["data"] or "")
     return int(shown.group(1)) if shown else 0
@@ -78,22 +87,52 @@ def test_cancelled_rollout_keeps_finished_groups_once(prefect_server, policy_ser
     SIGINT ignored)."""
     storage = f"file://{tmp_path}/store"
     command = [
-        str(Path(sys.executable).with_name("clotho")), "rollout", "--env", "guess_number",
-        "--run", f"{storage}/cancelled", "--server", policy_server.base_url, "--forever",
-        "--tokenizer", str(tiny_model_dir), "--set", "group_size=2", "--set", "max_tokens=4",
-        "--max-concurrent-groups", "2", "--shard-max-groups", "1000", "--shard-max-age-s", "3600",
-    ]  # fmt: skip
+        str(Path(sys.executable).with_name("clotho")),
+        "rollout",
+        "--env",
+        "guess_number",
+        "--run",
+        f"{storage}/cancelled",
+        "--server",
+        policy_server.base_url,
+        "--forever",
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--set",
+        "group_size=2",
+        "--set",
+        "max_tokens=4",
+        "--max-concurrent-groups",
+        "2",
+        "--shard-max-groups",
+        "1000",
+        "--shard-max-age-s",
+        "3600",
+    ]
     ignore_sigint = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if stop == signal.SIGTERM else None
-    process = subprocess.Popen(command, env=prefect_server.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               preexec_fn=ignore_sigint)  # fmt: skip
+    process = subprocess.Popen(
+        command,
+        env=prefect_server.env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=ignore_sigint,
+    )
     try:
         deadline = time.monotonic() + 300
         flow_run_id, done = None, 0
         while time.monotonic() < deadline and done < 4:
             time.sleep(1)
             assert process.poll() is None, process.stdout.read()
-            runs = api(prefect_server, "POST", "/flow_runs/filter", json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}).json()
-            flow_run_id = next((r["id"] for r in runs if r["parameters"].get("run_url", "").endswith("/cancelled")), flow_run_id)
+            runs = api(
+                prefect_server,
+                "POST",
+                "/flow_runs/filter",
+                json={"flow_runs": {"state": {"type": {"any_": ["RUNNING"]}}}},
+            ).json()
+            flow_run_id = next(
+                (r["id"] for r in runs if r["parameters"].get("run_url", "").endswith("/cancelled")), flow_run_id
+            )
             done = groups_shown_done(prefect_server, flow_run_id, "cancelled") if flow_run_id else 0
         assert done >= 4, "the flow never got going"
         process.send_signal(stop)
@@ -148,9 +187,14 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
         flow_task = asyncio.current_task()
         await rollout(
             environments=[EnvSpec(import_path="environments.bundled.instant:Instant", config={"group_size": 2})],
-            servers=[policy_server.base_url], run_url=f"{storage}/window", tokenizer=str(tiny_model_dir),
-            groups=None, max_concurrent_groups=4, distributed=distributed, task_run_s=0.05,
-        )  # fmt: skip
+            servers=[policy_server.base_url],
+            run_url=f"{storage}/window",
+            tokenizer=str(tiny_model_dir),
+            groups=None,
+            max_concurrent_groups=4,
+            distributed=distributed,
+            task_run_s=0.05,
+        )
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         with pytest.raises(asyncio.CancelledError):
@@ -164,7 +208,9 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
     assert set(finished_before_cancel) <= set(stored), (completed, stored)
 
 
-def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, policy_server, tiny_model_dir, tmp_path, monkeypatch):
+def test_dask_task_runner_and_per_server_concurrency_limit(
+    prefect_server, policy_server, tiny_model_dir, tmp_path, monkeypatch
+):
     """--dask ADDRESS: groups run as task runs on a Dask cluster's worker processes, each holding a
     slot of the server's Prefect global concurrency limit."""
     import asyncio
@@ -185,10 +231,20 @@ def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, polic
             flow = rollout.with_options(task_runner=DaskTaskRunner(address=cluster.scheduler_address))
             summary = asyncio.run(
                 flow(
-                    environments=[EnvSpec(import_path="environments.bundled.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
-                    servers=[policy_server.base_url], run_url=f"{storage}/dask", tokenizer=str(tiny_model_dir),
-                    groups=4, max_concurrent_groups=4, distributed=True, server_concurrency=2,
-                )  # fmt: skip
+                    environments=[
+                        EnvSpec(
+                            import_path="environments.bundled.arithmetic:Arithmetic",
+                            config={"group_size": 2, "max_tokens": 4},
+                        )
+                    ],
+                    servers=[policy_server.base_url],
+                    run_url=f"{storage}/dask",
+                    tokenizer=str(tiny_model_dir),
+                    groups=4,
+                    max_concurrent_groups=4,
+                    distributed=True,
+                    server_concurrency=2,
+                )
             )
         with Client(cluster) as client:
             worker_pids = set(client.run(os.getpid).values())
@@ -200,7 +256,9 @@ def test_dask_task_runner_and_per_server_concurrency_limit(prefect_server, polic
 
 
 @pytest.mark.parametrize(("task_run_s", "task_runs"), [(600.0, 2), (0.0, 7)])
-def test_a_lane_task_run_spans_many_groups(prefect_server, policy_server, tiny_model_dir, tmp_path, task_run_s, task_runs):
+def test_a_lane_task_run_spans_many_groups(
+    prefect_server, policy_server, tiny_model_dir, tmp_path, task_run_s, task_runs
+):
     """Two lanes, 7 groups: with long task runs each lane is one task run; with task_run_s=0 every
     group is a task run of its own."""
     import asyncio
@@ -214,22 +272,40 @@ def test_a_lane_task_run_spans_many_groups(prefect_server, policy_server, tiny_m
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         summary = asyncio.run(
             rollout(
-                environments=[EnvSpec(import_path="environments.bundled.arithmetic:Arithmetic", config={"group_size": 2, "max_tokens": 4})],
-                servers=[policy_server.base_url], run_url=f"{storage}/{run}", tokenizer=str(tiny_model_dir),
-                groups=7, max_concurrent_groups=2, task_run_s=task_run_s,
-            )  # fmt: skip
+                environments=[
+                    EnvSpec(
+                        import_path="environments.bundled.arithmetic:Arithmetic",
+                        config={"group_size": 2, "max_tokens": 4},
+                    )
+                ],
+                servers=[policy_server.base_url],
+                run_url=f"{storage}/{run}",
+                tokenizer=str(tiny_model_dir),
+                groups=7,
+                max_concurrent_groups=2,
+                task_run_s=task_run_s,
+            )
         )
     assert summary["totals"]["groups"] == 7 and summary["totals"]["failures"] == 0
     assert summary["totals"]["task_runs"] == task_runs
     groups = list(ShardReader(storage, run).groups())
     assert len(groups) == 7 and len({g.item_id for g in groups}) == 7
-    flow_run_id = next(r["id"] for r in api(prefect_server, "POST", "/flow_runs/filter", json={}).json() if (r["parameters"].get("run_url") or "").endswith(f"/{run}"))
+    flow_run_id = next(
+        r["id"]
+        for r in api(prefect_server, "POST", "/flow_runs/filter", json={}).json()
+        if (r["parameters"].get("run_url") or "").endswith(f"/{run}")
+    )
     # The server records task runs from their events in batches (pyproject.toml [tool.prefect]),
     # up to a second after the flow returns; a run's first event may carry its default name
     # (collect-lane-xyz) until the next one, which names its lane, is recorded.
     deadline = time.monotonic() + 30
     while True:
-        names = sorted(t["name"] for t in api(prefect_server, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json())
+        names = sorted(
+            t["name"]
+            for t in api(
+                prefect_server, "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}
+            ).json()
+        )
         named = all(name.startswith("lane ") for name in names)
         if (len(names) >= task_runs and named) or time.monotonic() > deadline:
             break
@@ -296,9 +372,13 @@ def test_groups_in_flight_stay_at_the_limit(prefect_server, policy_server, tiny_
         summary = asyncio.run(
             rollout(
                 environments=[EnvSpec(import_path="tests.flows.test_rollout_flow:Timed", config={"group_size": 2})],
-                servers=[policy_server.base_url], run_url=f"{storage}/slots-{task_run_s:g}", tokenizer=str(tiny_model_dir),
-                groups=36, max_concurrent_groups=4, task_run_s=task_run_s,
-            )  # fmt: skip
+                servers=[policy_server.base_url],
+                run_url=f"{storage}/slots-{task_run_s:g}",
+                tokenizer=str(tiny_model_dir),
+                groups=36,
+                max_concurrent_groups=4,
+                task_run_s=task_run_s,
+            )
         )
     assert summary["totals"]["groups"] == 36 and len(list(ShardReader(storage, f"slots-{task_run_s:g}").groups())) == 36
     assert Timed.most == 4
@@ -312,7 +392,9 @@ def test_groups_in_flight_stay_at_the_limit(prefect_server, policy_server, tiny_
     assert mean >= {10.0: 3.8, 0.0: 3.2}[task_run_s], mean
 
 
-def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(prefect_server, policy_server, tiny_model_dir, tmp_path):
+def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(
+    prefect_server, policy_server, tiny_model_dir, tmp_path
+):
     """k = 2, two groups a step, servers at version 0: steps 1-3 train on versions 0-2, so exactly
     six groups may sample; they reach shards at once (the trainer waits for them), far below the
     shard's size and age limits. A trainer that consumes them without a newer served version
@@ -333,9 +415,15 @@ def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(prefect
         flow = asyncio.ensure_future(
             rollout(
                 environments=[EnvSpec(import_path="environments.bundled.instant:Instant", config={"group_size": 2})],
-                servers=[policy_server.base_url], run_url=f"{storage}/{run}", tokenizer=str(tiny_model_dir),
-                groups=None, max_concurrent_groups=4, shard_max_groups=1000, shard_max_age_s=3600, max_policy_lag=2,
-            )  # fmt: skip
+                servers=[policy_server.base_url],
+                run_url=f"{storage}/{run}",
+                tokenizer=str(tiny_model_dir),
+                groups=None,
+                max_concurrent_groups=4,
+                shard_max_groups=1000,
+                shard_max_age_s=3600,
+                max_policy_lag=2,
+            )
         )
         deadline = time.monotonic() + 120
         while len(list(ShardReader(storage, run).groups())) < 6 and time.monotonic() < deadline:

@@ -94,7 +94,9 @@ async def test_the_item_stream_hands_out_exactly_the_groups_asked_for_mixed_by_w
 
 
 async def test_the_item_stream_ends_when_every_environment_ran_out():
-    stream = WeightedItems([Spec("a", 1.0), Spec("b", 1.0)], {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, seed=0)
+    stream = WeightedItems(
+        [Spec("a", 1.0), Spec("b", 1.0)], {"a": Finite("a", 2), "b": Finite("b", 5)}, groups=None, seed=0
+    )
     assert sorted(i for _, i in await drain(stream)) == ["a-1", "a-2", "b-1", "b-2", "b-3", "b-4", "b-5"]
 
 
@@ -115,6 +117,7 @@ async def test_the_item_stream_admits_every_item_and_gives_back_the_place_of_non
     assert len(await drain(stream, lanes=3)) == 10
     # One admission per item, and one for the call that found none left, given back.
     assert (Counting.acquired, Counting.given_back) == (11, 1)
+
 
 async def test_environment_metrics_are_columns_of_the_stats_table(monkeypatch):
     tables = []

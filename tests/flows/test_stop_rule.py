@@ -44,8 +44,13 @@ def test_a_window_reads_the_running_mean_so_one_lucky_evaluation_neither_ends_no
 
 
 def config(**fields) -> dict:
-    return {"run": "file:///tmp/x/run", "model": "m", "phases": [{"name": "sft", "steps": 2, **PHASE}, {"name": "rl", "steps": 3, **PHASE}],
-            "evaluation": {"env": "compare"}, **fields}  # fmt: skip
+    return {
+        "run": "file:///tmp/x/run",
+        "model": "m",
+        "phases": [{"name": "sft", "steps": 2, **PHASE}, {"name": "rl", "steps": 3, **PHASE}],
+        "evaluation": {"env": "compare"},
+        **fields,
+    }
 
 
 def test_only_the_last_phase_may_stop_early_and_only_with_an_evaluation():
@@ -62,8 +67,17 @@ def test_only_the_last_phase_may_stop_early_and_only_with_an_evaluation():
 
 
 def test_each_evaluation_gets_the_mean_training_reward_of_the_steps_since_the_one_before():
-    curve = [{"phase": "sft", "step": 0, "reward": 0.0}, {"phase": "sft", "step": 2, "reward": 0.4},
-             {"phase": "rl", "step": 4, "reward": 0.6}, {"phase": "rl", "step": 5, "reward": 0.7}]  # fmt: skip
-    steps = [{"step": 1, "sft/nll": 2.0}, {"step": 2, "sft/nll": 1.0}, {"step": 3, "score_mean": 0.25},
-             {"step": 4, "score_mean": 0.75}, {"step": 5, "score_mean": 0.5}]  # fmt: skip
+    curve = [
+        {"phase": "sft", "step": 0, "reward": 0.0},
+        {"phase": "sft", "step": 2, "reward": 0.4},
+        {"phase": "rl", "step": 4, "reward": 0.6},
+        {"phase": "rl", "step": 5, "reward": 0.7},
+    ]
+    steps = [
+        {"step": 1, "sft/nll": 2.0},
+        {"step": 2, "sft/nll": 1.0},
+        {"step": 3, "score_mean": 0.25},
+        {"step": 4, "score_mean": 0.75},
+        {"step": 5, "score_mean": 0.5},
+    ]
     assert [row["train_reward"] for row in with_training_reward(curve, steps)] == [None, None, 0.5, 0.5]

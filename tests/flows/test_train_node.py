@@ -18,11 +18,14 @@ pytestmark = pytest.mark.integration
 
 
 def config(tmp_path, **nodes) -> PipelineConfig:
-    return PipelineConfig.model_validate({
-        "run": f"file://{tmp_path}/storage/run", "model": "/models/tiny",
-        "trainer_nodes": {"work_queues": ["node-a", "node-b"], "rendezvous": "host-a:29400", **nodes},
-        "phases": [{"name": "rl", "steps": 3, "environments": [{"env": "compare"}]}],
-    })  # fmt: skip
+    return PipelineConfig.model_validate(
+        {
+            "run": f"file://{tmp_path}/storage/run",
+            "model": "/models/tiny",
+            "trainer_nodes": {"work_queues": ["node-a", "node-b"], "rendezvous": "host-a:29400", **nodes},
+            "phases": [{"name": "rl", "steps": 3, "environments": [{"env": "compare"}]}],
+        }
+    )
 
 
 async def deploy(queues: list[str]) -> None:
@@ -37,10 +40,14 @@ async def deploy(queues: list[str]) -> None:
             with contextlib.suppress(ObjectAlreadyExists):  # the server is the session's
                 await client.create_work_queue(queue, work_pool_name="train-pool")
         flow_id = await client.create_flow_from_name("train-node")
-        await client.create_deployment(flow_id, "train-node", work_pool_name="train-pool", entrypoint="flows/train_node.py:train_node")
+        await client.create_deployment(
+            flow_id, "train-node", work_pool_name="train-pool", entrypoint="flows/train_node.py:train_node"
+        )
 
 
-def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_cancels_nodes_no_worker_takes(prefect_server, tmp_path):
+def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_cancels_nodes_no_worker_takes(
+    prefect_server, tmp_path
+):
     from prefect.client.orchestration import get_client
 
     phase = config(tmp_path).phases[0]
@@ -63,10 +70,16 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
         async with get_client() as client:
             flow_runs = [await client.read_flow_run(i) for i in runs.ids]
         assert [r.state.type.value for r in flow_runs] == ["CANCELLED", "CANCELLED"]  # never started, never will
-        assert [(r.name, r.parameters["node_rank"], r.parameters["nodes"], r.parameters["steps"]) for r in flow_runs] == [
-            ("rl-train-node0", 0, 2, 3), ("rl-train-node1", 1, 2, 3),
-        ]  # fmt: skip
-        assert flow_runs[1].parameters["rendezvous"] == "host-a:29400" and "max_staleness=1" in flow_runs[1].parameters["overrides"]
+        assert [
+            (r.name, r.parameters["node_rank"], r.parameters["nodes"], r.parameters["steps"]) for r in flow_runs
+        ] == [
+            ("rl-train-node0", 0, 2, 3),
+            ("rl-train-node1", 1, 2, 3),
+        ]
+        assert (
+            flow_runs[1].parameters["rendezvous"] == "host-a:29400"
+            and "max_staleness=1" in flow_runs[1].parameters["overrides"]
+        )
         return said
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
@@ -74,7 +87,9 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
     assert said[0].startswith("trainer_nodes.deployment: no deployment 'train-node/train-node'; deploy it"), said[0]
     assert said[1].startswith("trainer_nodes.work_queues[1]: no work queue 'node-b' in pool 'train-pool'"), said[1]
     assert "prefect work-queue create node-b --pool train-pool" in said[1], said[1]
-    assert said[2].startswith("no worker took trainer node flow run rl-train-node0 from work queue 'node-a' in 1 s"), said[2]
+    assert said[2].startswith("no worker took trainer node flow run rl-train-node0 from work queue 'node-a' in 1 s"), (
+        said[2]
+    )
 
 
 def test_a_node_whose_trainer_fails_fails_with_the_trainers_words(prefect_server, tmp_path):
@@ -82,21 +97,33 @@ def test_a_node_whose_trainer_fails_fails_with_the_trainers_words(prefect_server
     and the node's flow run fails with that, its log beside the work dir."""
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         with pytest.raises(RuntimeError) as failed:
-            train_node(run_url=f"file://{tmp_path}/storage/run", model="/no-such-model", steps=1, nodes=1, node_rank=0,
-                       rendezvous="127.0.0.1:29431", work_dir=str(tmp_path / "work"))  # fmt: skip
+            train_node(
+                run_url=f"file://{tmp_path}/storage/run",
+                model="/no-such-model",
+                steps=1,
+                nodes=1,
+                node_rank=0,
+                rendezvous="127.0.0.1:29431",
+                work_dir=str(tmp_path / "work"),
+            )
     said = str(failed.value)
     assert said.startswith("trainer node 0 on ") and "exited with" in said, said
-    assert "Invalid value for --model" in said and "'/no-such-model' does not exist" in said, said  # the trainer's own words, from its log
+    assert "Invalid value for --model" in said and "'/no-such-model' does not exist" in said, (
+        said
+    )  # the trainer's own words, from its log
     assert (tmp_path / "work" / "trainer-node0.log").exists()
 
 
-def test_after_a_node_failed_the_lost_one_is_marked_crashed_and_every_node_starts_again(prefect_server, tmp_path, monkeypatch):
+def test_after_a_node_failed_the_lost_one_is_marked_crashed_and_every_node_starts_again(
+    prefect_server, tmp_path, monkeypatch
+):
     """Node 1 failed (its peer's host went away); node 0 still shows Running, since its host and
     its worker are gone: it is cancelled, marked crashed when no worker ends it, and both nodes
     start again as new flow runs on their queues, while restarts are left."""
-    import flows.train_node
     from prefect.client.orchestration import get_client
     from prefect.states import Failed, Running
+
+    import flows.train_node
 
     monkeypatch.setattr(flows.train_node, "LOST_AFTER_S", 1.0)
 

@@ -22,8 +22,13 @@ def _served(tie_embeddings: bool, api_key: str | None = None, compiled: bool = F
     name = "tied" if tie_embeddings else "untied"
     # compiled: vLLM as users start it (torch.compile'd graph, a worker process), not the suite's
     # eager two-process servers (tests/conftest.py).
-    server = PolicyServer(model_dir, api_key=api_key, log_path=worker_log(f"vllm-reload-{name}"),
-                          extra_args=[] if compiled else None, env=USERS_VLLM_ENV if compiled else None)  # fmt: skip
+    server = PolicyServer(
+        model_dir,
+        api_key=api_key,
+        log_path=worker_log(f"vllm-reload-{name}"),
+        extra_args=[] if compiled else None,
+        env=USERS_VLLM_ENV if compiled else None,
+    )
     server.start(timeout=600)
     try:
         yield ServedPolicy.of(server)

@@ -14,9 +14,9 @@ from inference.client import PolicyServerError, token_versions
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs, write_parity_reference
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy, announce, restore_server, swap_weights
-from inference.weights import prepare_reload_dir
 from inference.server import free_port
 from inference.watcher import ReloadWatcher
+from inference.weights import prepare_reload_dir
 from storage.checkpoints import publish_checkpoint
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, encode
 from tests.inference.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
@@ -34,8 +34,12 @@ async def stream_completion(base_url: str, prompt: list[int], max_tokens: int, r
     """Greedy completion streamed token by token into `received` (vLLM's token-in-token-out route, as
     PolicyClient samples, whose last chunk says which weight version sampled each token); `first` is
     set once a token has arrived."""
-    body = {"model": "policy", "token_ids": prompt, "stream": True,
-            "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 0}}  # fmt: skip
+    body = {
+        "model": "policy",
+        "token_ids": prompt,
+        "stream": True,
+        "sampling_params": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": 0},
+    }
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
         async with http.stream("POST", "/inference/v1/generate", json=body) as response:
             async for line in response.aiter_lines():
@@ -62,7 +66,11 @@ async def reload_during_a_long_request(policy: ServedPolicy, guard, tmp_path) ->
         # Other long requests beside the checked one keep the engine busy, so on a quiet machine the
         # checked request is still generating when the reload pauses (they are swapped over too).
         background = [
-            asyncio.create_task(stream_completion(policy.base_url, PROBE[:3] + [i], LONG, {"token_ids": [], "logprobs": []}, asyncio.Event()))
+            asyncio.create_task(
+                stream_completion(
+                    policy.base_url, PROBE[:3] + [i], LONG, {"token_ids": [], "logprobs": []}, asyncio.Event()
+                )
+            )
             for i in range(3)
         ]
         streaming = asyncio.create_task(stream_completion(policy.base_url, PROBE, LONG, received, first))
@@ -133,8 +141,13 @@ async def test_api_key_guards_the_dev_routes(tied_policy):
     assert policy.api_key
     async with httpx.AsyncClient(base_url=policy.base_url, timeout=30) as anonymous:
         assert (await anonymous.get("/health")).status_code == 200
-        for method, path in [("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/update_weight_version"),
-                             ("GET", "/weight_info"), ("POST", "/v1/completions")]:  # fmt: skip
+        for method, path in [
+            ("POST", "/pause"),
+            ("POST", "/collective_rpc"),
+            ("POST", "/update_weight_version"),
+            ("GET", "/weight_info"),
+            ("POST", "/v1/completions"),
+        ]:
             assert (await anonymous.request(method, path, json={})).status_code == 401, path
     # With the key (as the watcher sends it, see the tied reload test) the same routes answer.
     assert not await is_paused(policy) and await announced(policy) == policy.version
@@ -241,15 +254,20 @@ async def test_fifty_in_flight_reloads_under_load_lose_and_repeat_no_request(unt
     policy, root = untied_policy, f"file://{tmp_path}/store"
     assert policy.reload_mode == "in-flight"
     first = next_step(policy)
-    checkpoints = [perturbed_checkpoint(policy.weights_dir, tmp_path / f"weights-{i}", seed=first + i) for i in range(2)]
+    checkpoints = [
+        perturbed_checkpoint(policy.weights_dir, tmp_path / f"weights-{i}", seed=first + i) for i in range(2)
+    ]
     watcher = watcher_for(root, [policy], guard, tmp_path)
     stop, answered, versions, before = asyncio.Event(), [], [], policy.version
 
     async def lane(index: int) -> None:
         async with httpx.AsyncClient(base_url=policy.base_url, timeout=120) as http:
             while not stop.is_set():
-                body = {"model": "policy", "token_ids": PROBE[:4] + [index, len(answered) % 200], "sampling_params": {
-                        "max_tokens": 96, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}}  # fmt: skip
+                body = {
+                    "model": "policy",
+                    "token_ids": PROBE[:4] + [index, len(answered) % 200],
+                    "sampling_params": {"max_tokens": 96, "temperature": 1.0, "ignore_eos": True, "logprobs": 0},
+                }
                 answer = await http.post("/inference/v1/generate", json=body)
                 answer.raise_for_status()  # one try: a refused or failed request fails the test
                 [choice] = answer.json()["choices"]
@@ -369,7 +387,9 @@ async def test_server_killed_mid_run_is_restarted_on_its_verified_weights(untied
     assert await served_matches(policy, checkpoint) < 1e-4
 
 
-async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_version_range(untied_policy, guard, tmp_path):
+async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_version_range(
+    untied_policy, guard, tmp_path
+):
     """A multi-turn rollout whose first turn the old weights sampled and whose later turns, after a
     reload between them, the new ones: one sequence, (old, new) as its policy_versions, the group
     stamped with the old version, each turn's logprobs its own weights'. The environment (an
@@ -395,7 +415,9 @@ async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_v
             return completions
 
     async with ReloadAfterTheFirstTurn(policy.base_url, model=policy.model_name) as client:
-        env = GuessNumber({"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(old_weights))
+        env = GuessNumber(
+            {"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(old_weights)
+        )
         await env.setup()
         group = await env.collect_group(await env.get_item())
     [sequence] = group.sequences
@@ -417,11 +439,15 @@ def publish_as_delta(checkpoint, previous, root: str, step: int, chain: list[int
     now, before = load_file(checkpoint / WEIGHTS_FILE), load_file(previous / WEIGHTS_FILE)
     tensors = {name: (str(t.dtype), tuple(t.shape), raw_bytes(t.contiguous())) for name, t in now.items()}
     shutil.copytree(checkpoint, work, ignore=shutil.ignore_patterns(WEIGHTS_FILE, "STABLE"))
-    (work / DELTA_FILE).write_bytes(encode(tensors, {name: raw_bytes(t.contiguous()) for name, t in before.items()}, chain[-1]))
+    (work / DELTA_FILE).write_bytes(
+        encode(tensors, {name: raw_bytes(t.contiguous()) for name, t in before.items()}, chain[-1])
+    )
     publish_checkpoint(work, root, "run", step, extra={"delta": {"chain": chain}})
 
 
-async def test_a_delta_step_is_rebuilt_and_reloaded_and_a_torn_one_never_reaches_the_server(untied_policy, guard, tmp_path):
+async def test_a_delta_step_is_rebuilt_and_reloaded_and_a_torn_one_never_reaches_the_server(
+    untied_policy, guard, tmp_path
+):
     policy, root = untied_policy, f"file://{tmp_path}/store"
     step = next_step(policy)
     full = perturbed_checkpoint(policy.weights_dir, tmp_path / "full", seed=41)

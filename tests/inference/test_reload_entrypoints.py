@@ -32,8 +32,17 @@ def test_watch_command_once_brings_external_servers_up_to_date(untied_policy, tm
     info, checkpoint = publish_next(policy, root, tmp_path, seed=31)
     app = typer.Typer()
     app.command()(watch_command)
-    args = ["--run", f"{root}/run", "--server", policy.base_url, "--base-model", str(policy.weights_dir),
-            "--once", "--cache-dir", str(tmp_path / "cache")]  # fmt: skip
+    args = [
+        "--run",
+        f"{root}/run",
+        "--server",
+        policy.base_url,
+        "--base-model",
+        str(policy.weights_dir),
+        "--once",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert f"reloaded -> version {info.step}" in result.output
@@ -83,8 +92,9 @@ async def test_reload_flow_reloads_and_reports_an_artifact(untied_policy, prefec
 
     policy, root = untied_policy, f"file://{tmp_path}/store"
     info, checkpoint = publish_next(policy, root, tmp_path, seed=51)
-    outcomes = await reload_watcher(f"{root}/run", [policy.base_url], str(policy.weights_dir),
-                                    max_polls=1, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    outcomes = await reload_watcher(
+        f"{root}/run", [policy.base_url], str(policy.weights_dir), max_polls=1, cache_dir=str(tmp_path / "cache")
+    )
     await APILogHandler.aflush()  # before the module's Prefect server goes away
     assert [(o["status"], o["version"]) for o in outcomes] == [("reloaded", info.step)]
     now_serving(policy, info)

@@ -32,7 +32,9 @@ def api_server_pid(policy) -> int:
     return next(p.pid for p in tether.children() if "vllm" in " ".join(p.cmdline()))
 
 
-async def test_a_server_stopped_mid_reload_is_given_up_within_the_bound_then_restored(untied_policy, guard, tmp_path, monkeypatch):
+async def test_a_server_stopped_mid_reload_is_given_up_within_the_bound_then_restored(
+    untied_policy, guard, tmp_path, monkeypatch
+):
     policy, root = untied_policy, f"file://{tmp_path}/store"
     version, weights = policy.version, policy.weights_dir
     pid = api_server_pid(policy)

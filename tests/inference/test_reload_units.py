@@ -105,8 +105,9 @@ def test_tied_reload_dir_lists_the_head_in_a_sharded_index(tied, tmp_path):
 
 
 def test_config_differences_ignore_save_noise(untied, tmp_path):
-    changed = perturbed_checkpoint(untied, tmp_path / "new", seed=1,
-                                   config_changes={"rms_norm_eps": 0.01, "transformers_version": "9"})  # fmt: skip
+    changed = perturbed_checkpoint(
+        untied, tmp_path / "new", seed=1, config_changes={"rms_norm_eps": 0.01, "transformers_version": "9"}
+    )
     assert config_differences(changed, untied) == ["rms_norm_eps: 1e-06 -> 0.01"]
 
 

@@ -22,8 +22,16 @@ pytestmark = pytest.mark.integration
 
 
 def test_served_model_returns_token_ids_and_logprobs(policy_server):
-    body = {"model": "policy", "prompt": [5, 6, 7, 8], "max_tokens": 6, "n": 2, "logprobs": 0,
-            "return_token_ids": True, "temperature": 1.0, "seed": 1}
+    body = {
+        "model": "policy",
+        "prompt": [5, 6, 7, 8],
+        "max_tokens": 6,
+        "n": 2,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "temperature": 1.0,
+        "seed": 1,
+    }
     choices = httpx.post(f"{policy_server.base_url}/v1/completions", json=body, timeout=120).json()["choices"]
     assert len(choices) == 2
     for choice in choices:
@@ -144,8 +152,11 @@ def test_a_lowered_server_s_session_is_a_lowered_autogroup(priority, niceness):
     a trainer in another session (the demo's update: 0.9 s alone, 2.6 s beside vLLM)."""
     if not Path("/proc/self/autogroup").exists():
         pytest.skip("this kernel has no autogroups")
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True,
-                               preexec_fn=functools.partial(lower_priority, priority))  # fmt: skip
+    process = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        start_new_session=True,
+        preexec_fn=functools.partial(lower_priority, priority),
+    )
     try:
         assert Path(f"/proc/{process.pid}/autogroup").read_text().split()[-1] == str(niceness)
     finally:
@@ -178,6 +189,8 @@ def test_a_server_s_own_vllm_variables_win_over_the_inherited_ones(tiny_model_di
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
     inherited = PolicyServer(tiny_model_dir).environment()
     assert inherited["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and inherited["VLLM_CPU_KVCACHE_SPACE"] == "3"
-    own = PolicyServer(tiny_model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "0"}).environment()
+    own = PolicyServer(
+        tiny_model_dir, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_SERVER_DEV_MODE": "0"}
+    ).environment()
     assert own["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and own["VLLM_CPU_KVCACHE_SPACE"] == "3"
     assert own["VLLM_SERVER_DEV_MODE"] == "1"  # reloads need the dev routes: not a server's to switch off

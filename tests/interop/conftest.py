@@ -17,7 +17,9 @@ from environments.testing import ServedEnvironment, serve_environment
 ROOT = Path(__file__).resolve().parents[2]
 
 
-ADAPTERS = sorted(path.stem.removeprefix("env-") for path in (ROOT / "requirements").glob("env-*.lock") if path.stem != "env-base")
+ADAPTERS = sorted(
+    path.stem.removeprefix("env-") for path in (ROOT / "requirements").glob("env-*.lock") if path.stem != "env-base"
+)
 
 
 @functools.cache
@@ -39,8 +41,16 @@ def serve_adapter(name: str, environment: str, options: tuple[str, ...] = ()) ->
     return serve_environment(environment, clotho=adapter_venv(name) / "bin" / "clotho", timeout=600, options=options)
 
 
-def rollout_groups(prefect_server, policy_server, tokenizer: str, env_url: str, config: dict, run_url: str,
-                   groups: int, concurrency: int = 2) -> tuple[dict, list[ScoredGroup]]:  # fmt: skip
+def rollout_groups(
+    prefect_server,
+    policy_server,
+    tokenizer: str,
+    env_url: str,
+    config: dict,
+    run_url: str,
+    groups: int,
+    concurrency: int = 2,
+) -> tuple[dict, list[ScoredGroup]]:
     """Runs the rollout flow on a served environment (by URL) into run_url; its summary and every
     group read back from the shards."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -52,11 +62,17 @@ def rollout_groups(prefect_server, policy_server, tokenizer: str, env_url: str, 
     from tasks.rollout import EnvSpec
 
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        summary = asyncio.run(rollout(
-            environments=[EnvSpec(import_path=env_url, config=config)], servers=[policy_server.base_url],
-            run_url=run_url, tokenizer=tokenizer, groups=groups, max_concurrent_groups=concurrency,
-            api_key_secret=None,
-        ))  # fmt: skip
+        summary = asyncio.run(
+            rollout(
+                environments=[EnvSpec(import_path=env_url, config=config)],
+                servers=[policy_server.base_url],
+                run_url=run_url,
+                tokenizer=tokenizer,
+                groups=groups,
+                max_concurrent_groups=concurrency,
+                api_key_secret=None,
+            )
+        )
         drain_prefect_reporting()  # while the server is still the one they report to
     storage, run = split_run_url(run_url)
     return summary, list(ShardReader(storage, run).groups())

@@ -26,9 +26,20 @@ UPSTREAM = Path(__file__).resolve().parents[1] / "data" / "upstream" / "atropos"
 # - blackjack and regex: the stand-in's answers mostly all score the same, and Atropos drops such
 #   groups itself (dropped-by-environment), so none need be stored.
 ENVIRONMENTS = {
-    "gym_taxi": ("game_environments/gymnasium/gym_taxi.py:GymTaxiEnv", ("--with", "gymnasium<1.3"), {"max_tokens": 64}, 1,
-                 ("IndexError: string index out of range",)),
-    "blackjack": ("game_environments/gymnasium/blackjack/blackjack_env_no_thinking.py:BlackjackEnvNoThinking", (), {}, 0, ()),
+    "gym_taxi": (
+        "game_environments/gymnasium/gym_taxi.py:GymTaxiEnv",
+        ("--with", "gymnasium<1.3"),
+        {"max_tokens": 64},
+        1,
+        ("IndexError: string index out of range",),
+    ),
+    "blackjack": (
+        "game_environments/gymnasium/blackjack/blackjack_env_no_thinking.py:BlackjackEnvNoThinking",
+        (),
+        {},
+        0,
+        (),
+    ),
     "regex": ("community/regex_generation/regex_env.py:RegexEnv", (), {}, 0, ()),  # imports its sibling regex_problems
 }
 
@@ -55,8 +66,16 @@ def test_an_upstream_atropos_environment_runs_unchanged_from_its_file(
 ) -> None:
     path, options, settings, stored, its_own_errors = ENVIRONMENTS[name]
     config = {"env": str(UPSTREAM / path), "group_size": 2, **settings}  # the environment's own settings otherwise
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served(options).url, config,
-                                     f"file://{tmp_path}/store/{name}", groups=4, concurrency=2)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served(options).url,
+        config,
+        f"file://{tmp_path}/store/{name}",
+        groups=4,
+        concurrency=2,
+    )
     [row] = summary["environments"]
     print(name, summary["totals"], row.get("failures by reason"))
     # Every item is a stored group or an outcome of the environment's own making, never an error

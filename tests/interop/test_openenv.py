@@ -14,10 +14,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.scored_group import ScoredGroup, ScoredSequence
 from environments.conformance import run_checks, trained_segments
 from environments.loading import load_config, load_environment_class
 from environments.remote import RemoteServiceError
-from core.scored_group import ScoredGroup, ScoredSequence
 from environments.testing import CACHE
 from inference.client import PolicyClient
 from inference.server import free_port
@@ -72,8 +72,10 @@ def openenv_server(example: str, python: Path | None = None, module_path: bool =
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [str(python), "-m", "uvicorn", f"{module}:app", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, stdout=log, stderr=log,
-        )  # fmt: skip
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -139,7 +141,9 @@ def assert_echo_episode(sequence: ScoredSequence, tokenizer, max_turns: int, dis
     actions, observations = turns(sequence, "assistant"), turns(sequence, "user")
     assert len(actions) == max_turns and sequence.extras["done"] is False
     assert observations[0]["content"] == "Echo environment ready!"
-    assert [o["content"] for o in observations[1:]] == [a["content"] for a in actions[:-1]]  # the whole text was the message
+    assert [o["content"] for o in observations[1:]] == [
+        a["content"] for a in actions[:-1]
+    ]  # the whole text was the message
     assert [a["reward"] for a in actions] == pytest.approx([0.1 * len(a["content"]) for a in actions])
     assert sequence.score == pytest.approx(sum(discount**t * 0.1 * len(a["content"]) for t, a in enumerate(actions)))
 
@@ -148,8 +152,15 @@ def test_the_echo_environment_runs_in_process_through_the_rollout_flow_into_shar
     served_openenv, prefect_server, policy_server, policy_tokenizer, tokenizer, tmp_path
 ) -> None:
     config = {"environment": ECHO, "group_size": 2, "max_tokens": 8, "max_turns": 3, "discount": 0.5}
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_openenv.url, config,
-                                     f"file://{tmp_path}/store/openenv", groups=2)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_openenv.url,
+        config,
+        f"file://{tmp_path}/store/openenv",
+        groups=2,
+    )
     assert summary["totals"]["groups"] == 2 and len(groups) == 2
     for group in groups:
         assert group.env == "openenv" and len(group.sequences) == 2
@@ -169,8 +180,10 @@ def test_the_echo_environment_passes_the_conformance_suite_by_url(
         run_checks(
             load_environment_class(served_openenv.url),
             {"environment": environment, "group_size": 2, "max_tokens": 8, "max_turns": 2},
-            server_url=policy_server.base_url, tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
-        )  # fmt: skip
+            server_url=policy_server.base_url,
+            tokenizer=policy_tokenizer,
+            api_key=getattr(policy_server, "api_key", None),
+        )
     )
     assert [(r.name, r.status, r.detail) for r in results if r.status != "passed"] == [
         ("gold answer scores top", "skipped", "skipped: no gold_completion")
@@ -206,9 +219,16 @@ def test_an_episode_ends_when_the_environment_says_done_with_its_own_parse_and_r
         assert sequence.score == sum(a["reward"] for a in actions)
 
 
-def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it(served_openenv, policy_server, policy_tokenizer) -> None:
+def test_a_class_that_is_not_an_openenv_environment_is_refused_naming_it(
+    served_openenv, policy_server, policy_tokenizer
+) -> None:
     with pytest.raises(RemoteServiceError, match="is not an OpenEnv Environment subclass"):
-        collect(served_openenv.url, {"environment": "environments.bundled.arithmetic:Arithmetic"}, policy_server, policy_tokenizer)
+        collect(
+            served_openenv.url,
+            {"environment": "environments.bundled.arithmetic:Arithmetic"},
+            policy_server,
+            policy_tokenizer,
+        )
 
 
 @pytest.mark.integration
@@ -220,13 +240,22 @@ def test_an_action_of_several_fields_runs_with_no_settings_and_a_one_session_ser
     connect4's are not messages: no parse given, its JSON schema asks for and reads the action; a
     reply that is no valid action ends that episode earning nothing. Its server takes one session
     at a time: four episodes at once wait for it in turn (CAPACITY_REACHED), none fails."""
-    environment = f"{EXAMPLES}.openenv_grid:GridEnvironment" if mode == "in process" else request.getfixturevalue("grid_server")
-    group = collect(served_openenv.url, {"environment": environment, "group_size": 4, "max_tokens": 16, "max_turns": 3}, policy_server, tokenizer)
+    environment = (
+        f"{EXAMPLES}.openenv_grid:GridEnvironment" if mode == "in process" else request.getfixturevalue("grid_server")
+    )
+    group = collect(
+        served_openenv.url,
+        {"environment": environment, "group_size": 4, "max_tokens": 16, "max_turns": 3},
+        policy_server,
+        tokenizer,
+    )
     assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
     for sequence in group.sequences:
         system = sequence.messages[0]
         assert system["role"] == "system" and '"direction"' in system["content"] and "metadata" not in system["content"]
-        assert sequence.extras["done"] or "invalid_action" in sequence.extras or sequence.extras["turns"] == 3, sequence.extras
+        assert sequence.extras["done"] or "invalid_action" in sequence.extras or sequence.extras["turns"] == 3, (
+            sequence.extras
+        )
     refusals = sum(sequence.extras.get("capacity_refusals", 0) for sequence in group.sequences)
     assert (refusals > 0) == (mode == "one-session server"), refusals  # the server was full, and said so
 
@@ -244,7 +273,10 @@ def upstream_layer() -> Path:
     their READMEs install them (`pip install` of the folder): what `clotho env serve --requirements DIR` builds."""
     python = adapter_venv("openenv") / "bin" / "python"
     folders = [str(UPSTREAM / name) for name in UPSTREAM_PACKAGES]
-    code = f"from clotho.env_venv import environment_layer, pip_arguments; print(environment_layer(pip_arguments([], {folders!r}), echo=lambda _: None))"
+    code = (
+        "from clotho.env_venv import environment_layer, pip_arguments; "
+        f"print(environment_layer(pip_arguments([], {folders!r}), echo=lambda _: None))"
+    )
     return Path(subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout.strip())
 
 
@@ -267,46 +299,89 @@ def upstream_servers():
 @pytest.fixture(scope="module")
 def served_upstream():
     """The adapter with connect4_env, echo_env and grid_world_env installed in its layer."""
-    served = serve_adapter("openenv", ADAPTER, tuple(arg for name in UPSTREAM_PACKAGES for arg in ("--requirements", str(UPSTREAM / name))))
+    served = serve_adapter(
+        "openenv", ADAPTER, tuple(arg for name in UPSTREAM_PACKAGES for arg in ("--requirements", str(UPSTREAM / name)))
+    )
     yield served
     served.stop()
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["in process", "its own server"])
-def test_upstream_connect4_runs_unchanged_with_no_settings(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
+def test_upstream_connect4_runs_unchanged_with_no_settings(
+    mode, served_upstream, upstream_servers, policy_server, tokenizer
+) -> None:
     """OpenEnv's connect4_env as its repository has it (meta-pytorch/OpenEnv@685de41): the action is
     a column (an int), its server takes one session. Before: 1 of 4 (CAPACITY_REACHED,
     ConnectionClosedOK) and no action but by a parse of one's own."""
-    environment = "connect4_env.server.connect4_environment:Connect4Environment" if mode == "in process" else upstream_servers("connect4_env")
-    group = collect(served_upstream.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
+    environment = (
+        "connect4_env.server.connect4_environment:Connect4Environment"
+        if mode == "in process"
+        else upstream_servers("connect4_env")
+    )
+    group = collect(
+        served_upstream.url,
+        {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3},
+        policy_server,
+        tokenizer,
+    )
     assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
     assert all('"column"' in sequence.messages[0]["content"] for sequence in group.sequences)
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["in process", "its own server"])
-def test_upstream_echo_env_an_mcp_environment_runs_its_tool_calls(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
+def test_upstream_echo_env_an_mcp_environment_runs_its_tool_calls(
+    mode, served_upstream, upstream_servers, policy_server, tokenizer
+) -> None:
     """echo_env is an MCP environment now (CallToolAction): the policy is shown its tools and its
     reply is read as a tool call. Before: the rollout was cancelled."""
-    environment = "echo_env.server.echo_environment:EchoEnvironment" if mode == "in process" else upstream_servers("echo_env")
-    group = collect(served_upstream.url, {"environment": environment, "group_size": 2, "max_tokens": 12, "max_turns": 2}, policy_server, tokenizer)
+    environment = (
+        "echo_env.server.echo_environment:EchoEnvironment" if mode == "in process" else upstream_servers("echo_env")
+    )
+    group = collect(
+        served_upstream.url,
+        {"environment": environment, "group_size": 2, "max_tokens": 12, "max_turns": 2},
+        policy_server,
+        tokenizer,
+    )
     assert len(group.sequences) == 2 and not group.extras.get("rollout_errors"), group.extras
     for sequence in group.sequences:
         assert '"tool_name"' in sequence.messages[0]["content"]  # the system message: the tool call's schema
-        assert "- echo_message(" in sequence.messages[1]["content"] and "- echo_with_length(" in sequence.messages[1]["content"]
+        assert (
+            "- echo_message(" in sequence.messages[1]["content"]
+            and "- echo_with_length(" in sequence.messages[1]["content"]
+        )
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("mode", ["in process", "its own server"])
-def test_upstream_grid_world_runs_unchanged_on_the_python_it_asks_for(mode, served_upstream, upstream_servers, policy_server, tokenizer) -> None:
+def test_upstream_grid_world_runs_unchanged_on_the_python_it_asks_for(
+    mode, served_upstream, upstream_servers, policy_server, tokenizer
+) -> None:
     """OpenEnv's grid_world_env as its repository has it: its action is an enum field
     (GridWorldAction.action: UP/DOWN/LEFT/RIGHT) and its pyproject asks for Python >= 3.12, which the
     adapter's venv (3.11) is not, so --requirements builds it a venv on a Python that is. Before:
     0 of 2 (`ValidationError: 2 validation errors for GridWorldAction`), and no way to install it."""
-    environment = "grid_world_env.server.grid_world_environment:GridWorldEnvironment" if mode == "in process" else upstream_servers("grid_world_env")
-    group = collect(served_upstream.url, {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3}, policy_server, tokenizer)
+    environment = (
+        "grid_world_env.server.grid_world_environment:GridWorldEnvironment"
+        if mode == "in process"
+        else upstream_servers("grid_world_env")
+    )
+    group = collect(
+        served_upstream.url,
+        {"environment": environment, "group_size": 4, "max_tokens": 12, "max_turns": 3},
+        policy_server,
+        tokenizer,
+    )
     assert len(group.sequences) == 4 and not group.extras.get("rollout_errors"), group.extras
-    assert all('"action"' in sequence.messages[0]["content"] and "RIGHT" in sequence.messages[0]["content"] for sequence in group.sequences)
-    python = subprocess.run([str(upstream_layer()), "-c", "import sys; print(sys.version_info[:2] >= (3, 12))"], capture_output=True, text=True)
+    assert all(
+        '"action"' in sequence.messages[0]["content"] and "RIGHT" in sequence.messages[0]["content"]
+        for sequence in group.sequences
+    )
+    python = subprocess.run(
+        [str(upstream_layer()), "-c", "import sys; print(sys.version_info[:2] >= (3, 12))"],
+        capture_output=True,
+        text=True,
+    )
     assert python.stdout.strip() == "True", python

@@ -8,9 +8,9 @@ import asyncio
 
 import pytest
 
+from core.scored_group import ScoredGroup
 from environments.conformance import run_checks, trained_segments
 from environments.loading import EnvironmentLoadError, load_config, load_environment_class
-from core.scored_group import ScoredGroup
 from tests.interop.conftest import rollout_groups, serve_adapter
 
 ADAPTER = "environments.adapters.textarena:TextArena"
@@ -43,9 +43,14 @@ def check_seats(group: ScoredGroup, tokenizer, policy_seats: list[int]) -> None:
     for sequence in group.sequences:
         seat, game = sequence.extras["seat"], games[sequence.extras["game"]]
         assert sequence.score == game["rewards"][str(seat)]
-        assert sequence.messages[-1]["role"] == "user" and sequence.messages[-1]["content"].endswith(f"Your reward: {sequence.score!r}")
+        assert sequence.messages[-1]["role"] == "user" and sequence.messages[-1]["content"].endswith(
+            f"Your reward: {sequence.score!r}"
+        )
         moves = [m["content"] for m in sequence.messages if m["role"] == "assistant"]
-        decoded = [tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True) for start, end in trained_segments(sequence)]
+        decoded = [
+            tokenizer.decode(sequence.tokens[start:end], skip_special_tokens=True)
+            for start, end in trained_segments(sequence)
+        ]
         assert decoded == moves and len(moves) == sequence.extras["turns"] >= 1
         for turn, message in enumerate(sequence.messages):
             if message["role"] == "assistant":  # what the game heard is the move as sampled
@@ -59,8 +64,15 @@ def test_self_play_runs_through_the_rollout_flow_one_sequence_per_policy_seat_wi
     game, served_textarena, prefect_server, policy_server, policy_tokenizer, tiny_tokenizer, tmp_path
 ) -> None:
     config = GAMES[game]
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_textarena.url, config,
-                                     f"file://{tmp_path}/store/{game}", groups=2)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_textarena.url,
+        config,
+        f"file://{tmp_path}/store/{game}",
+        groups=2,
+    )
     assert summary["totals"]["groups"] == 2 and len(groups) == 2
     for group in groups:
         assert group.env == "textarena" and group.extras["item"]["game"] == game
@@ -69,9 +81,15 @@ def test_self_play_runs_through_the_rollout_flow_one_sequence_per_policy_seat_wi
         for record in group.extras["games"]:
             assert sum(record["rewards"].values()) == 0.0  # both games are zero-sum (a draw is 0/0)
     if game == "SimpleNegotiation-v0-short":  # both players always move: every game gives two sequences
-        assert all(len(group.sequences) == 2 and group.extras["games"][0]["seats_without_a_turn"] == [] for group in groups)
+        assert all(
+            len(group.sequences) == 2 and group.extras["games"][0]["seats_without_a_turn"] == [] for group in groups
+        )
     else:  # the first player always moves
-        assert all(0 in [s.extras["seat"] for s in group.sequences if s.extras["game"] == g] for group in groups for g in (0, 1))
+        assert all(
+            0 in [s.extras["seat"] for s in group.sequences if s.extras["game"] == g]
+            for group in groups
+            for g in (0, 1)
+        )
 
 
 @pytest.mark.integration
@@ -79,8 +97,15 @@ def test_a_fixed_opponent_plays_legal_moves_and_stays_out_of_the_group(
     served_textarena, prefect_server, policy_server, policy_tokenizer, tiny_tokenizer, tmp_path
 ) -> None:
     config = {"game": "TicTacToe-v0", "opponent_seats": [0], "group_size": 2, "max_tokens": 8}
-    _, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_textarena.url, config,
-                               f"file://{tmp_path}/store/opponent", groups=2)  # fmt: skip
+    _, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_textarena.url,
+        config,
+        f"file://{tmp_path}/store/opponent",
+        groups=2,
+    )
     assert len(groups) == 2
     for group in groups:
         assert [s.extras["seat"] for s in group.sequences] == [1, 1]  # two games, the policy's seat only
@@ -91,12 +116,17 @@ def test_a_fixed_opponent_plays_legal_moves_and_stays_out_of_the_group(
 
 @pytest.mark.integration
 @pytest.mark.parametrize("game", GAMES)
-def test_the_served_adapter_passes_the_conformance_suite(game, served_textarena, policy_server, policy_tokenizer) -> None:
+def test_the_served_adapter_passes_the_conformance_suite(
+    game, served_textarena, policy_server, policy_tokenizer
+) -> None:
     results = asyncio.run(
         run_checks(
-            load_environment_class(served_textarena.url), {**GAMES[game], "group_size": 2},
-            server_url=policy_server.base_url, tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
-        )  # fmt: skip
+            load_environment_class(served_textarena.url),
+            {**GAMES[game], "group_size": 2},
+            server_url=policy_server.base_url,
+            tokenizer=policy_tokenizer,
+            api_key=getattr(policy_server, "api_key", None),
+        )
     )
     assert [(r.name, r.status, r.detail) for r in results if r.status != "passed"] == [
         ("gold answer scores top", "skipped", "skipped: no gold_completion")

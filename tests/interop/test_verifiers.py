@@ -36,8 +36,15 @@ def served_verifiers():
 def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprobs_and_its_rewards(
     served_verifiers, prefect_server, policy_server, policy_tokenizer, tiny_tokenizer, tmp_path
 ) -> None:
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, CONFIG,
-                                     f"file://{tmp_path}/store/verifiers", groups=3)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_verifiers.url,
+        CONFIG,
+        f"file://{tmp_path}/store/verifiers",
+        groups=3,
+    )
     assert summary["totals"]["groups"] == 3 and len(groups) == 3
     renderer = ChatRenderer(tiny_tokenizer)
     sequences = [sequence for group in groups for sequence in group.sequences]
@@ -92,9 +99,12 @@ def test_a_taskset_runs_through_the_rollout_flow_keeping_the_sampled_ids_logprob
 def test_the_served_adapter_passes_the_conformance_suite(served_verifiers, policy_server, policy_tokenizer) -> None:
     results = asyncio.run(
         run_checks(
-            load_environment_class(served_verifiers.url), CONFIG, server_url=policy_server.base_url,
-            tokenizer=policy_tokenizer, api_key=getattr(policy_server, "api_key", None),
-        )  # fmt: skip
+            load_environment_class(served_verifiers.url),
+            CONFIG,
+            server_url=policy_server.base_url,
+            tokenizer=policy_tokenizer,
+            api_key=getattr(policy_server, "api_key", None),
+        )
     )
     assert [(r.name, r.status, r.detail) for r in results if r.status != "passed"] == []
 
@@ -141,9 +151,10 @@ def test_a_sampled_turn_keeps_verifiers_own_message_only_where_it_reads_otherwis
     assert empty == {"role": "assistant", "content": ""}  # the same reading: nothing kept beside it
     assert plain == {"role": "assistant", "content": "4"}
     assert reasoned == {
-        "role": "assistant", "content": "<think>two and two</think>4",
+        "role": "assistant",
+        "content": "<think>two and two</think>4",
         "verifiers_message": {"role": "assistant", "content": "4", "reasoning_content": "two and two"},
-    }  # fmt: skip
+    }
 
 
 BRANCH_COMPLETIONS = """
@@ -162,7 +173,9 @@ answered([7, 8], [-0.5, -1.5], [3, 4])  # a turn the route answered across a rel
 answered([9], [-0.25], [4])
 answered([5], [-2.0], None)  # answered by a server that gives no versions
 adapter = SimpleNamespace(generate=route)
-node = lambda prompt, sampled, logprobs: SimpleNamespace(token_ids=prompt + sampled, mask=[False] * len(prompt) + [True] * len(sampled), logprobs=logprobs)
+node = lambda prompt, sampled, logprobs: SimpleNamespace(  # noqa: E731
+    token_ids=prompt + sampled, mask=[False] * len(prompt) + [True] * len(sampled), logprobs=logprobs
+)
 two_turns = SimpleNamespace(nodes=[node([1, 2], [7, 8], [-0.5, -1.5]), node([3], [], []), node([4], [9], [-0.25])])
 unanswered = SimpleNamespace(nodes=[node([1], [7, 8], [-0.5, -1.25])])  # the logprobs differ: not that completion
 no_versions = SimpleNamespace(nodes=[node([1], [5], [-2.0])])
@@ -176,8 +189,13 @@ json.dump({"found": [[describe(c) for c in turns] for turns in found], "recorded
 @pytest.mark.integration
 def test_each_sequence_has_the_versions_and_sampling_of_the_completions_its_turns_are() -> None:
     venv = adapter_venv("verifiers")
-    done = subprocess.run([venv / "bin" / "python", "-c", BRANCH_COMPLETIONS], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[2])  # fmt: skip
+    done = subprocess.run(
+        [venv / "bin" / "python", "-c", BRANCH_COMPLETIONS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     # Each turn the completion the route answered it with (its versions and temperature), None where it did not.
@@ -192,9 +210,20 @@ def test_an_episode_of_two_trainable_agents_stores_both_traces_as_sequences_of_t
     """Self-play in verifiers' terms (examples/verifiers_two_seats: two trainable agents per
     episode, as upstream kuhn_poker): every trainable trace is a sequence with its own mask,
     logprobs and score; a group is group_size episodes x 2 samples."""
-    config = {"env": {"taskset": {"id": "environments.adapters.examples.verifiers_two_seats"}}, "group_size": 2, "max_tokens": 6}
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, config,
-                                     f"file://{tmp_path}/store/two-seats", groups=2)  # fmt: skip
+    config = {
+        "env": {"taskset": {"id": "environments.adapters.examples.verifiers_two_seats"}},
+        "group_size": 2,
+        "max_tokens": 6,
+    }
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_verifiers.url,
+        config,
+        f"file://{tmp_path}/store/two-seats",
+        groups=2,
+    )
     assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
     for group in groups:
         assert len(group.sequences) == 4, [s.extras for s in group.sequences]
@@ -205,9 +234,18 @@ def test_an_episode_of_two_trainable_agents_stores_both_traces_as_sequences_of_t
             assert sequence.score == sequence.extras["rewards"]["correct"]["score"]
     # Capped where the config says: one sample an episode is too few for two agents.
     one = {**config, "samples_per_episode": 1}
-    summary, _ = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_verifiers.url, one,
-                                f"file://{tmp_path}/store/one-seat", groups=1)  # fmt: skip
-    assert summary["totals"]["groups"] == 0 and summary["totals"]["failures"] == 1, summary  # each episode failed, saying why
+    summary, _ = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_verifiers.url,
+        one,
+        f"file://{tmp_path}/store/one-seat",
+        groups=1,
+    )
+    assert summary["totals"]["groups"] == 0 and summary["totals"]["failures"] == 1, (
+        summary
+    )  # each episode failed, saying why
 
 
 UPSTREAM = Path(__file__).resolve().parents[1] / "data" / "upstream" / "verifiers" / "environments"
@@ -218,7 +256,11 @@ def served_upstream():
     """The adapter with upstream kuhn_poker and code_golf installed as verifiers installs an
     environment (each its own package: taskset ids kuhn-poker and code-golf), in one layer over
     .venv-env-verifiers (clotho env serve --requirements DIR --requirements DIR)."""
-    served = serve_adapter("verifiers", ADAPTER, ("--requirements", str(UPSTREAM / "kuhn_poker"), "--requirements", str(UPSTREAM / "code_golf")))
+    served = serve_adapter(
+        "verifiers",
+        ADAPTER,
+        ("--requirements", str(UPSTREAM / "kuhn_poker"), "--requirements", str(UPSTREAM / "code_golf")),
+    )
     yield served
     served.stop()
 
@@ -228,17 +270,28 @@ def test_upstream_kuhn_poker_self_play_stores_each_seat_s_trace_with_its_payoff(
     served_upstream, prefect_server, policy_server, policy_tokenizer, tmp_path
 ) -> None:
     config = {"env": {"taskset": {"id": "kuhn-poker"}}, "group_size": 2, "max_tokens": 8}
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_upstream.url, config,
-                                     f"file://{tmp_path}/store/kuhn", groups=2)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_upstream.url,
+        config,
+        f"file://{tmp_path}/store/kuhn",
+        groups=2,
+    )
     assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
     for group in groups:
-        assert 2 <= len(group.sequences) <= 4  # a seat that never got to move (the other forfeited first) trains nothing
+        assert (
+            2 <= len(group.sequences) <= 4
+        )  # a seat that never got to move (the other forfeited first) trains nothing
         by_episode: dict[int, dict[str, float]] = {}
         for sequence in group.sequences:
             assert any(sequence.mask) and sequence.extras["agent"] in ("player0", "player1")
             by_episode.setdefault(sequence.extras["episode"], {})[sequence.extras["agent"]] = sequence.score
         for seats in by_episode.values():  # zero-sum: the payoff the Env recorded on each seat's trace
-            assert all(score in (-2.0, -1.0, 1.0, 2.0) for score in seats.values()) and (len(seats) < 2 or sum(seats.values()) == 0)
+            assert all(score in (-2.0, -1.0, 1.0, 2.0) for score in seats.values()) and (
+                len(seats) < 2 or sum(seats.values()) == 0
+            )
 
 
 @pytest.mark.integration
@@ -249,8 +302,15 @@ def test_upstream_code_golf_stores_every_attempt_with_the_sibling_comparison_s_r
     the attempt's subprocess runtime and scores the attempts against each other in finalize():
     each attempt is a sequence of the group with the rewards verifiers recorded on its trace."""
     config = {"env": {"taskset": {"id": "code-golf"}}, "group_size": 2, "max_tokens": 24}
-    summary, groups = rollout_groups(prefect_server, policy_server, policy_tokenizer, served_upstream.url, config,
-                                     f"file://{tmp_path}/store/golf", groups=2)  # fmt: skip
+    summary, groups = rollout_groups(
+        prefect_server,
+        policy_server,
+        policy_tokenizer,
+        served_upstream.url,
+        config,
+        f"file://{tmp_path}/store/golf",
+        groups=2,
+    )
     assert summary["totals"]["groups"] == 2 and summary["totals"]["failures"] == 0, summary
     for group in groups:
         assert len(group.sequences) == 4  # 2 episodes x 2 attempts

@@ -12,8 +12,8 @@ import math
 
 from pydantic import Field
 
-from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item, prompt_messages
 from core.scored_group import ScoredGroup, ScoredSequence
+from environments.base import DroppedByEnvironment, Environment, EnvironmentConfig, Item, prompt_messages
 
 # 10 MiB of int32 token ids in one group.
 HUGE_GROUP_TOKENS = 10 * 2**20 // 4
@@ -134,9 +134,12 @@ class Huge(Finite):
         first = sequences[0]
         padding = HUGE_GROUP_TOKENS - sum(len(sequence.tokens) for sequence in sequences)
         sequences[0] = first.model_copy(
-            update={"tokens": [1] * padding + first.tokens, "mask": [False] * padding + first.mask,
-                    "logprobs": [0.0] * padding + first.logprobs}
-        )  # fmt: skip
+            update={
+                "tokens": [1] * padding + first.tokens,
+                "mask": [False] * padding + first.mask,
+                "logprobs": [0.0] * padding + first.logprobs,
+            }
+        )
         return self.make_group(item, sequences)
 
 

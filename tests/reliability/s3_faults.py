@@ -168,9 +168,7 @@ class S3FaultProxy:
             self._resume_handle.cancel()
             self._resume_handle = None
         if self._server is None:
-            self._server = await asyncio.start_server(
-                self._serve, "127.0.0.1", self.port, reuse_address=True
-            )
+            self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
 
     async def _stop(self, seconds: float | None = None) -> None:
         if self._server is not None:
@@ -180,9 +178,7 @@ class S3FaultProxy:
             writer.transport.abort()
         self._connections.clear()
         if seconds is not None:
-            self._resume_handle = self._loop.call_later(
-                seconds, lambda: self._loop.create_task(self._listen())
-            )
+            self._resume_handle = self._loop.call_later(seconds, lambda: self._loop.create_task(self._listen()))
 
     async def _shutdown(self) -> None:
         await self._stop()  # cut connections end their tasks; a delayed answer's is cancelled

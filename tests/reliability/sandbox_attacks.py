@@ -21,7 +21,9 @@ from environments.sandbox import PATH, Limits, drops_uid, isolation
 REPO = Path(__file__).resolve().parents[2]
 LEVEL = isolation()
 AS_ROOT = os.geteuid() == 0
-needs_bwrap = pytest.mark.skipif(LEVEL != "bwrap", reason=f"needs bubblewrap's own filesystem (this machine gets {LEVEL})")
+needs_bwrap = pytest.mark.skipif(
+    LEVEL != "bwrap", reason=f"needs bubblewrap's own filesystem (this machine gets {LEVEL})"
+)
 # kill(-1) is only sent where it cannot reach beyond the sandbox's uid even if the pid namespace failed.
 SAFE_TO_BROADCAST = drops_uid(LEVEL) or not AS_ROOT
 
@@ -236,7 +238,8 @@ def attack():
 
 BOMB = """
 import os, sys
-os.execv(sys.executable, [sys.executable, "-c", "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass", MARKER])
+FORKS = "import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass"
+os.execv(sys.executable, [sys.executable, "-c", FORKS, MARKER])
 """
 
 # A candidate that reads the harness's nonce and test count from its caller's frame and prints a
@@ -264,8 +267,16 @@ def attacks(plan: dict, who: str) -> dict[str, str]:
     """Every attack's source, aimed as `who` ('sandbox' or 'control') aims it."""
     sandboxed = who == "sandbox"
     name = f"escaped-{who}-{plan['nonce']}"
-    write_targets = [f"{plan['host_dir']}/{name}", f"{plan['host_dir']}/existing.txt", f"/tmp/{name}", f"/dev/shm/{name}",
-                     f"{REPO}/.clotho/{name}", f"{Path.home()}/{name}", f"../{name}", f"/proc/self/cwd/../{name}"]  # fmt: skip
+    write_targets = [
+        f"{plan['host_dir']}/{name}",
+        f"{plan['host_dir']}/existing.txt",
+        f"/tmp/{name}",
+        f"/dev/shm/{name}",
+        f"{REPO}/.clotho/{name}",
+        f"{Path.home()}/{name}",
+        f"../{name}",
+        f"/proc/self/cwd/../{name}",
+    ]
     sleeper = plan["sleepers"][who]
     # The control signals its own sleeper only; the sandbox aims at everything outside it.
     targets = [(sleeper, int(signal.SIGKILL))]
@@ -277,8 +288,15 @@ def attacks(plan: dict, who: str) -> dict[str, str]:
         "descriptors": _source(DESCRIPTORS, SECRET=plan["secret"]),
         "fill": _source(FILL, LIMIT_MB=Limits().file_mb),
         "writes": _source(WRITES, TARGETS=write_targets, HOST_DIR=plan["host_dir"], NAME=name, WHO=who),
-        "network": _source(NETWORK, HOSTS=plan["hosts"], TCP_PORT=plan["tcp_port"], UDP_PORT=plan["udp_port"],
-                           UNIX_SOCKETS=unix_sockets, INTERNET=[("1.1.1.1", 53)], WHO=who),  # fmt: skip
+        "network": _source(
+            NETWORK,
+            HOSTS=plan["hosts"],
+            TCP_PORT=plan["tcp_port"],
+            UDP_PORT=plan["udp_port"],
+            UNIX_SOCKETS=unix_sockets,
+            INTERNET=[("1.1.1.1", 53)],
+            WHO=who,
+        ),
         "signals": _source(SIGNALS, TARGETS=targets, BROADCAST=sandboxed and SAFE_TO_BROADCAST),
         "user_namespace": _source(USER_NAMESPACE, CLONE=CLONE_NUMBER),
         "privilege": _source(PRIVILEGE),
@@ -332,8 +350,15 @@ def score_attacks() -> None:
     def control(item: tuple[str, str]) -> tuple[str, str]:
         name, source = item
         fds = (secret_file, connection.fileno()) if name == "descriptors" else ()
-        done = subprocess.run([sys.executable, "-I", "-c", source + "\nprint(attack())"], env={"PATH": PATH}, pass_fds=fds,
-                              cwd=plan["control_dir"], capture_output=True, text=True, timeout=60)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", source + "\nprint(attack())"],
+            env={"PATH": PATH},
+            pass_fds=fds,
+            cwd=plan["control_dir"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return name, (done.stdout + done.stderr).strip()[-2000:]
 
     report = {}

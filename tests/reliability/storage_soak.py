@@ -19,7 +19,6 @@ from typing import Any
 
 from tests.reliability.s3_faults import S3FaultProxy
 
-
 # -- what a reader sees while faults hit ----------------------------------------------------------
 
 
@@ -236,7 +235,7 @@ def run_storage_fault_trial(
     for step in range(trial.checkpoints):
         try:
             read_checkpoint(checkpoint_url(root, run, step))
-        except Exception as error:  # a published step that does not verify is a torn checkpoint
+        except Exception as error:  # noqa: BLE001 - a published step that does not verify is a torn checkpoint
             trial.torn += 1
             trial.errors.append(str(error).splitlines()[0])
     trial.fired = sum(1 for exchange in proxy.exchanges[seen_before:] if exchange.action != "forwarded")

@@ -71,9 +71,14 @@ def test_bad_groups_are_recorded_with_their_reason_and_the_flow_completes(
     started = time.monotonic()
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         flow_run = rollout.with_options(flow_run_name=name)(
-            environments=specs, servers=[policy_server.base_url], run_url=f"{storage}/bad",
-            tokenizer=policy_tokenizer, groups=expected_items, max_concurrent_groups=4, task_run_s=1.0,
-        )  # fmt: skip
+            environments=specs,
+            servers=[policy_server.base_url],
+            run_url=f"{storage}/bad",
+            tokenizer=policy_tokenizer,
+            groups=expected_items,
+            max_concurrent_groups=4,
+            task_run_s=1.0,
+        )
         summary = asyncio.run(asyncio.wait_for(flow_run, FLOW_LIMIT_S))  # a hang not cut fails, never blocks
     seconds = time.monotonic() - started
 
@@ -87,7 +92,10 @@ def test_bad_groups_are_recorded_with_their_reason_and_the_flow_completes(
     assert all(not check.problems for check in verify(f"{storage}/bad"))
 
     # Every bad group is a recorded failure of its kind, in the summary and the UI's table.
-    expected = {env_class.name: (1 if env_class is Huge else BAD_ITEMS, reason) for env_class, (reason, _) in BAD_OUTPUTS.items()}
+    expected = {
+        env_class.name: (1 if env_class is Huge else BAD_ITEMS, reason)
+        for env_class, (reason, _) in BAD_OUTPUTS.items()
+    }
     totals = summary["totals"]
     assert totals["groups"] == GOOD_ITEMS and totals["failures"] == sum(count for count, _ in expected.values())
     by_reason: dict[str, int] = {}
@@ -95,9 +103,16 @@ def test_bad_groups_are_recorded_with_their_reason_and_the_flow_completes(
         by_reason[reason] = by_reason.get(reason, 0) + count
     assert totals["failures_by_reason"] == dict(sorted(by_reason.items()))
 
-    [table] = api(prefect_server, "/artifacts/filter", {
-        "artifacts": {"flow_run_id": {"any_": [flow_run["id"]]}, "key": {"any_": [artifact_key("rollout-env-stats", "bad")]}},
-    })  # fmt: skip
+    [table] = api(
+        prefect_server,
+        "/artifacts/filter",
+        {
+            "artifacts": {
+                "flow_run_id": {"any_": [flow_run["id"]]},
+                "key": {"any_": [artifact_key("rollout-env-stats", "bad")]},
+            },
+        },
+    )
     rows = {row["env"]: row for row in json.loads(table["data"])}
     assert rows[Good.name]["groups"] == GOOD_ITEMS and rows[Good.name]["failures"] == 0
     for env_class, (reason, phrase) in BAD_OUTPUTS.items():
@@ -116,7 +131,11 @@ def test_a_hang_is_cut_at_the_time_limit(policy_server, policy_tokenizer):
 
     async def main() -> tuple[RolloutFailure, float]:
         async with PolicyClient(policy_server.base_url, api_key=policy_server.api_key) as client:
-            env = Hang({"group_size": 1, "max_tokens": 2, "group_timeout_s": HANG_TIMEOUT_S}, client=client, tokenizer=policy_tokenizer)
+            env = Hang(
+                {"group_size": 1, "max_tokens": 2, "group_timeout_s": HANG_TIMEOUT_S},
+                client=client,
+                tokenizer=policy_tokenizer,
+            )
             await env.setup()
             item = await env.get_item()
             started = time.monotonic()
@@ -130,7 +149,9 @@ def test_a_hang_is_cut_at_the_time_limit(policy_server, policy_tokenizer):
 
 
 @pytest.mark.integration
-def test_an_environment_whose_get_item_or_observe_raises_loses_no_stored_group(prefect_server, policy_server, policy_tokenizer, tmp_path):
+def test_an_environment_whose_get_item_or_observe_raises_loses_no_stored_group(
+    prefect_server, policy_server, policy_tokenizer, tmp_path
+):
     """get_item raising: that environment leaves the item stream (one failure recorded) and the
     others go on; observe raising: logged, its groups already stored and counted once."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -140,17 +161,29 @@ def test_an_environment_whose_get_item_or_observe_raises_loses_no_stored_group(p
     from tasks.rollout import EnvSpec
 
     sampling = {"group_size": 2, "max_tokens": 4, "items": 3}
-    specs = [EnvSpec(import_path=f"{MODULE}:{name}", config=sampling) for name in ("Good", "RaisingGetItem", "RaisingObserve")]
+    specs = [
+        EnvSpec(import_path=f"{MODULE}:{name}", config=sampling)
+        for name in ("Good", "RaisingGetItem", "RaisingObserve")
+    ]
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        flow_run = rollout(environments=specs, servers=[policy_server.base_url], run_url=f"file://{tmp_path}/store/raising",
-                           tokenizer=policy_tokenizer, groups=100, max_concurrent_groups=2)  # fmt: skip
+        flow_run = rollout(
+            environments=specs,
+            servers=[policy_server.base_url],
+            run_url=f"file://{tmp_path}/store/raising",
+            tokenizer=policy_tokenizer,
+            groups=100,
+            max_concurrent_groups=2,
+        )
         summary = asyncio.run(asyncio.wait_for(flow_run, FLOW_LIMIT_S))
         drain_prefect_reporting()  # while the server is still the one they report to
     rows = {row["env"]: row for row in summary["environments"]}
     stored = list(ShardReader(f"file://{tmp_path}/store", "raising").groups())
     by_env = {env: sorted(g.item_id for g in stored if g.env == env) for env in rows}
-    assert by_env == {"good": ["good-1", "good-2", "good-3"], "bad_get_item": ["bad_get_item-1"],
-                      "bad_observe": ["bad_observe-1", "bad_observe-2", "bad_observe-3"]}, by_env  # fmt: skip
+    assert by_env == {
+        "good": ["good-1", "good-2", "good-3"],
+        "bad_get_item": ["bad_get_item-1"],
+        "bad_observe": ["bad_observe-1", "bad_observe-2", "bad_observe-3"],
+    }, by_env
     assert summary["totals"]["groups"] == len(stored) == 7
     assert (rows["bad_get_item"]["failures"], rows["bad_observe"]["failures"]) == (1, 0)
     assert "the item source broke" in rows["bad_get_item"]["last error"]

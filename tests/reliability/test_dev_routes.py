@@ -35,8 +35,14 @@ def test_the_key_is_compared_only_in_constant_time() -> None:
 
     compares = [node for node in ast.walk(tree) if isinstance(node, ast.Compare)]
     for node in compares:
-        assert not names(node) & secrets_named, f"line {node.lineno} of {path.name} compares the key with {ast.unparse(node)!r}"
-    digests = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "hmac.compare_digest"]
+        assert not names(node) & secrets_named, (
+            f"line {node.lineno} of {path.name} compares the key with {ast.unparse(node)!r}"
+        )
+    digests = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "hmac.compare_digest"
+    ]
     assert digests and all(names(call) >= secrets_named for call in digests)
 
 
@@ -123,13 +129,32 @@ print(json.dumps(answers))
 """
 
 WRONG_CREDENTIALS = [
-    {}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY[:-1]}"}, {"Authorization": f"Bearer {KEY}4"},
-    {"Authorization": f"Bearer {KEY.upper()}"}, {"Authorization": f"Basic {KEY}"}, {"Authorization": KEY},
-    {"Authorization": "Bearer "}, {"X-API-Key": KEY}, {"Cookie": f"api_key={KEY}"},
-]  # fmt: skip
+    {},
+    {"Authorization": "Bearer wrong"},
+    {"Authorization": f"Bearer {KEY[:-1]}"},
+    {"Authorization": f"Bearer {KEY}4"},
+    {"Authorization": f"Bearer {KEY.upper()}"},
+    {"Authorization": f"Basic {KEY}"},
+    {"Authorization": KEY},
+    {"Authorization": "Bearer "},
+    {"X-API-Key": KEY},
+    {"Cookie": f"api_key={KEY}"},
+]
 # Not in the OpenAPI document, or the same routes spelled otherwise.
-EXTRA_PATHS = ["/docs", "/redoc", "/openapi.json", "/nonexistent", "//pause", "/pause/", "/./pause", "/health/../pause",
-               "/%70ause", "/health/%2e%2e/collective_rpc", "/PAUSE", f"/pause?api_key={KEY}"]  # fmt: skip
+EXTRA_PATHS = [
+    "/docs",
+    "/redoc",
+    "/openapi.json",
+    "/nonexistent",
+    "//pause",
+    "/pause/",
+    "/./pause",
+    "/health/../pause",
+    "/%70ause",
+    "/health/%2e%2e/collective_rpc",
+    "/PAUSE",
+    f"/pause?api_key={KEY}",
+]
 OPEN_PATHS = {"/health"}
 
 
@@ -149,7 +174,11 @@ def every_route(server) -> list[tuple[str, str]]:
     import httpx
 
     document = httpx.get(f"http://127.0.0.1:{server.port}/openapi.json", headers=server.headers, timeout=30).json()
-    routes = [(method.upper(), path.replace("{", "").replace("}", "")) for path, methods in document["paths"].items() for method in methods]
+    routes = [
+        (method.upper(), path.replace("{", "").replace("}", ""))
+        for path, methods in document["paths"].items()
+        for method in methods
+    ]
     routes += [("HEAD", path) for method, path in routes if method == "GET"]
     return routes + [("POST", path) for path in EXTRA_PATHS] + [("GET", path) for path in EXTRA_PATHS]
 
@@ -157,26 +186,58 @@ def every_route(server) -> list[tuple[str, str]]:
 @pytest.mark.integration
 def test_dev_routes_refuse_every_request_without_the_right_key_from_off_this_machine(public_server, remote) -> None:
     routes = every_route(public_server)
-    dev = {"/pause", "/resume", "/collective_rpc", "/reset_prefix_cache", "/update_weight_version", "/weight_info", "/sleep"}
+    dev = {
+        "/pause",
+        "/resume",
+        "/collective_rpc",
+        "/reset_prefix_cache",
+        "/update_weight_version",
+        "/weight_info",
+        "/sleep",
+    }
     assert dev <= {path for _, path in routes}, "vLLM's dev mode is off: the routes under test are missing"
-    requests = [{"method": method, "path": path, "headers": headers} for method, path in routes for headers in WRONG_CREDENTIALS]
+    requests = [
+        {"method": method, "path": path, "headers": headers} for method, path in routes for headers in WRONG_CREDENTIALS
+    ]
     # A body the route would act on: an announcement that must not happen.
-    requests += [{"method": "POST", "path": "/update_weight_version", "headers": headers, "body": '{"new_version": "999"}'}
-                 for headers in WRONG_CREDENTIALS]  # fmt: skip
+    requests += [
+        {"method": "POST", "path": "/update_weight_version", "headers": headers, "body": '{"new_version": "999"}'}
+        for headers in WRONG_CREDENTIALS
+    ]
     # An upgrade to a WebSocket: clotho's middleware sees HTTP only, vLLM's own check covers /v1.
-    upgrade = "GET {} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    upgrade = (
+        "GET {} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
     requests += [{"raw": upgrade.format(path)} for path in ("/v1/realtime", "/collective_rpc", "/pause")]
     answers = remote.send(public_server.port, requests)
     # An HTTP request is refused with 401; an upgrade with anything but 101 Switching Protocols.
-    let_in = [(r.get("method"), r.get("path") or r["raw"].split()[1], r.get("headers"), a) for r, a in zip(requests, answers, strict=True)
-              if (a.get("status") == 101 if "raw" in r else r["path"].split("?")[0] not in OPEN_PATHS and a.get("status") != 401)]  # fmt: skip
-    assert let_in == [], f"{len(let_in)} of {len(requests)} requests from {remote.client_address} were not refused: {let_in[:10]}"
+    let_in = [
+        (r.get("method"), r.get("path") or r["raw"].split()[1], r.get("headers"), a)
+        for r, a in zip(requests, answers, strict=True)
+        if (
+            a.get("status") == 101
+            if "raw" in r
+            else r["path"].split("?")[0] not in OPEN_PATHS and a.get("status") != 401
+        )
+    ]
+    assert let_in == [], (
+        f"{len(let_in)} of {len(requests)} requests from {remote.client_address} were not refused: {let_in[:10]}"
+    )
 
     # The right key opens them, from the same remote: the refusals above were for want of the key.
     authorized = {"Authorization": f"Bearer {KEY}"}
-    checks = [("GET", "/health", {}), ("GET", "/is_paused", authorized), ("GET", "/weight_info", authorized),
-              ("GET", "/is_sleeping", authorized), ("GET", "/v1/models", authorized), ("POST", "/pause", authorized),
-              ("GET", "/is_paused", authorized), ("POST", "/resume", authorized), ("GET", "/is_paused", authorized)]  # fmt: skip
+    checks = [
+        ("GET", "/health", {}),
+        ("GET", "/is_paused", authorized),
+        ("GET", "/weight_info", authorized),
+        ("GET", "/is_sleeping", authorized),
+        ("GET", "/v1/models", authorized),
+        ("POST", "/pause", authorized),
+        ("GET", "/is_paused", authorized),
+        ("POST", "/resume", authorized),
+        ("GET", "/is_paused", authorized),
+    ]
     answers = remote.send(public_server.port, [{"method": m, "path": p, "headers": h} for m, p, h in checks])
     assert [a.get("status") for a in answers] == [200] * len(checks), answers
     # Nothing refused had an effect: never paused or put to sleep before the keyed /pause, version unchanged.
@@ -184,20 +245,34 @@ def test_dev_routes_refuse_every_request_without_the_right_key_from_off_this_mac
     assert paused == [False, True, False] and json.loads(answers[3]["body"])["is_sleeping"] is False
     from inference.client import parse_weight_version
 
-    assert parse_weight_version(json.loads(answers[2]["body"]).get("weight_version")) == 0, answers[2]  # never announced
+    assert parse_weight_version(json.loads(answers[2]["body"]).get("weight_version")) == 0, answers[
+        2
+    ]  # never announced
 
 
 @pytest.mark.integration
 def test_options_requests_pass_the_key_check_but_run_nothing(public_server, remote) -> None:
     """The middleware lets OPTIONS through unauthenticated (CORS preflights carry no credentials):
     none of them may reach a handler."""
-    posts = ["/pause", "/sleep", "/collective_rpc", "/update_weight_version", "/reset_prefix_cache", "/scale_elastic_ep"]
+    posts = [
+        "/pause",
+        "/sleep",
+        "/collective_rpc",
+        "/update_weight_version",
+        "/reset_prefix_cache",
+        "/scale_elastic_ep",
+    ]
     preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
-    requests = [{"method": "OPTIONS", "path": path, "headers": headers} for path in posts for headers in ({}, preflight)]
+    requests = [
+        {"method": "OPTIONS", "path": path, "headers": headers} for path in posts for headers in ({}, preflight)
+    ]
     answers = remote.send(public_server.port, requests)
     assert all(a.get("status") in (200, 400, 405) for a in answers), answers
     authorized = {"Authorization": f"Bearer {KEY}"}
-    state = remote.send(public_server.port, [{"method": "GET", "path": p, "headers": authorized} for p in ("/is_paused", "/is_sleeping")])
+    state = remote.send(
+        public_server.port,
+        [{"method": "GET", "path": p, "headers": authorized} for p in ("/is_paused", "/is_sleeping")],
+    )
     assert [json.loads(a["body"]) for a in state] == [{"is_paused": False}, {"is_sleeping": False}], state
 
 

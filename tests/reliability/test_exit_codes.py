@@ -34,10 +34,29 @@ def test_a_rollout_against_no_server_exits_non_zero_naming_it(prefect_server, tm
         port = probe.getsockname()[1]
     server = f"http://127.0.0.1:{port}"
     done = subprocess.run(
-        [CLOTHO, "rollout", "--env", "arithmetic", "--run", f"{tmp_path}/store/run", "--server", server, "--groups", "2",
-         "--tokenizer", str(cached_tiny_model()), "--set", "group_size=2", "--max-concurrent-groups", "2"],
-        env={**os.environ, **prefect_server.env()}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            CLOTHO,
+            "rollout",
+            "--env",
+            "arithmetic",
+            "--run",
+            f"{tmp_path}/store/run",
+            "--server",
+            server,
+            "--groups",
+            "2",
+            "--tokenizer",
+            str(cached_tiny_model()),
+            "--set",
+            "group_size=2",
+            "--max-concurrent-groups",
+            "2",
+        ],
+        env={**os.environ, **prefect_server.env()},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == SHORTFALL_EXIT, done.stdout[-2000:] + done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("clotho rollout: 0 groups made") and "as unreachable" in last and server in last, last

@@ -23,7 +23,9 @@ from tests.s3_server import s3_bucket
 
 def groups(count: int, first: int) -> list[ScoredGroup]:
     sequence = ScoredSequence.from_prompt([5, 6], [7, 8], [-1.0, -1.0], 1.0)
-    return [ScoredGroup(env="toy", item_id=str(first + n), sequences=[sequence], policy_version=0) for n in range(count)]
+    return [
+        ScoredGroup(env="toy", item_id=str(first + n), sequences=[sequence], policy_version=0) for n in range(count)
+    ]
 
 
 def publish_ledger(tmp_path, root: str, step: int, ledger: Ledger) -> None:
@@ -67,15 +69,22 @@ def test_the_checks_count_lost_twice_and_torn(tmp_path):
 SETTINGS = Settings(steps_per_trial=2, delay_s=0.3, shard_max_age_s=5.0, rollout_kill_tail_s=-0.2, rollout_anywhere=0.0)
 
 
-def run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, plan: dict[str, int], seed: int,
-                    storage: str | None = None):  # fmt: skip
+def run_killed_loop(
+    tmp_path, policy_server, tiny_model_dir, prefect_server, plan: dict[str, int], seed: int, storage: str | None = None
+):
     """Segments of 2 steps of 4 groups, `plan[fault]` trials of each fault (killed at moments
     drawn from `seed`), then the uninterrupted replay; asserts every check. No reload watcher: the
     session's policy server keeps its base weights for the other tests."""
     loop = Loop(
-        tmp_path / "loop", tiny_model_dir, policy_server.base_url, settings=SETTINGS,
-        prefect_api_url=prefect_server.api_url, prefect_home=prefect_server.home, watch=False, storage=storage,
-    )  # fmt: skip
+        tmp_path / "loop",
+        tiny_model_dir,
+        policy_server.base_url,
+        settings=SETTINGS,
+        prefect_api_url=prefect_server.api_url,
+        prefect_home=prefect_server.home,
+        watch=False,
+        storage=storage,
+    )
     rng = random.Random(seed)
     try:
         loop.start()
@@ -94,11 +103,15 @@ def run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, pla
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_killed_rollout_flows_and_trainer_lose_nothing_and_train_nothing_twice(tmp_path, policy_server, tiny_model_dir, prefect_server):
+def test_killed_rollout_flows_and_trainer_lose_nothing_and_train_nothing_twice(
+    tmp_path, policy_server, tiny_model_dir, prefect_server
+):
     """Two rollout-flow kills and two trainer kills on one run. The flush window (5 s) is longer
     than a segment's sampling, so a flow killed mid-sampling loses every group it finished
     (bounded by the window) and a top-up flow makes them again."""
-    trials = run_killed_loop(tmp_path, policy_server, tiny_model_dir, prefect_server, {"rollout flow": 2, "trainer": 2}, seed=20)
+    trials = run_killed_loop(
+        tmp_path, policy_server, tiny_model_dir, prefect_server, {"rollout flow": 2, "trainer": 2}, seed=20
+    )
     assert all(trial.uncommitted_oldest_s <= 5.0 + 2.0 for trial in trials[:2]), trials
 
 

@@ -53,7 +53,9 @@ def test_two_flows_and_a_reprocess_job_write_one_run_two_trainer_ranks_train_eac
     total = 8 + 2 * 12
     trainer = trainer_part(run_url, tiny_model_dir, total // GROUPS_PER_STEP, SETTINGS, tmp_path, env, ranks=2).start()
     writers = [
-        rollout_part(run_url, policy_server.base_url, tiny_model_dir, 12, seed, tmp_path, env, delay_s=0.3, shard_max_age_s=1.0)
+        rollout_part(
+            run_url, policy_server.base_url, tiny_model_dir, 12, seed, tmp_path, env, delay_s=0.3, shard_max_age_s=1.0
+        )
         for seed in (1, 2)
     ] + [reprocess_part(f"{root}/source", run_url, tmp_path, env)]
     try:
@@ -87,7 +89,9 @@ def aged_source(root: str, model: Path, hours: float) -> None:
         write_shard(fs, join(run_path, ROLLOUTS, location.name), table, join(run_path, TEMPORARY))
 
 
-def test_shards_reprocessed_from_an_old_run_into_a_trained_run_reach_its_trainer(tmp_path, tiny_model_dir, prefect_server):
+def test_shards_reprocessed_from_an_old_run_into_a_trained_run_reach_its_trainer(
+    tmp_path, tiny_model_dir, prefect_server
+):
     """A trainer's reader has consumed everything its run holds (its watermark now trails its
     clock by GRACE_S); then a reprocess job writes an hour-old run's groups into the run: the
     reader must hand them out too."""

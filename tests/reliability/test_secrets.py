@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -84,7 +84,9 @@ class ArgvWatch:
                         self.delivered.update(leaks("", "\0".join(process.environ().values()).encode()))
                     except psutil.Error:
                         pass
-                self.leaks += [f"{leak}: pid {process.info['pid']} {line[:300]}" for leak in leaks("a command line", line.encode())]
+                self.leaks += [
+                    f"{leak}: pid {process.info['pid']} {line[:300]}" for leak in leaks("a command line", line.encode())
+                ]
             time.sleep(0.5)
 
     def close(self) -> None:
@@ -123,9 +125,13 @@ def shard_leaks(fs: s3fs.S3FileSystem, path: str) -> list[str]:
     would hide a secret from a search of the raw bytes)."""
     with fs.open(path, "rb") as file:
         parquet = pq.ParquetFile(file)
-        metadata = {k.decode(errors="replace"): v.decode(errors="replace") for k, v in (parquet.metadata.metadata or {}).items()}
+        metadata = {
+            k.decode(errors="replace"): v.decode(errors="replace") for k, v in (parquet.metadata.metadata or {}).items()
+        }
         rows = parquet.read().to_pylist()
-    return leaks(f"{path} (footer metadata)", json.dumps(metadata).encode()) + leaks(f"{path} (rows)", json.dumps(rows, default=str).encode())
+    return leaks(f"{path} (footer metadata)", json.dumps(metadata).encode()) + leaks(
+        f"{path} (rows)", json.dumps(rows, default=str).encode()
+    )
 
 
 def write_config(tmp_path: Path, model: Path, run_url: str) -> Path:
@@ -134,7 +140,13 @@ def write_config(tmp_path: Path, model: Path, run_url: str) -> Path:
         "model": str(model),
         "max_lag": 1,
         "trainer": {"lr": 3e-3, "groups_per_step": 2, "save_every": 1},
-        "phases": [{"name": "rl", "steps": STEPS, "environments": [{"env": "arithmetic", "config": {"group_size": 2, "max_tokens": 4}}]}],
+        "phases": [
+            {
+                "name": "rl",
+                "steps": STEPS,
+                "environments": [{"env": "arithmetic", "config": {"group_size": 2, "max_tokens": 4}}],
+            }
+        ],
         "rollout": {"max_concurrent_groups": 2, "task_run_s": 2.0},
         "servers": {"reload_poll_s": 0.25},
         "evaluation": {"env": "arithmetic", "config": {"max_tokens": 4}, "items": 2, "every": 1},
@@ -147,8 +159,17 @@ def write_config(tmp_path: Path, model: Path, run_url: str) -> Path:
 @pytest.fixture
 def s3_with_secrets():
     server = start_s3_server()
-    credentials = {"AWS_ACCESS_KEY_ID": "dummy-access-key-id", "AWS_SECRET_ACCESS_KEY": AWS_SECRET, "AWS_DEFAULT_REGION": "us-east-1"}
-    fs = s3fs.S3FileSystem(key=credentials["AWS_ACCESS_KEY_ID"], secret=AWS_SECRET, endpoint_url=server.endpoint_url, skip_instance_cache=True)
+    credentials = {
+        "AWS_ACCESS_KEY_ID": "dummy-access-key-id",
+        "AWS_SECRET_ACCESS_KEY": AWS_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    fs = s3fs.S3FileSystem(
+        key=credentials["AWS_ACCESS_KEY_ID"],
+        secret=AWS_SECRET,
+        endpoint_url=server.endpoint_url,
+        skip_instance_cache=True,
+    )
     fs.mkdir(BUCKET)
     try:
         yield fs, {**credentials, "AWS_ENDPOINT_URL": server.endpoint_url}
@@ -167,7 +188,12 @@ def test_no_object_holding_a_key_shows_it_in_its_repr() -> None:
     server = PolicyServer(REPO, api_key=API_KEY, python=sys.executable)  # never started
     client = PolicyClient("http://127.0.0.1:9", api_key=API_KEY)
     try:
-        for thing in (server, ServedPolicy("http://127.0.0.1:9", REPO, api_key=API_KEY, server=server), client, client._http.headers):
+        for thing in (
+            server,
+            ServedPolicy("http://127.0.0.1:9", REPO, api_key=API_KEY, server=server),
+            client,
+            client._http.headers,
+        ):
             assert leaks("a repr", repr(thing).encode()) == [], repr(thing)
     finally:
         asyncio.run(client.aclose())
@@ -175,24 +201,30 @@ def test_no_object_holding_a_key_shows_it_in_its_repr() -> None:
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_run_with_dummy_secrets_leaves_them_in_no_output(tmp_path, prefect_server, tiny_model_dir, s3_with_secrets) -> None:
+def test_a_run_with_dummy_secrets_leaves_them_in_no_output(
+    tmp_path, prefect_server, tiny_model_dir, s3_with_secrets
+) -> None:
     fs, s3_environment = s3_with_secrets
     run = f"secrets-{secrets.token_hex(4)}"
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     config = write_config(tmp_path, model, f"s3://{BUCKET}/{run}")
     environment = {**prefect_server.env(), **s3_environment, "CLOTHO_API_KEY": API_KEY}
-    since = datetime.now(timezone.utc)
+    since = datetime.now(UTC)
     started = time.time()
     watch = ArgvWatch(str(tmp_path))
     output = tmp_path / "output.txt"
     try:
         with output.open("wb") as sink:
-            pipeline = subprocess.Popen([CLOTHO, "run", str(config)], cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT)
+            pipeline = subprocess.Popen(
+                [CLOTHO, "run", str(config)], cwd=REPO, env=environment, stdout=sink, stderr=subprocess.STDOUT
+            )
             refused, deadline = None, time.monotonic() + 900
             while pipeline.poll() is None and time.monotonic() < deadline:
                 served = re.search(rb"policy server (http://[0-9.:]+) up", output.read_bytes())
-                if served and refused is None:  # the key is in force: the pipeline's own server refuses a request without it
+                if (
+                    served and refused is None
+                ):  # the key is in force: the pipeline's own server refuses a request without it
                     refused = httpx.post(f"{served.group(1).decode()}/collective_rpc", json={}, timeout=30).status_code
                 time.sleep(1)
             if pipeline.poll() is None:
@@ -205,8 +237,10 @@ def test_a_run_with_dummy_secrets_leaves_them_in_no_output(tmp_path, prefect_ser
         if pipeline.returncode != 0:  # the trainer's log goes with its directory below: show its end too
             trainer_log = REPO / ".clotho" / "trainer" / run / "trainer.log"
             tail = trainer_log.read_bytes()[-4000:] if trainer_log.exists() else b"(no trainer.log)"
-            pytest.fail(f"clotho run exited {pipeline.returncode}:\n{text[-5000:].decode(errors='replace')}\n"
-                        f"--- {trainer_log} ---\n{tail.decode(errors='replace')}")  # fmt: skip
+            pytest.fail(
+                f"clotho run exited {pipeline.returncode}:\n{text[-5000:].decode(errors='replace')}\n"
+                f"--- {trainer_log} ---\n{tail.decode(errors='replace')}"
+            )
         assert refused == 401, f"the pipeline's server answered {refused} to a request without the key"
         found = leaks("clotho run's output", text) + watch.leaks
         assert any(CLOTHO in line or "trainer.cli" in line for line in watch.ours), watch.ours  # the watch saw the run
@@ -243,20 +277,31 @@ def test_a_run_with_dummy_secrets_leaves_them_in_no_output(tmp_path, prefect_ser
 
         # The Prefect server: through its API, and the database under it.
         records = prefect_records(prefect_server.api_url, since)
-        pipeline_runs = [r for r in records["flow_runs"] if str(r["parameters"].get("config_path", "")).endswith(config.name)]
-        assert pipeline_runs and len(records["flow_runs"]) > 1, [r["name"] for r in records["flow_runs"]]  # pipeline + rollouts
-        assert records["artifacts"] and records["logs"] and records["task_runs"], {k: len(v) for k, v in records.items()}
+        pipeline_runs = [
+            r for r in records["flow_runs"] if str(r["parameters"].get("config_path", "")).endswith(config.name)
+        ]
+        assert pipeline_runs and len(records["flow_runs"]) > 1, [
+            r["name"] for r in records["flow_runs"]
+        ]  # pipeline + rollouts
+        assert records["artifacts"] and records["logs"] and records["task_runs"], {
+            k: len(v) for k, v in records.items()
+        }
         for kind, rows in records.items():
             for row in rows:
-                found += leaks(f"Prefect {kind[:-1].replace('_', ' ')} {row.get('name') or row.get('key') or row['id']}", json.dumps(row).encode())
+                found += leaks(
+                    f"Prefect {kind[:-1].replace('_', ' ')} {row.get('name') or row.get('key') or row['id']}",
+                    json.dumps(row).encode(),
+                )
         databases = [p for p in prefect_server.home.rglob("*") if p.is_file() and p.stat().st_size <= LARGEST_FILE]
         assert any(p.suffix == ".db" for p in databases), databases
         for path in databases:
             found += leaks(f"the Prefect server's {path.name}", path.read_bytes())
 
         assert found == [], "secrets leaked:\n" + "\n".join(sorted(set(found)))
-        print(f"searched {len(searched)} local files, {len(objects)} objects ({len(shards)} shards), "
-              f"{ {k: len(v) for k, v in records.items()} } Prefect records, {len(databases)} Prefect files; skipped {skipped}")  # fmt: skip
+        print(
+            f"searched {len(searched)} local files, {len(objects)} objects ({len(shards)} shards), "
+            f"{ {k: len(v) for k, v in records.items()} } Prefect records, {len(databases)} Prefect files; skipped {skipped}"
+        )
     finally:
         shutil.rmtree(REPO / ".clotho" / "trainer" / run, ignore_errors=True)
         for cache in (REPO / ".clotho" / "reload-cache").glob(f"{run}-*"):

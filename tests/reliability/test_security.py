@@ -30,7 +30,15 @@ from pathlib import Path
 import pytest
 
 from environments.sandbox import Limits, drops_uid
-from tests.reliability.sandbox_attacks import AS_ROOT, CLONE_NUMBER, LEVEL, REPO, SAFE_TO_BROADCAST, host_address, needs_bwrap
+from tests.reliability.sandbox_attacks import (
+    AS_ROOT,
+    CLONE_NUMBER,
+    LEVEL,
+    REPO,
+    SAFE_TO_BROADCAST,
+    host_address,
+    needs_bwrap,
+)
 
 # ---------------------------------------------------------------------------------------------
 # The host's side: listeners, sleepers, secrets, and a watch on the process table.
@@ -55,7 +63,12 @@ class Listeners:
         for listener in (self.tcp, self.abstract, self.file):
             listener.listen()
         self.selector = selectors.DefaultSelector()
-        for channel, listener in (("tcp", self.tcp), ("udp", self.udp), ("abstract unix", self.abstract), ("file unix", self.file)):
+        for channel, listener in (
+            ("tcp", self.tcp),
+            ("udp", self.udp),
+            ("abstract unix", self.abstract),
+            ("file unix", self.file),
+        ):
             listener.setblocking(False)
             self.selector.register(listener, selectors.EVENT_READ, channel)
         self.stop = threading.Event()
@@ -142,31 +155,53 @@ def escapes(tiny_model_dir):
     received = []
     previous = signal.signal(signal.SIGUSR2, lambda number, frame: received.append(number))
     plan = {
-        "nonce": nonce, "secret": secret, "tokenizer": str(tiny_model_dir), "host_dir": str(host_dir),
-        "control_dir": str(control_dir), "test_pid": os.getpid(),
-        "secret_paths": [str(secret_file), str(REPO / "pyproject.toml"), str(REPO / ".git" / "config"),
-                         str(Path.home() / ".aws" / "credentials"), "/etc/passwd", "/etc/shadow"],
+        "nonce": nonce,
+        "secret": secret,
+        "tokenizer": str(tiny_model_dir),
+        "host_dir": str(host_dir),
+        "control_dir": str(control_dir),
+        "test_pid": os.getpid(),
+        "secret_paths": [
+            str(secret_file),
+            str(REPO / "pyproject.toml"),
+            str(REPO / ".git" / "config"),
+            str(Path.home() / ".aws" / "credentials"),
+            "/etc/passwd",
+            "/etc/shadow",
+        ],
         "sleepers": {who: process.pid for who, process in sleepers.items()},
-        "hosts": ["127.0.0.1"] + ([host_address()] if host_address() else []), "tcp_port": listeners.tcp.getsockname()[1],
-        "udp_port": listeners.udp.getsockname()[1], "abstract_socket": listeners.abstract_name,
-        "file_socket": listeners.file_name, "markers": markers,
-    }  # fmt: skip
+        "hosts": ["127.0.0.1"] + ([host_address()] if host_address() else []),
+        "tcp_port": listeners.tcp.getsockname()[1],
+        "udp_port": listeners.udp.getsockname()[1],
+        "abstract_socket": listeners.abstract_name,
+        "file_socket": listeners.file_name,
+        "markers": markers,
+    }
     environment = {**os.environ, "CLOTHO_API_KEY": secret, "AWS_SECRET_ACCESS_KEY": secret}
     started = time.monotonic()
     try:
-        done = subprocess.run([sys.executable, "-m", "tests.reliability.sandbox_attacks"], input=json.dumps(plan), cwd=REPO,
-                              env=environment, capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.reliability.sandbox_attacks"],
+            input=json.dumps(plan),
+            cwd=REPO,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, f"the scoring process failed ({done.returncode}):\n{done.stderr[-4000:]}"
         report = json.loads(done.stdout.strip().splitlines()[-1])
         time.sleep(0.5)  # let the listeners take in anything still in flight
         report |= {
-            "seconds": time.monotonic() - started, "arrived": list(listeners.arrived), "test_signalled": list(received),
+            "seconds": time.monotonic() - started,
+            "arrived": list(listeners.arrived),
+            "test_signalled": list(received),
             "sleepers_alive": {who: process.poll() is None for who, process in sleepers.items()},
             "markers_most": {name: watch.most[marker] for name, marker in markers.items()},
             "markers_now": {name: watch.count()[marker] for name, marker in markers.items()},
             "written": {who: sorted(str(p) for p in written_by(plan, who)) for who in ("sandbox", "control")},
             "existing": (host_dir / "existing.txt").read_text(),
-        }  # fmt: skip
+        }
         yield report
     finally:
         signal.signal(signal.SIGUSR2, previous)
@@ -184,7 +219,15 @@ def escapes(tiny_model_dir):
 def written_by(plan: dict, who: str) -> list[Path]:
     """The files the write attack aimed at the host that exist."""
     name = f"escaped-{who}-{plan['nonce']}"
-    places = [Path(plan["host_dir"]), Path(plan["control_dir"]), Path("/tmp"), Path("/dev/shm"), REPO / ".clotho", Path.home(), Path("/")]
+    places = [
+        Path(plan["host_dir"]),
+        Path(plan["control_dir"]),
+        Path("/tmp"),
+        Path("/dev/shm"),
+        REPO / ".clotho",
+        Path.home(),
+        Path("/"),
+    ]
     return [place / name for place in places if (place / name).exists()]
 
 
@@ -197,7 +240,9 @@ def assert_contained(escapes: dict, name: str) -> None:
 def assert_control_escaped(escapes: dict, name: str, *expected: str) -> None:
     """Outside the sandbox the same code gets hold of what it aims at: the attack works."""
     shown = escapes["controls"][name]
-    assert shown.startswith("escaped"), f"attack {name!r} gets nothing even without the sandbox (a broken attack): {shown}"
+    assert shown.startswith("escaped"), (
+        f"attack {name!r} gets nothing even without the sandbox (a broken attack): {shown}"
+    )
     for part in expected:
         assert part in shown, f"attack {name!r} outside the sandbox missed {part!r}: {shown}"
 
@@ -248,12 +293,16 @@ def test_no_connection_or_datagram_leaves_the_sandbox(escapes) -> None:
     the internet, DNS."""
     assert_control_escaped(escapes, "network", "tcp 127.0.0.1", "unix '\\x00clotho-security")
     arrived = escapes["arrived"]
-    assert {channel for channel, who in arrived if who == "control"} >= {"tcp", "udp", "abstract unix", "file unix"}, arrived
+    assert {channel for channel, who in arrived if who == "control"} >= {"tcp", "udp", "abstract unix", "file unix"}, (
+        arrived
+    )
     assert_contained(escapes, "network")
     assert [(channel, who) for channel, who in arrived if who != "control"] == []
 
 
-@pytest.mark.skipif(not SAFE_TO_BROADCAST, reason=f"{LEVEL} runs the program as root here: kill(-1) would reach the host")
+@pytest.mark.skipif(
+    not SAFE_TO_BROADCAST, reason=f"{LEVEL} runs the program as root here: kill(-1) would reach the host"
+)
 def test_signals_never_reach_a_process_outside(escapes) -> None:
     """SIGKILL to a sleeper the test started, SIGUSR1 to the scoring process, SIGUSR2 to the test,
     SIGKILL to every process it may signal (kill -1)."""
@@ -264,7 +313,9 @@ def test_signals_never_reach_a_process_outside(escapes) -> None:
 
 
 @needs_bwrap
-@pytest.mark.skipif(CLONE_NUMBER < 0, reason=f"no seccomp filter for {platform.machine()} (environments.sandbox._SYSCALLS)")
+@pytest.mark.skipif(
+    CLONE_NUMBER < 0, reason=f"no seccomp filter for {platform.machine()} (environments.sandbox._SYSCALLS)"
+)
 def test_no_user_namespace_makes_it_root_again(escapes) -> None:
     """unshare(CLONE_NEWUSER), clone(CLONE_NEWUSER), unshare(1): root in a namespace of its own
     could mount a tmpfs no rlimit bounds."""
@@ -286,7 +337,9 @@ def test_nothing_it_starts_outlives_the_scoring_run(escapes) -> None:
     assert escapes["markers_now"]["linger"] == 0
 
 
-@pytest.mark.skipif(not drops_uid(LEVEL), reason=f"{LEVEL} runs the program as this (root) user, whom RLIMIT_NPROC exempts")
+@pytest.mark.skipif(
+    not drops_uid(LEVEL), reason=f"{LEVEL} runs the program as this (root) user, whom RLIMIT_NPROC exempts"
+)
 def test_a_fork_bomb_scores_zero_in_bounded_time_and_spares_its_sibling(escapes) -> None:
     bomb, sibling = escapes["bomb"], escapes["sibling"]
     assert escapes["markers_most"]["bomb"] > 1, "the bomb never forked: the attack is broken"
@@ -310,7 +363,10 @@ def test_the_seccomp_filter_is_valid_classic_bpf() -> None:
     for machine in ("x86_64", "aarch64"):
         program = seccomp_filter(machine)
         assert program and len(program) % 8 == 0
-        steps = [(int.from_bytes(program[i : i + 2], sys.byteorder), program[i + 2], program[i + 3]) for i in range(0, len(program), 8)]
+        steps = [
+            (int.from_bytes(program[i : i + 2], sys.byteorder), program[i + 2], program[i + 3])
+            for i in range(0, len(program), 8)
+        ]
         for index, (code, yes, no) in enumerate(steps):
             if code & 0x07 == 0x05:  # a jump
                 assert index + 1 + max(yes, no) < len(steps)

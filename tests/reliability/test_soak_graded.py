@@ -13,11 +13,15 @@ def planned_scores(grader: str, size: int = 4):
     return lambda item_id: [score for _, score in planned(item_id, size, grader)]
 
 
-async def test_the_judge_scores_as_planned_and_a_hanging_judge_fails_the_group_as_infra(tiny_tokenizer, monkeypatch) -> None:
+async def test_the_judge_scores_as_planned_and_a_hanging_judge_fails_the_group_as_infra(
+    tiny_tokenizer, monkeypatch
+) -> None:
     monkeypatch.setattr("environments.failures.INFRA_FIRST_WAIT_S", 0.05)
     judge = JudgeServer()
     try:
-        env = Graded({"grader": "judge", "judge_url": judge.url, "judge_timeout_s": 0.3}, client=None, tokenizer=tiny_tokenizer)
+        env = Graded(
+            {"grader": "judge", "judge_url": judge.url, "judge_timeout_s": 0.3}, client=None, tokenizer=tiny_tokenizer
+        )
         await env.setup()
         item = Item(id="7-1", prompt="hi")
         group = await env.collect_trajectories(item)

@@ -97,9 +97,7 @@ def watch():
 @pytest.fixture
 def truth(moto) -> s3fs.S3FileSystem:
     """moto itself, past the proxy: what the store really holds."""
-    return s3fs.S3FileSystem(
-        key="testing", secret="testing", endpoint_url=moto.endpoint_url, skip_instance_cache=True
-    )
+    return s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=moto.endpoint_url, skip_instance_cache=True)
 
 
 def stored(truth: s3fs.S3FileSystem, url: str) -> list[str]:
@@ -340,7 +338,9 @@ def small_disk(tmp_path: Path):
         pytest.skip("mounting a small tmpfs to fill needs root (run the suite as root, or in CI's container)")
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True, text=True
+    )
     if mounted.returncode != 0:
         pytest.skip(f"mount -t tmpfs is not permitted here: {mounted.stderr.strip()}")
     yield disk

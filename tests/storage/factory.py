@@ -32,9 +32,7 @@ def make_group(
                 completion,
                 logprobs,
                 score=rng.choice([0.0, 1.0, 0.5, -1.25]),
-                advantages=np.float32(
-                    [rng.uniform(-1, 1) for _ in range(len(prompt) + len(completion))]
-                ).tolist()
+                advantages=np.float32([rng.uniform(-1, 1) for _ in range(len(prompt) + len(completion))]).tolist()
                 if with_extras
                 else None,
                 finish_reason=rng.choice(["stop", "length"]),
@@ -44,13 +42,17 @@ def make_group(
                 ]
                 if with_extras
                 else None,
-                extras={"reward_parts": {"format": 1.0, "answer": 0.5}, "note": "é ✓"}
-                if with_extras
-                else {},
+                extras={"reward_parts": {"format": 1.0, "answer": 0.5}, "note": "é ✓"} if with_extras else {},
                 # sampled by one version, across a reload, or unknown (a server that does not say)
-                policy_versions=[(policy_version, policy_version), (policy_version, policy_version + 1), None][index % 3],
+                policy_versions=[(policy_version, policy_version), (policy_version, policy_version + 1), None][
+                    index % 3
+                ],
                 # drawn at a temperature, greedily, or not recorded (a demonstration)
-                sampling=[Sampling(temperature=1.25, logprobs_mode="processed_logprobs"), Sampling(temperature=0.0), None][index % 3],
+                sampling=[
+                    Sampling(temperature=1.25, logprobs_mode="processed_logprobs"),
+                    Sampling(temperature=0.0),
+                    None,
+                ][index % 3],
             )
         )
     return ScoredGroup(

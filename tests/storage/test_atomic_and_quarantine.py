@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from core.scored_group import SCHEMA_VERSION
-from storage.inspection import verify
 from storage.index import index_shards
+from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.schema import SchemaVersionError, groups_to_table
 from storage.writer import ShardWriter
@@ -22,14 +22,10 @@ from tests.storage.factory import make_groups
 
 @pytest.fixture(scope="module")
 def big_groups() -> list:
-    return make_groups(
-        40, seed=11, size=8, max_tokens=4000
-    )  # two per shard: shards of about 300 kB
+    return make_groups(40, seed=11, size=8, max_tokens=4000)  # two per shard: shards of about 300 kB
 
 
-def test_reader_racing_writers_never_sees_a_partial_shard(
-    root: str, big_groups: list, caplog
-) -> None:
+def test_reader_racing_writers_never_sees_a_partial_shard(root: str, big_groups: list, caplog) -> None:
     groups = big_groups
     done = threading.Event()
     failures: list[BaseException] = []
@@ -39,7 +35,7 @@ def test_reader_racing_writers_never_sees_a_partial_shard(
             with ShardWriter(root, "run", tokenizer="tok", max_groups=2) as writer:
                 for group in groups:
                     writer.add(group)
-        except BaseException as error:
+        except BaseException as error:  # noqa: BLE001 - the test asserts on what the thread raised
             failures.append(error)
         finally:
             done.set()
@@ -49,9 +45,7 @@ def test_reader_racing_writers_never_sees_a_partial_shard(
     writer = threading.Thread(target=write)
     with caplog.at_level(logging.INFO, logger="storage"):
         writer.start()
-        while (
-            not done.is_set()
-        ):  # list and parse as often as possible: the window to catch a half file
+        while not done.is_set():  # list and parse as often as possible: the window to catch a half file
             batches += reader.batches()
         writer.join()
         # A shard listed but not yet readable ends a pass and is retried by the next one (seen on
@@ -67,11 +61,7 @@ def test_reader_racing_writers_never_sees_a_partial_shard(
     assert failures == []
     # Nothing was quarantined: no reader saw a partial shard.
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    read_ids = [
-        gid
-        for batch in batches
-        for gid in dict.fromkeys(batch.table.column("group_id").to_pylist())
-    ]
+    read_ids = [gid for batch in batches for gid in dict.fromkeys(batch.table.column("group_id").to_pylist())]
     assert read_ids == [g.group_id for g in groups]
     assert sum(batch.table.num_rows for batch in batches) == sum(len(g.sequences) for g in groups)
     fs, _ = fsspec.core.url_to_fs(root)
@@ -114,9 +104,7 @@ def test_shard_breaking_invariants_is_quarantined(root: str, caplog) -> None:
     table = groups_to_table(make_groups(1, seed=14), "tok")
     mask = table.column("mask").to_pylist()
     mask[0] = mask[0][:-1]  # one mask entry short: len(mask) != len(tokens)
-    broken = table.set_column(
-        table.schema.get_field_index("mask"), "mask", pa.array(mask, pa.list_(pa.bool_()))
-    )
+    broken = table.set_column(table.schema.get_field_index("mask"), "mask", pa.array(mask, pa.list_(pa.bool_())))
     url = good_url = _shards(root)[0]
     url = good_url.rsplit("/", 1)[0] + "/20000101T000000.000000000Z-000000000000.parquet"
     with fsspec.open(url, "wb") as file:
@@ -136,7 +124,9 @@ def test_shard_in_the_wrong_partition_is_quarantined(root: str, caplog) -> None:
     with ShardWriter(root, "run", tokenizer="tok") as writer:
         [url] = writer.add_many(groups) + writer.flush()
     # A copy of its bytes under another env's partition (and id), copied in by hand and indexed.
-    misplaced = url.replace("env=gsm8k", "env=chess").rsplit("/", 1)[0] + "/20000101T000000.000000000Z-000000000000.parquet"
+    misplaced = (
+        url.replace("env=gsm8k", "env=chess").rsplit("/", 1)[0] + "/20000101T000000.000000000Z-000000000000.parquet"
+    )
     fs, path = fsspec.core.url_to_fs(url)
     fs.makedirs(fsspec.core.url_to_fs(misplaced)[1].rsplit("/", 1)[0], exist_ok=True)
     fs.pipe_file(fsspec.core.url_to_fs(misplaced)[1], fs.cat_file(path))

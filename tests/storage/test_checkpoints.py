@@ -7,7 +7,6 @@ import fsspec
 import pytest
 
 import storage.checkpoints as checkpoints
-from storage.filesystem import resolve
 from storage.checkpoints import (
     CheckpointError,
     apply_retention,
@@ -20,6 +19,7 @@ from storage.checkpoints import (
     read_checkpoint,
     retained,
 )
+from storage.filesystem import resolve
 
 
 @pytest.fixture
@@ -113,7 +113,9 @@ def test_a_step_marked_best_during_its_deletion_is_put_back(root: str, model_dir
 
     def marked_after_the_first_look(*args, **kwargs):
         calls.append(1)
-        return real(*args, **kwargs) if len(calls) == 1 else {"step": 1, "reward": 1.0}  # the evaluator marked 1 meanwhile
+        return (
+            real(*args, **kwargs) if len(calls) == 1 else {"step": 1, "reward": 1.0}
+        )  # the evaluator marked 1 meanwhile
 
     monkeypatch.setattr(checkpoints, "read_best", marked_after_the_first_look)
     assert apply_retention(root, "run", keep_last=1) == [2]

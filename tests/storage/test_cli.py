@@ -60,10 +60,7 @@ def test_show_decodes_text_and_highlights_the_trained_part(tmp_path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {
-        word: index
-        for index, word in enumerate(["[UNK]", "what", "is", "two", "plus", "four", "."])
-    }
+    vocab = {word: index for index, word in enumerate(["[UNK]", "what", "is", "two", "plus", "four", "."])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer).save_pretrained(tmp_path / "tokenizer")
@@ -74,9 +71,7 @@ def test_show_decodes_text_and_highlights_the_trained_part(tmp_path) -> None:
     result = invoke("show", f"{tmp_path}/run", "--tokenizer", str(tmp_path / "tokenizer"))
     assert result.exit_code == 0, result.output
     assert "what is two plus two" in result.output
-    assert (
-        "\x1b[1;32mfour .\x1b[0m" in result.output
-    )  # the completion, bold green; the prompt is not
+    assert "\x1b[1;32mfour .\x1b[0m" in result.output  # the completion, bold green; the prompt is not
 
 
 def test_verify_passes_good_shards_and_fails_a_bad_one(run_url: str, tmp_path) -> None:
@@ -108,8 +103,10 @@ def test_index_makes_shards_copied_in_by_hand_readable(run_url: str, tmp_path) -
     shutil.copytree(run_url.removeprefix("file://") + "/rollouts", copy / "rollouts")  # not its _index
     reader = ShardReader(f"file://{tmp_path}/copy", "run")
     assert len(list(reader.groups())) == 5  # a run without an index is indexed by its first reader
-    shutil.copy(sorted((copy / "rollouts").rglob("*.parquet"))[0],  # the oldest: 2 groups
-                 copy / "rollouts" / "env=gsm8k" / "policy_version=0" / "20000101T000000.000000000Z-000000000000.parquet")
+    shutil.copy(
+        sorted((copy / "rollouts").rglob("*.parquet"))[0],  # the oldest: 2 groups
+        copy / "rollouts" / "env=gsm8k" / "policy_version=0" / "20000101T000000.000000000Z-000000000000.parquet",
+    )
     assert len(list(ShardReader(f"file://{tmp_path}/copy", "run").groups())) == 5  # not indexed yet
     result = invoke("index", f"file://{copy}")
     assert result.exit_code == 0 and "every shard is indexed" in result.output, result.output

@@ -17,12 +17,7 @@ from tests.storage.factory import make_group
 
 def write_small_shards(root: str) -> list:
     rng = random.Random(21)
-    groups = [
-        make_group(rng, env=env, policy_version=v)
-        for _ in range(5)
-        for env in ("a", "b")
-        for v in (0, 1)
-    ]
+    groups = [make_group(rng, env=env, policy_version=v) for _ in range(5) for env in ("a", "b") for v in (0, 1)]
     with ShardWriter(root, "run", tokenizer="tok", max_groups=1) as writer:  # 20 one-group shards
         for group in groups:
             writer.add(group)
@@ -44,9 +39,7 @@ def test_compaction_keeps_every_row_once(root: str) -> None:
     assert before == 20 and len(after) == 4 == len(merged)  # one shard per partition
     assert all(m.rows == 5 * 4 for m in merged)
     read = list(ShardReader(root, "run").groups())
-    assert sorted(g.group_id for g in read) == sorted(
-        g.group_id for g in groups
-    )  # none lost, none twice
+    assert sorted(g.group_id for g in read) == sorted(g.group_id for g in groups)  # none lost, none twice
     assert by_partition(read) == by_partition(groups)  # same rows, order kept within each partition
     assert all(not check.problems for check in verify(f"{root}/run"))
     assert compact(f"{root}/run", target_bytes=10**9) == []  # nothing left to merge
@@ -59,9 +52,7 @@ def test_target_bytes_bounds_the_merge(root: str) -> None:
     size = {s.url: s.size for s in shards}
     target = 2 * max(size.values())
     merged = compact(partition, target_bytes=target)
-    assert merged and all(
-        len(m.sources) >= 2 and sum(size[u] for u in m.sources) <= target for m in merged
-    )
+    assert merged and all(len(m.sources) >= 2 and sum(size[u] for u in m.sources) <= target for m in merged)
     _, after = find_shards(partition)
     assert len(after) == len(shards) - sum(len(m.sources) - 1 for m in merged)
 
@@ -72,9 +63,7 @@ def test_interrupted_compaction_is_finished_by_the_next(root: str) -> None:
     partition = [s for s in shards if s.env == "a" and s.policy_version == 1]
     saved = {s.path: fs.cat_file(s.path) for s in partition}
     compact(f"{root}/run/rollouts/env=a/policy_version=1", target_bytes=10**9)
-    for path, data in list(saved.items())[
-        :2
-    ]:  # as if it crashed after writing, mid-way through deleting
+    for path, data in list(saved.items())[:2]:  # as if it crashed after writing, mid-way through deleting
         fs.pipe_file(path, data)
     compact(f"{root}/run", target_bytes=10**9)
     read = list(ShardReader(root, "run").groups())
@@ -97,9 +86,7 @@ def test_reader_refuses_a_merge_of_partly_consumed_shards(root: str) -> None:
     next(stream)
     stream.close()
     compact(f"{root}/run", target_bytes=10**9)
-    with pytest.raises(
-        RuntimeError, match="do not compact partitions a trainer is still consuming"
-    ):
+    with pytest.raises(RuntimeError, match="do not compact partitions a trainer is still consuming"):
         list(trainer.groups())
 
 
@@ -108,7 +95,5 @@ def test_merged_shard_has_its_sources_in_metadata(root: str) -> None:
     fs, before = find_shards(f"{root}/run/rollouts/env=b/policy_version=0")
     [merged] = compact(f"{root}/run/rollouts/env=b/policy_version=0", target_bytes=10**9)
     _, [shard] = find_shards(merged.url)
-    assert read_shard(fs, shard).schema.metadata[b"clotho.compacted_from"].decode().count(
-        "parquet"
-    ) == len(before)
+    assert read_shard(fs, shard).schema.metadata[b"clotho.compacted_from"].decode().count("parquet") == len(before)
     assert not any(fsspec.core.url_to_fs(s.url)[0].exists(s.path) for s in before)

@@ -31,7 +31,5 @@ def test_missing_s3_credentials_name_the_fix(s3_server, monkeypatch) -> None:
         "run",
         storage_options={"endpoint_url": s3_server.endpoint_url, "skip_instance_cache": True},
     )
-    with pytest.raises(
-        PermissionError, match="s3://clotho-test/creds/run/rollouts: no usable S3 credentials"
-    ):
+    with pytest.raises(PermissionError, match="s3://clotho-test/creds/run/rollouts: no usable S3 credentials"):
         reader.new_shards()

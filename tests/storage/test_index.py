@@ -137,7 +137,9 @@ def test_a_run_and_ledger_written_before_the_index_resume_exactly_once(tmp_path)
     reader = ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(saved))
     read = {batch.shard.name for batch in reader.batches()}
     assert read == set(all_names) - set(saved["consumed"]) and len(read) == 23
-    assert list(ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(reader.ledger.to_dict())).batches()) == []
+    assert (
+        list(ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(reader.ledger.to_dict())).batches()) == []
+    )
 
 
 def test_a_stopped_writer_s_entry_with_no_shard_is_dropped_and_the_run_reads_whole_at_once(root: str) -> None:

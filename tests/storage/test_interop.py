@@ -18,10 +18,7 @@ from tests.storage.factory import make_group
 def write_run(tmp_path) -> tuple[str, list]:
     rng = random.Random(31)
     groups = [
-        make_group(rng, env=env, policy_version=v)
-        for env in ("gsm8k", "chess")
-        for v in (0, 3)
-        for _ in range(3)
+        make_group(rng, env=env, policy_version=v) for env in ("gsm8k", "chess") for v in (0, 3) for _ in range(3)
     ]
     with ShardWriter(str(tmp_path), "run", tokenizer="tok", max_groups=2) as writer:
         for group in groups:
@@ -52,9 +49,7 @@ def test_duckdb_reads_the_shards_as_one_dataset(tmp_path) -> None:
         f"FROM read_parquet('{url}/**/*.parquet', hive_partitioning=true) GROUP BY ALL ORDER BY ALL"
     ).fetchall()
     assert rows == expected_counts(groups)
-    tokens = duckdb.sql(
-        f"SELECT sum(len(tokens)) FROM read_parquet('{url}/*/*/*.parquet')"
-    ).fetchall()[0][0]
+    tokens = duckdb.sql(f"SELECT sum(len(tokens)) FROM read_parquet('{url}/*/*/*.parquet')").fetchall()[0][0]
     assert tokens == sum(g.num_tokens for g in groups)
 
 
@@ -68,8 +63,6 @@ def test_polars_reads_the_shards_as_one_dataset(tmp_path) -> None:
 
 def test_pyarrow_dataset_with_the_hive_partitioning(tmp_path) -> None:
     url, groups = write_run(tmp_path)
-    partitioning = ds.partitioning(
-        pa.schema([("env", pa.string()), ("policy_version", pa.int64())]), flavor="hive"
-    )
+    partitioning = ds.partitioning(pa.schema([("env", pa.string()), ("policy_version", pa.int64())]), flavor="hive")
     table = ds.dataset(url, format="parquet", partitioning=partitioning).to_table()
     assert table.num_rows == sum(len(g.sequences) for g in groups)

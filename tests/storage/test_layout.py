@@ -27,9 +27,7 @@ def test_shard_ids_sort_by_time() -> None:
     times = [1_000_000_000, 999_999_999_999, 1_700_000_000_000_000_001, 1_700_000_000_000_000_010]
     ids = [new_shard_id(t) for t in times]
     assert sorted(ids) == ids
-    assert (
-        len(set(new_shard_id(5) for _ in range(100))) == 100
-    )  # random part keeps equal times apart
+    assert len(set(new_shard_id(5) for _ in range(100))) == 100  # random part keeps equal times apart
 
 
 def test_parse_round_trips_and_rejects_strays() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from storage.filesystem import resolve
 from storage.progress import (
     SamplerPosition,
     TrainerPosition,
@@ -17,20 +18,23 @@ from storage.progress import (
     read_sampler_positions,
     read_trainer_position,
     sampler_position_url,
-    write_sampler_position,
     write_run_end,
+    write_sampler_position,
     write_trainer_position,
 )
-from storage.filesystem import resolve
 from storage.reader import ShardReader
 
 
 def test_positions_round_trip_and_replace_whole(root: str) -> None:
     assert read_trainer_position(root, "run") is None and read_sampler_positions(root, "run") == []
-    first = TrainerPosition(steps=3, groups_consumed=12, policy_version=3, groups_per_step=4, save_every=1, max_staleness=1)
+    first = TrainerPosition(
+        steps=3, groups_consumed=12, policy_version=3, groups_per_step=4, save_every=1, max_staleness=1
+    )
     write_trainer_position(root, "run", first)
     assert read_trainer_position(root, "run") == first
-    later = TrainerPosition(steps=4, groups_consumed=16, policy_version=4, groups_per_step=4, save_every=1, max_staleness=1)
+    later = TrainerPosition(
+        steps=4, groups_consumed=16, policy_version=4, groups_per_step=4, save_every=1, max_staleness=1
+    )
     write_trainer_position(root, "run", later)
     assert read_trainer_position(root, "run") == later
 
@@ -55,14 +59,16 @@ def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> 
 
     flows, free = 8, 4
     for index in range(free):
-        write_sampler_position(root, "run", SamplerPosition(f"slot{index}", committed=index + 1, in_flight=0, closed=True))
+        write_sampler_position(
+            root, "run", SamplerPosition(f"slot{index}", committed=index + 1, in_flight=0, closed=True)
+        )
     total = groups_committed(root, "run")
     rounds = 50
     with ThreadPoolExecutor(flows) as pool:
         for round_ in range(rounds):
             start = threading.Barrier(flows)
 
-            def claim(holder: str) -> SamplerPosition:
+            def claim(holder: str, start: threading.Barrier = start) -> SamplerPosition:
                 start.wait()
                 return claim_sampler_slot(root, "run", holder)
 
@@ -73,8 +79,19 @@ def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> 
             assert groups_committed(root, "run") == total  # carried on once, never twice
             for c in claims:  # the holders end: their slots are free for the next round; the new ones go
                 if c.sampler.startswith("slot"):
-                    write_sampler_position(root, "run", SamplerPosition(c.sampler, c.committed, 0, closed=True, holder=c.holder,
-                                                                        adopted=c.adopted, generation=c.generation))  # fmt: skip
+                    write_sampler_position(
+                        root,
+                        "run",
+                        SamplerPosition(
+                            c.sampler,
+                            c.committed,
+                            0,
+                            closed=True,
+                            holder=c.holder,
+                            adopted=c.adopted,
+                            generation=c.generation,
+                        ),
+                    )
                 else:
                     fs, path = resolve(sampler_position_url(root, "run", c.sampler))
                     fs.rm(path)
@@ -85,10 +102,27 @@ def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> 
 
 def test_the_announced_trainer_keeps_the_runs_counts_with_its_own_settings(root: str) -> None:
     assert announce_trainer(root, "run", groups_per_step=4, save_every=2, max_staleness=1, end_step=10).steps == 0
-    write_trainer_position(root, "run", TrainerPosition(steps=10, groups_consumed=41, policy_version=10, groups_per_step=4,
-                                                        save_every=2, max_staleness=1, end_step=10))  # fmt: skip
+    write_trainer_position(
+        root,
+        "run",
+        TrainerPosition(
+            steps=10,
+            groups_consumed=41,
+            policy_version=10,
+            groups_per_step=4,
+            save_every=2,
+            max_staleness=1,
+            end_step=10,
+        ),
+    )
     later = announce_trainer(root, "run", groups_per_step=8, save_every=1, max_staleness=0, end_step=30)
-    assert (later.steps, later.groups_consumed, later.policy_version, later.groups_per_step, later.end_step) == (10, 41, 10, 8, 30)
+    assert (later.steps, later.groups_consumed, later.policy_version, later.groups_per_step, later.end_step) == (
+        10,
+        41,
+        10,
+        8,
+        30,
+    )
     assert read_trainer_position(root, "run") == later
     assert read_run_end(root, "run") is None
     write_run_end(root, "run", 12)

@@ -33,19 +33,14 @@ def test_empty_run_has_no_shards(root: str) -> None:
 
 def test_reads_in_write_order_across_partitions(root: str) -> None:
     rng = random.Random(3)
-    groups = [
-        make_group(rng, env=rng.choice(["a", "b"]), policy_version=rng.randrange(3))
-        for _ in range(12)
-    ]
+    groups = [make_group(rng, env=rng.choice(["a", "b"]), policy_version=rng.randrange(3)) for _ in range(12)]
     with ShardWriter(root, "run", tokenizer="tok", max_groups=1) as writer:
         for group in groups:
             writer.add(group)
     reader = ShardReader(root, "run")
     shards = reader.new_shards()
     assert len(shards) == 12
-    assert [s.shard_id for s in (shard.location for shard in shards)] == sorted(
-        s.location.shard_id for s in shards
-    )
+    assert [s.shard_id for s in (shard.location for shard in shards)] == sorted(s.location.shard_id for s in shards)
     assert list(reader.groups()) == groups
     assert reader.new_shards() == []  # all consumed
 
@@ -59,9 +54,7 @@ def test_filters_by_env(root: str) -> None:
     assert [(g.env, g.policy_version) for g in only_a.groups()] == [("a", v) for v in range(4)]
     # Every policy version is handed out: staleness is the trainer's rule (trainer.data.is_stale).
     everything = ShardReader(root, "run")
-    assert sorted((g.env, g.policy_version) for g in everything.groups()) == [
-        (e, v) for e in "ab" for v in range(4)
-    ]
+    assert sorted((g.env, g.policy_version) for g in everything.groups()) == [(e, v) for e in "ab" for v in range(4)]
 
 
 def test_ignores_hidden_and_stray_files(root: str) -> None:
@@ -71,9 +64,7 @@ def test_ignores_hidden_and_stray_files(root: str) -> None:
     for name in ("_tmp.parquet", ".writing.parquet", "_SUCCESS", "notes.txt", "not-an-id.parquet"):
         with fsspec.open(f"{partition}/{name}", "wb") as file:
             file.write(b"partial garbage")
-    with fsspec.open(
-        f"{root}/run/rollouts/_staging/env=gsm8k/policy_version=0/x.parquet", "wb"
-    ) as file:
+    with fsspec.open(f"{root}/run/rollouts/_staging/env=gsm8k/policy_version=0/x.parquet", "wb") as file:
         file.write(b"partial garbage")
     reader = ShardReader(root, "run")
     assert len(reader.new_shards()) == 1
@@ -93,10 +84,7 @@ def test_ledger_exactly_once_across_restart(root: str) -> None:
     resumed = ShardReader(root, "run", tokenizer="tok", ledger=Ledger.from_json(checkpoint))
     consumed += list(resumed.groups())
     assert [g.group_id for g in consumed] == [g.group_id for g in first_groups + next_groups]
-    assert (
-        list(ShardReader(root, "run", ledger=Ledger.from_json(resumed.ledger.to_json())).groups())
-        == []
-    )
+    assert list(ShardReader(root, "run", ledger=Ledger.from_json(resumed.ledger.to_json())).groups()) == []
 
 
 def test_batches_resume_a_partial_shard(root: str) -> None:
@@ -112,9 +100,7 @@ def test_batches_resume_a_partial_shard(root: str) -> None:
     assert resumed.ledger.partial == {} and len(resumed.ledger.consumed) == 2
 
 
-def test_a_trainer_taking_a_few_groups_per_step_reads_each_shard_once(
-    root: str, monkeypatch
-) -> None:
+def test_a_trainer_taking_a_few_groups_per_step_reads_each_shard_once(root: str, monkeypatch) -> None:
     groups = write_shards(root, 2, groups_per_shard=5, seed=6)
     reads: list[str] = []
     real_read_shard = reader_module.read_shard

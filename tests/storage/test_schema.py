@@ -91,9 +91,7 @@ def test_objective_round_trips_and_a_bad_one_is_named() -> None:
 def _tampered(column: str, values: list) -> pa.Table:
     table = groups_to_table(make_groups(2, seed=3, size=2), "tok")
     index = table.schema.get_field_index(column)
-    return table.set_column(
-        index, SHARD_SCHEMA.field(column), pa.array(values, SHARD_SCHEMA.field(column).type)
-    )
+    return table.set_column(index, SHARD_SCHEMA.field(column), pa.array(values, SHARD_SCHEMA.field(column).type))
 
 
 def test_invariants_lengths_must_match() -> None:
@@ -136,9 +134,7 @@ def test_a_lost_row_is_caught() -> None:
 
 def test_a_slice_at_a_group_boundary_is_valid() -> None:
     groups = make_groups(3, seed=4, size=3)
-    table = groups_to_table(groups, "tok").slice(
-        3
-    )  # offsets into every buffer, bit offsets for mask
+    table = groups_to_table(groups, "tok").slice(3)  # offsets into every buffer, bit offsets for mask
     metadata = {**table.schema.metadata, b"clotho.num_groups": b"2"}
     check_table(table.replace_schema_metadata(metadata))
     assert table_to_groups(table) == groups[1:]
@@ -254,7 +250,11 @@ def test_policy_versions_round_trip_and_a_backwards_range_is_named() -> None:
     with pytest.raises(ShardFormatError, match="both null or first <= last"):
         check_table(half)
     with pytest.raises(InvalidGroupError, match=r"sequences\[0\].policy_versions: \(3, 2\) is not \(first, last\)"):
-        ScoredGroup(env="e", item_id="i", sequences=[ScoredSequence.from_prompt([1], [2], [-0.1], score=0.0, policy_versions=(3, 2))])
+        ScoredGroup(
+            env="e",
+            item_id="i",
+            sequences=[ScoredSequence.from_prompt([1], [2], [-0.1], score=0.0, policy_versions=(3, 2))],
+        )
 
 
 def _pair(scores=(1.0, 0.0), **fields) -> ScoredGroup:
@@ -264,8 +264,14 @@ def _pair(scores=(1.0, 0.0), **fields) -> ScoredGroup:
 
 def test_reference_and_teacher_logprobs_round_trip_as_float32() -> None:
     pair = _pair(ref_logprobs=[0.0, 0.0, -0.1, -0.2])
-    distill = ScoredGroup(env="e", item_id="j", objective="distill", sequences=[
-        ScoredSequence.from_prompt([1], [5, 6], [-1.0, -2.0], score=0.0, teacher_logprobs=[0.0, -0.3, -0.7])])  # fmt: skip
+    distill = ScoredGroup(
+        env="e",
+        item_id="j",
+        objective="distill",
+        sequences=[
+            ScoredSequence.from_prompt([1], [5, 6], [-1.0, -2.0], score=0.0, teacher_logprobs=[0.0, -0.3, -0.7])
+        ],
+    )
     table = groups_to_table([pair, distill], "tok")
     check_table(table)
     back = table_to_groups(table)
@@ -293,6 +299,8 @@ def test_bad_preference_pairs_and_distillation_groups_are_named() -> None:
     assert preference_pair(ScoredGroup(env="e", item_id="i", sequences=[tie, tie, tie])) is None
     # The same rules on a shard's columns: a tie written by other code is refused on read.
     table = groups_to_table([_pair()], "tok")
-    tied = table.set_column(table.schema.get_field_index("score"), SHARD_SCHEMA.field("score"), pa.array([0.5, 0.5], pa.float64()))
+    tied = table.set_column(
+        table.schema.get_field_index("score"), SHARD_SCHEMA.field("score"), pa.array([0.5, 0.5], pa.float64())
+    )
     with pytest.raises(ShardFormatError, match="score: a dpo pair with tied scores"):
         check_table(tied)

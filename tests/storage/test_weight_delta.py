@@ -16,8 +16,8 @@ from storage.checkpoints import (
     SPARE_WEIGHTS,
     CheckpointError,
     apply_retention,
-    drop_cached_copy,
     checkpoint_url,
+    drop_cached_copy,
     fetch_checkpoint,
     pin_steps,
     publish_checkpoint,
@@ -52,7 +52,11 @@ def full_file(step: int, path) -> bytes:
 def test_deltas_rebuild_the_full_file_byte_for_byte(tmp_path) -> None:
     full_file(1, tmp_path / "base.safetensors")
     expected = full_file(4, tmp_path / "expected.safetensors")
-    apply(tmp_path / "base.safetensors", [(2, delta(2, 1)), (3, delta(3, 2)), (4, delta(4, 3))], tmp_path / "out.safetensors")
+    apply(
+        tmp_path / "base.safetensors",
+        [(2, delta(2, 1)), (3, delta(3, 2)), (4, delta(4, 3))],
+        tmp_path / "out.safetensors",
+    )
     assert (tmp_path / "out.safetensors").read_bytes() == expected
     assert len(delta(2, 1)) < 0.5 * len(expected)
 
@@ -170,7 +174,10 @@ def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch) -
     monkeypatch.setattr(weight_delta, "encode", lambda *args: tried.append(args[2]) or encode(*args))
     publisher = DeltaPublisher(full_every=4)
     publisher.published(1, weights_at(1), [])
-    noisy = {name: torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16) for name, t in weights_at(2).items()}
+    noisy = {
+        name: torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+        for name, t in weights_at(2).items()
+    }
     assert publisher.encode(noisy) is None and tried == [1]  # too big: step 2 goes full
     publisher.published(2, noisy, [])
     for step in (3, 4, 5):
@@ -200,13 +207,21 @@ def test_tensors_of_many_chunks_rebuild_and_a_wrong_chunk_is_named(tmp_path, mon
 
 
 def test_a_streamed_safetensors_file_loads_as_safetensors_own_with_tied_tensors(tmp_path) -> None:
-    from trainer.checkpointing import SAFETENSORS_DTYPES
     from storage.weight_delta import safetensors_header, write_safetensors
+    from trainer.checkpointing import SAFETENSORS_DTYPES
 
-    tensors = {**weights_at(1), "c.fp32": torch.randn(3, 5), "d.ids": torch.arange(5), "e.mask": torch.tensor([True, False, True])}
+    tensors = {
+        **weights_at(1),
+        "c.fp32": torch.randn(3, 5),
+        "d.ids": torch.arange(5),
+        "e.mask": torch.tensor([True, False, True]),
+    }
     tensors["tied"] = tensors["a.weight"]  # an lm_head tied to its embedding: written twice, no copy made
-    write_safetensors({n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()},
-                      tmp_path / "w.safetensors", metadata={"format": "pt"})  # fmt: skip
+    write_safetensors(
+        {n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()},
+        tmp_path / "w.safetensors",
+        metadata={"format": "pt"},
+    )
     loaded = load_file(tmp_path / "w.safetensors")
     assert loaded.keys() == tensors.keys()
     assert all(loaded[n].dtype == t.dtype and torch.equal(loaded[n], t) for n, t in tensors.items())

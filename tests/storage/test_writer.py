@@ -56,12 +56,7 @@ def test_flushes_on_bytes_and_age(root: str) -> None:
 
 def test_one_shard_per_partition(root: str) -> None:
     rng = random.Random(0)
-    groups = [
-        make_group(rng, env=env, policy_version=v)
-        for env in ("a", "b")
-        for v in (0, 1)
-        for _ in range(2)
-    ]
+    groups = [make_group(rng, env=env, policy_version=v) for env in ("a", "b") for v in (0, 1) for _ in range(2)]
     with ShardWriter(root, "run", tokenizer="tok") as writer:
         writer.add_many(groups)
         urls = writer.flush()

@@ -34,14 +34,15 @@ def sampled_groups(
             completion = [rng.randrange(3, 512) for _ in range(rng.randint(3, 12))]
             with torch.no_grad():
                 logprobs = reference_logprobs(model, prompt, completion)
-            sequences.append(
-                ScoredSequence.from_prompt(prompt, completion, logprobs, float(member % 2))
-            )
+            sequences.append(ScoredSequence.from_prompt(prompt, completion, logprobs, float(member % 2)))
         groups.append(
             ScoredGroup(
-                env="toy", item_id=f"{seed}-{index}", sequences=sequences,
-                policy_version=policy_version, extras=extras or {},
-            )  # fmt: skip
+                env="toy",
+                item_id=f"{seed}-{index}",
+                sequences=sequences,
+                policy_version=policy_version,
+                extras=extras or {},
+            )
         )
     return groups
 

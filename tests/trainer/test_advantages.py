@@ -18,9 +18,7 @@ def group_advantages(scores, config: AdvantageConfig) -> list[float]:
 def test_grpo_normalizes_by_mean_and_population_std():
     # mean 0.5, population std 0.5: (1 - 0.5) / (0.5 + 1e-6) etc.
     unit = 0.5 / (0.5 + 1e-6)
-    assert group_advantages([1.0, 0.0, 0.0, 1.0], AdvantageConfig()) == pytest.approx(
-        [unit, -unit, -unit, unit]
-    )
+    assert group_advantages([1.0, 0.0, 0.0, 1.0], AdvantageConfig()) == pytest.approx([unit, -unit, -unit, unit])
 
 
 def test_grpo_by_hand_uneven():
@@ -31,9 +29,7 @@ def test_grpo_by_hand_uneven():
 
 
 def test_mean_only_just_centers():
-    assert group_advantages([3.0, 1.0, 2.0], AdvantageConfig(mode="mean_only")) == pytest.approx(
-        [1.0, -1.0, 0.0]
-    )
+    assert group_advantages([3.0, 1.0, 2.0], AdvantageConfig(mode="mean_only")) == pytest.approx([1.0, -1.0, 0.0])
 
 
 def test_leave_one_out_subtracts_the_mean_of_the_others():
@@ -51,13 +47,9 @@ def test_no_signal_gives_zeros(mode):
 
 def group(override=None):
     def sequence(score, advantages=None):
-        return ScoredSequence.from_prompt(
-            [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], score, advantages=advantages
-        )
+        return ScoredSequence.from_prompt([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], score, advantages=advantages)
 
-    return ScoredGroup(
-        env="test", item_id="0", sequences=[sequence(1.0), sequence(0.0, override), sequence(0.5)]
-    )
+    return ScoredGroup(env="test", item_id="0", sequences=[sequence(1.0), sequence(0.0, override), sequence(0.5)])
 
 
 def test_sequence_advantages_sit_on_trained_tokens_only():

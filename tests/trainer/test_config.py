@@ -9,9 +9,9 @@ import sys
 import pytest
 from pydantic import ValidationError
 
+from core.overrides import apply_overrides
 from tests.trainer import custom_loss
 from trainer import corrections, losses
-from core.overrides import apply_overrides
 from trainer.config import BUILTIN_LOSSES, LossConfig, TrainerConfig
 
 CUSTOM = "tests.trainer.custom_loss"
@@ -46,7 +46,10 @@ def test_a_custom_loss_is_imported_with_its_own_defaults():
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("ppo", "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo, mis_token, mis_sequence, icepop, cispo, dppo\\)"),
+        (
+            "ppo",
+            "loss.name: 'ppo' is neither a built-in loss \\(grpo, dr_grpo, dapo, gspo, mis_token, mis_sequence, icepop, cispo, dppo\\)",
+        ),
         ("no_such_module:loss", "loss.name: 'no_such_module:loss': cannot import no_such_module"),
         ("trainer.losses:nope", "trainer.losses has no 'nope'"),
         (f"{CUSTOM}:NOT_A_LOSS", "NOT_A_LOSS is not a function but of type int"),

@@ -30,7 +30,9 @@ def sampler(i: int, t: int) -> float:
 def packed(leaves: list[list[torch.Tensor]], advantages_by_token: list[list[float]]):
     """The sequences as one row each, padded: [3, 4] tensors with a trained-token mask."""
     rows = len(leaves)
-    logprobs = torch.stack([torch.stack(seq + [torch.tensor(0.0, dtype=torch.float64)] * (4 - len(seq))) for seq in leaves])
+    logprobs = torch.stack(
+        [torch.stack(seq + [torch.tensor(0.0, dtype=torch.float64)] * (4 - len(seq))) for seq in leaves]
+    )
     mu = torch.zeros(rows, 4, dtype=torch.float64)
     advantages = torch.zeros(rows, 4, dtype=torch.float64)
     mask = torch.zeros(rows, 4, dtype=torch.bool)
@@ -40,10 +42,14 @@ def packed(leaves: list[list[torch.Tensor]], advantages_by_token: list[list[floa
     return logprobs, mu, advantages, mask
 
 
-def clotho(name: str, advantages_by_token=ADVANTAGES, config: dict | None = None, **options) -> tuple[float, list[list[float]], dict]:
+def clotho(
+    name: str, advantages_by_token=ADVANTAGES, config: dict | None = None, **options
+) -> tuple[float, list[list[float]], dict]:
     leaves = leaf_logprobs()
     logprobs, mu, advantages, mask = packed(leaves, advantages_by_token)
-    loss, metrics = policy_loss(logprobs, mu, advantages, mask, LossConfig(name=name, options=options, **(config or {})))
+    loss, metrics = policy_loss(
+        logprobs, mu, advantages, mask, LossConfig(name=name, options=options, **(config or {}))
+    )
     loss.backward()
     return loss.item(), [[leaf.grad.item() for leaf in seq] for seq in leaves], metrics
 
@@ -107,15 +113,34 @@ def test_sequence_mask_equals_its_formula():
     assert_same(ours, reference(objective))
     # products: 1 x 0.3 x 7 x 1.5 = 3.15 (rejected), 2.5 x 0.9 = 2.25 (rejected), 0.45 (kept)
     assert ours[2]["masked_sequences"] == 2 and ours[2]["masked_tokens"] == 6
-    assert_same(clotho("mis_sequence", low=0.5, high=4.0), reference(lambda leaves: sum(
-        sum((w if 0.5 <= (w := math.prod(rho(l, i, t) for t, l in enumerate(seq))) <= 4.0 else 0.0) * ADVANTAGES[i][t] * r(leaf)
-            for t, leaf in enumerate(seq)) / len(seq) for i, seq in enumerate(leaves)) / len(leaves)))  # fmt: skip
+    assert_same(
+        clotho("mis_sequence", low=0.5, high=4.0),
+        reference(
+            lambda leaves: (
+                sum(
+                    sum(
+                        (w if 0.5 <= (w := math.prod(rho(leaf, i, t) for t, leaf in enumerate(seq))) <= 4.0 else 0.0)
+                        * ADVANTAGES[i][t]
+                        * r(leaf)
+                        for t, leaf in enumerate(seq)
+                    )
+                    / len(seq)
+                    for i, seq in enumerate(leaves)
+                )
+                / len(leaves)
+            )
+        ),
+    )
 
 
 def test_cispo_equals_its_formula():
     # J = 1 / sum|o| * sum_i sum_t sg(clip(rho, 0, 5)) A log pi.
     def objective(leaves):
-        total = sum(min(rho(leaf, i, t), 5.0) * ADVANTAGES[i][t] * leaf for i, seq in enumerate(leaves) for t, leaf in enumerate(seq))
+        total = sum(
+            min(rho(leaf, i, t), 5.0) * ADVANTAGES[i][t] * leaf
+            for i, seq in enumerate(leaves)
+            for t, leaf in enumerate(seq)
+        )
         return total / sum(len(seq) for seq in leaves)
 
     ours = clotho("cispo")
@@ -138,10 +163,28 @@ def test_dppo_equals_its_formula():
     assert_same(ours, reference(objective))
     # pi - mu: 0.9 - 0.9/7 = 0.77 (A > 0: masked); 0.6 - 0.4 = 0.2 (not more than delta); 0.3 - 0.12 > 0 with A < 0: kept
     assert ours[2]["masked_tokens"] == 1 and ours[2]["capped_tokens"] == 0
-    assert_same(clotho("dppo", delta_high=0.1, cap=2.0), reference(lambda leaves: sum(
-        (0.0 if (pi := math.exp(leaf.item())) - math.exp(sampler(i, t)) > 0.1 and ADVANTAGES[i][t] > 0
-         or pi - math.exp(sampler(i, t)) < -0.2 and ADVANTAGES[i][t] < 0 else min(rho(leaf, i, t), 2.0))
-        * ADVANTAGES[i][t] * leaf for i, seq in enumerate(leaves) for t, leaf in enumerate(seq)) / 7))  # fmt: skip
+    assert_same(
+        clotho("dppo", delta_high=0.1, cap=2.0),
+        reference(
+            lambda leaves: (
+                sum(
+                    (
+                        0.0
+                        if (pi := math.exp(leaf.item())) - math.exp(sampler(i, t)) > 0.1
+                        and ADVANTAGES[i][t] > 0
+                        or pi - math.exp(sampler(i, t)) < -0.2
+                        and ADVANTAGES[i][t] < 0
+                        else min(rho(leaf, i, t), 2.0)
+                    )
+                    * ADVANTAGES[i][t]
+                    * leaf
+                    for i, seq in enumerate(leaves)
+                    for t, leaf in enumerate(seq)
+                )
+                / 7
+            )
+        ),
+    )
 
 
 def test_gspo_equals_its_paper_with_the_sampler_as_old_policy():
@@ -163,6 +206,8 @@ def test_gspo_equals_its_paper_with_the_sampler_as_old_policy():
 
 
 def test_unknown_options_are_refused_with_the_ones_a_correction_takes():
-    with pytest.raises(ValueError, match=r"loss.options: \['alpha'\] not settings of loss icepop; it takes low \(default 0.5\), high"):
+    with pytest.raises(
+        ValueError, match=r"loss.options: \['alpha'\] not settings of loss icepop; it takes low \(default 0.5\), high"
+    ):
         LossConfig(name="icepop", options={"alpha": 0.4})
     assert LossConfig(name="icepop", options={"low": 0.2}).options == {"low": 0.2, "high": 5.0}

@@ -54,9 +54,7 @@ def test_missing_groups_time_out_with_the_fix(tmp_path):
     write_shards(root, "run", [group(0, 0)], groups_per_shard=1)
     started = time.monotonic()
     with pytest.raises(DataTimeoutError, match=r"1 of 2 groups .* are rollouts being written"):
-        next_step_groups(
-            ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=0.3, poll_s=0.05
-        )
+        next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=0.3, poll_s=0.05)
     assert time.monotonic() - started < 5
 
 
@@ -68,7 +66,9 @@ def test_groups_that_arrive_during_a_wait_are_taken_at_once_not_at_the_next_slow
     writer = threading.Timer(0.1, write_shards, (root, "run", [group(1, 0)]), {"groups_per_shard": 1})
     writer.start()
     started = time.monotonic()
-    groups, _ = next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=30, poll_s=3.0)
+    groups, _ = next_step_groups(
+        ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=30, poll_s=3.0
+    )
     waited = time.monotonic() - started
     writer.join()
     assert [g.item_id for g in groups] == ["0", "1"]

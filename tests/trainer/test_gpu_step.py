@@ -11,16 +11,37 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ["--size", "tiny", "--steps", "2", "--sequences", "12", "--min-tokens", "20", "--max-tokens", "90", "--prompt", "8",
-         "--micro-batch-tokens", "512", "--peak-tflops", "1"]  # fmt: skip
+SMALL = [
+    "--size",
+    "tiny",
+    "--steps",
+    "2",
+    "--sequences",
+    "12",
+    "--min-tokens",
+    "20",
+    "--max-tokens",
+    "90",
+    "--prompt",
+    "8",
+    "--micro-batch-tokens",
+    "512",
+    "--peak-tflops",
+    "1",
+]
 
 
 @pytest.mark.parametrize(("dtype", "bound"), [("float32", 1e-5), ("bfloat16", 0.05)])
 def test_the_device_step_script_trains_packed_rows_and_checks_them_against_each_sequence_alone(tmp_path, dtype, bound):
     out = tmp_path / "step.json"
     extra = ["--gradient-checkpointing"] if dtype == "bfloat16" else []
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_step.py"), *SMALL, "--dtype", dtype, "--out", str(out), *extra],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_step.py"), *SMALL, "--dtype", dtype, "--out", str(out), *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result == json.loads(done.stdout.strip().splitlines()[-1])

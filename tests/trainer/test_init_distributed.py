@@ -25,6 +25,14 @@ print(distributed.init_distributed(), flush=True)
 
 
 def test_a_port_taken_before_the_bind_is_chosen_again():
-    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "(0, 1)", done.stdout[-2000:] + done.stderr[-3000:]
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "(0, 1)", (
+        done.stdout[-2000:] + done.stderr[-3000:]
+    )

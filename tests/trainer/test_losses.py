@@ -10,8 +10,8 @@ import torch
 from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mask
 from trainer.config import LossConfig
 from trainer.losses import policy_loss, sft
-from trainer.model import token_logprobs
 from trainer.metrics import Maximum, Minimum, Total, merge_metrics
+from trainer.model import token_logprobs
 
 # The worked example used by the hand-computed tests. Two sequences of three tokens; the sampler
 # gave every token logprob -1, and the trainer's ratios pi/mu are chosen round:
@@ -106,9 +106,7 @@ def test_gspo_matches_the_sequence_level_definition():
     # With one advantage per sequence, GSPO-token must equal GSPO written directly on s_i.
     generator = torch.Generator().manual_seed(1)
     old = -torch.rand(3, 5, generator=generator, dtype=torch.float64) * 3
-    logprobs = (
-        old + torch.randn(3, 5, generator=generator, dtype=torch.float64) * 0.3
-    ).requires_grad_()
+    logprobs = (old + torch.randn(3, 5, generator=generator, dtype=torch.float64) * 0.3).requires_grad_()
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=torch.bool)
     sequence_advantage = torch.tensor([0.7, -1.3, 0.4], dtype=torch.float64)
     advantages = sequence_advantage[:, None].expand(3, 5)
@@ -119,9 +117,7 @@ def test_gspo_matches_the_sequence_level_definition():
     direct_logprobs = logprobs.detach().clone().requires_grad_()
     log_ratio = ((direct_logprobs - old) * mask).sum(1) / mask.sum(1)
     ratio = log_ratio.exp()
-    objective = torch.minimum(
-        ratio * sequence_advantage, ratio.clamp(0.9, 1.1) * sequence_advantage
-    )
+    objective = torch.minimum(ratio * sequence_advantage, ratio.clamp(0.9, 1.1) * sequence_advantage)
     direct_loss = -objective.mean()
     (direct_grad,) = torch.autograd.grad(direct_loss, direct_logprobs)
     assert loss.item() == pytest.approx(direct_loss.item())
@@ -160,9 +156,7 @@ def test_a_custom_loss_by_hand():
     assert metrics["reinforce_weight_max"] == 2.0
     assert isinstance(metrics["reinforce_weight_max"], Maximum)  # merges as a maximum
     assert metrics["reinforce_scale"] == 3.0 and "clip_fraction" not in metrics
-    assert (metrics["loss"], metrics["num_tokens"], metrics["num_sequences"]) == (
-        pytest.approx(loss), 5, 2
-    )
+    assert (metrics["loss"], metrics["num_tokens"], metrics["num_sequences"]) == (pytest.approx(loss), 5, 2)
 
 
 def test_a_loss_that_does_not_reduce_is_named():
@@ -237,9 +231,7 @@ def test_sft_by_hand():
     assert loss == pytest.approx(expected)
     assert metrics["nll"] == pytest.approx(expected) and metrics["loss"] == pytest.approx(expected)
     assert metrics["num_tokens"] == 5 and metrics["num_sequences"] == 2
-    torch.testing.assert_close(
-        grad, torch.tensor([[0.0, -0.2, -0.2], [-0.2, -0.2, -0.2]], dtype=torch.float64)
-    )
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -0.2, -0.2], [-0.2, -0.2, -0.2]], dtype=torch.float64))
     logprobs, old, advantages, mask = worked_example()
     moved, _ = policy_loss(logprobs, old + 3.0, -advantages, mask, LossConfig(), function=sft)
     assert moved.item() == pytest.approx(expected)
@@ -329,12 +321,8 @@ def toy_batch():
     # ratios clip, some are capped and most pass.
     old = current + torch.randn(4, width, generator=generator, dtype=torch.float64) * 0.4
     reference = current + torch.randn(4, width, generator=generator, dtype=torch.float64) * 0.2
-    advantages = (
-        torch.tensor([0.9, -1.1, 0.4, -0.2], dtype=torch.float64)[:, None].expand(4, width).clone()
-    )
-    advantages[3] = torch.randn(
-        width, generator=generator, dtype=torch.float64
-    )  # a per-token override
+    advantages = torch.tensor([0.9, -1.1, 0.4, -0.2], dtype=torch.float64)[:, None].expand(4, width).clone()
+    advantages[3] = torch.randn(width, generator=generator, dtype=torch.float64)  # a per-token override
     return input_ids, positions, attention, mask, old, advantages, reference
 
 
@@ -354,9 +342,7 @@ def test_two_micro_batches_of_two_equal_one_of_four(config, function):
     model = ToyCausalLM(seed=1)
 
     def run(rows, **counts):
-        logprobs = token_logprobs(
-            model(input_ids[rows], positions[rows], attention[rows]), input_ids[rows]
-        )
+        logprobs = token_logprobs(model(input_ids[rows], positions[rows], attention[rows]), input_ids[rows])
         loss, metrics = policy_loss(
             logprobs,
             old[rows],

@@ -30,9 +30,13 @@ WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequence:
     tokens = torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed))
     return TrainingSequence(
-        tokens=tokens.tolist(), mask=[False] + [True] * (length - 1), old_logprobs=[-1.0] * length,
-        advantages=[1.0] * length, extras=extras or {}, name=f"sequence {seed}",
-    )  # fmt: skip
+        tokens=tokens.tolist(),
+        mask=[False] + [True] * (length - 1),
+        old_logprobs=[-1.0] * length,
+        advantages=[1.0] * length,
+        extras=extras or {},
+        name=f"sequence {seed}",
+    )
 
 
 @torch.no_grad()
@@ -148,7 +152,9 @@ def test_chunked_logprobs_equal_the_whole_logits_with_gradients(tiny_model_dir):
     whole = token_logprobs(logits, ids, temperature, predictors=predictors)
     expected_gradients = gradients(whole)
     rows = torch.arange(3)[:, None]
-    scaled = (logits.detach()[rows, predictors[:, 1:]] / temperature[rows, predictors[:, 1:]][..., None]).log_softmax(-1)
+    scaled = (logits.detach()[rows, predictors[:, 1:]] / temperature[rows, predictors[:, 1:]][..., None]).log_softmax(
+        -1
+    )
     expected_entropy = -(scaled.exp() * scaled).sum(-1)
 
     head = RecordingHead(model.get_output_embeddings())
@@ -193,7 +199,9 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
 
     source = cached_tiny_model(tie_embeddings=True)
     model = load_policy(str(source))
-    save_hf_checkpoint(model, published_tensors(model, model.state_dict(), torch.bfloat16), str(source), tmp_path, torch.bfloat16)
+    save_hf_checkpoint(
+        model, published_tensors(model, model.state_dict(), torch.bfloat16), str(source), tmp_path, torch.bfloat16
+    )
     tensors = load_file(tmp_path / "model.safetensors")
     assert {tensor.dtype for tensor in tensors.values()} == {torch.bfloat16}
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "bfloat16"

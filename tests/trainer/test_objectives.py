@@ -47,9 +47,7 @@ def sampled_pair(version: int = 0) -> ScoredGroup:
 def test_demonstrations_are_never_stale(tmp_path):
     root = str(tmp_path)
     write_shards(root, "run", [sampled_pair(0), demonstration("d", 0), sampled_pair(5)], 3)
-    groups, stale = next_step_groups(
-        ShardReader(root, "run"), 2, policy_version=5, max_staleness=1, timeout_s=1
-    )
+    groups, stale = next_step_groups(ShardReader(root, "run"), 2, policy_version=5, max_staleness=1, timeout_s=1)
     assert [g.item_id for g in groups] == ["d", "p"] and len(stale) == 1
     assert groups[1].policy_version == 5
 
@@ -59,13 +57,17 @@ def mixed_groups(model_dir) -> list[ScoredGroup]:
     return [rl[0], demonstration("d1", length=9), rl[1], demonstration("d2", length=4)]
 
 
-def step_loss(model, groups, budget: int, config: LossConfig | None = None, reference=None) -> tuple[float, dict[str, torch.Tensor], dict, object]:
+def step_loss(
+    model, groups, budget: int, config: LossConfig | None = None, reference=None
+) -> tuple[float, dict[str, torch.Tensor], dict, object]:
     """One step's loss summed over its micro-batches, the gradients, merged metrics and the step."""
     step = build_step(groups, policy_version=0, token_budget=budget, advantage_config=ADVANTAGES)
     model.zero_grad(set_to_none=True)
     total, micro = 0.0, []
     for batch in step.micro_batches:
-        loss, metrics = micro_batch_loss(model, batch, config or LossConfig(), objectives=step.objectives, reference=reference)
+        loss, metrics = micro_batch_loss(
+            model, batch, config or LossConfig(), objectives=step.objectives, reference=reference
+        )
         loss.backward()
         total += loss.item()
         micro.append(metrics)
@@ -94,9 +96,7 @@ def test_a_mixed_step_is_each_objective_alone_weighted_by_its_groups(tiny_model_
     sft_alone, sft_grads, sft_metrics, _ = step_loss(model, groups[1::2], budget=256)
     assert whole == pytest.approx(0.5 * rl_alone + 0.5 * sft_alone, abs=1e-6)
     for name in whole_grads:
-        torch.testing.assert_close(
-            whole_grads[name], 0.5 * rl_grads[name] + 0.5 * sft_grads[name], rtol=0, atol=1e-6
-        )
+        torch.testing.assert_close(whole_grads[name], 0.5 * rl_grads[name] + 0.5 * sft_grads[name], rtol=0, atol=1e-6)
     assert metrics["sft/nll"] == pytest.approx(sft_metrics["sft/nll"], abs=1e-6)
     assert metrics["clip_fraction"] == pytest.approx(rl_metrics["clip_fraction"])
     assert metrics["num_tokens"] == rl_metrics["num_tokens"] + sft_metrics["sft/num_tokens"]

@@ -12,15 +12,20 @@ from tests.trainer.toy_model import ToyCausalLM, gradients, padded_attention_mas
 from trainer.config import AdvantageConfig, LossConfig
 from trainer.losses import policy_loss
 from trainer.model import token_logprobs
-from trainer.packing import choose_row_length, additive_mask, pack_micro_batches, padding_waste, plan_micro_batches, sliding_window
+from trainer.packing import (
+    additive_mask,
+    choose_row_length,
+    pack_micro_batches,
+    padding_waste,
+    plan_micro_batches,
+    sliding_window,
+)
 from trainer.step import build_step, training_sequences
 
 ADVANTAGES = AdvantageConfig(mode="mean_only")
 
 
-def make_group(
-    lengths, prompt=2, version=0, extras=None, sequence_extras=None, scores=None, override=None
-):
+def make_group(lengths, prompt=2, version=0, extras=None, sequence_extras=None, scores=None, override=None):
     sequences = []
     for i, length in enumerate(lengths):
         completion = length - prompt
@@ -34,9 +39,7 @@ def make_group(
                 advantages=override if i == 1 else None,
             )
         )
-    return ScoredGroup(
-        env="toy", item_id="0", sequences=sequences, policy_version=version, extras=extras or {}
-    )
+    return ScoredGroup(env="toy", item_id="0", sequences=sequences, policy_version=version, extras=extras or {})
 
 
 def test_first_fit_decreasing_plan():
@@ -48,12 +51,8 @@ def test_first_fit_decreasing_plan():
 
 def test_overlong_sequence_is_named_with_the_fix():
     groups = [make_group([4, 12, 5])]
-    with pytest.raises(
-        ValueError, match=r"sequences\[1\]: 12 tokens > micro_batch_tokens 10; raise"
-    ):
-        build_step(
-            groups, policy_version=0, token_budget=10, advantage_config=ADVANTAGES
-        )
+    with pytest.raises(ValueError, match=r"sequences\[1\]: 12 tokens > micro_batch_tokens 10; raise"):
+        build_step(groups, policy_version=0, token_budget=10, advantage_config=ADVANTAGES)
 
 
 def test_packed_tensors():
@@ -78,9 +77,7 @@ def test_packed_tensors():
 
 
 def test_first_token_is_never_trained():
-    sequence = ScoredSequence(
-        tokens=[5, 6, 7], mask=[True, True, False], logprobs=[-1.0, -1.0, 0.0], score=1.0
-    )
+    sequence = ScoredSequence(tokens=[5, 6, 7], mask=[True, True, False], logprobs=[-1.0, -1.0, 0.0], score=1.0)
     group = ScoredGroup(env="toy", item_id="0", sequences=[sequence])
     (row,) = training_sequences([group], ADVANTAGES)
     assert row.mask == [False, True, False]
@@ -166,7 +163,15 @@ def test_shared_rows_are_planned_for_least_padding_and_dense_ones_trade_it_for_a
         groups.append(make_group([prompt + rng.randint(20, 1000) for _ in range(8)], prompt=prompt))
     longest = max(len(s.tokens) for g in groups for s in g.sequences)
     narrow, wide = (
-        build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=work, padded_rows=False)
+        build_step(
+            groups,
+            policy_version=0,
+            token_budget=4096,
+            advantage_config=ADVANTAGES,
+            share_prompts=False,
+            token_work=work,
+            padded_rows=False,
+        )
         for work in (6 * 64, 6 * 4096)
     )
     assert [b.input_ids.shape for b in narrow.micro_batches] == [b.input_ids.shape for b in wide.micro_batches]
@@ -189,9 +194,13 @@ def test_short_answers_share_rows_without_padding_and_without_a_mask():
     # slots, no padding, kept apart by their bounds (one dense row of 4096 slots paid attention
     # over 4096^2 pairs).
     groups = [make_group([31] * 16, prompt=27) for _ in range(8)]
-    (batch,) = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, padded_rows=False).micro_batches
+    (batch,) = build_step(
+        groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, padded_rows=False
+    ).micro_batches
     assert tuple(batch.input_ids.shape) == (16, 248) and batch.shares_rows() and not batch.needs_mask()
-    assert batch.num_sequences == 128 and batch.sequence_ids[0].tolist() == [index for index in range(8) for _ in range(31)]
+    assert batch.num_sequences == 128 and batch.sequence_ids[0].tolist() == [
+        index for index in range(8) for _ in range(31)
+    ]
     bounds, longest = batch.sequence_bounds()
     assert bounds.tolist() == list(range(0, 16 * 248 + 1, 31)) and longest == 31
 
@@ -201,20 +210,50 @@ def test_answers_of_one_length_train_as_a_padded_batch_with_no_mask():
     # one sequence a row at the longest length with causal attention and no mask at all.
     lengths = [33] * 15 + [30]
     groups = [make_group(lengths, prompt=29) for _ in range(8)]
-    step = build_step(groups, policy_version=0, token_budget=8192, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)
+    step = build_step(
+        groups,
+        policy_version=0,
+        token_budget=8192,
+        advantage_config=ADVANTAGES,
+        share_prompts=False,
+        token_work=6 * 256,
+    )
     (batch,) = step.micro_batches
     assert tuple(batch.input_ids.shape) == (128, 33) and not batch.needs_mask()
-    assert batch.sequence_ids[:, 0].tolist() == list(range(128)) and step.stats["padding_waste"] == pytest.approx(3 * 8 / (128 * 33))
+    assert batch.sequence_ids[:, 0].tolist() == list(range(128)) and step.stats["padding_waste"] == pytest.approx(
+        3 * 8 / (128 * 33)
+    )
     # A budget of 4096 slots holds 124 such rows: two micro-batches of 64, not 124 and 4.
-    halves = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)
+    halves = build_step(
+        groups,
+        policy_version=0,
+        token_budget=4096,
+        advantage_config=ADVANTAGES,
+        share_prompts=False,
+        token_work=6 * 256,
+    )
     assert [b.input_ids.shape[0] for b in halves.micro_batches] == [64, 64]
     # A sequence whose hook narrows its attention needs the mask again; rows that share need their
     # sequences' bounds (variable-length attention), not a mask.
     window = {"attention": {"type": "sliding_window", "window": 2}}
-    windowed = build_step([make_group(lengths, prompt=29, sequence_extras={3: window})], policy_version=0,
-                          token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)  # fmt: skip
+    windowed = build_step(
+        [make_group(lengths, prompt=29, sequence_extras={3: window})],
+        policy_version=0,
+        token_budget=4096,
+        advantage_config=ADVANTAGES,
+        share_prompts=False,
+        token_work=6 * 256,
+    )
     assert windowed.micro_batches[0].needs_mask() and not windowed.micro_batches[0].needs_mask(hooks=())
-    shared = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256, padded_rows=False)
+    shared = build_step(
+        groups,
+        policy_version=0,
+        token_budget=4096,
+        advantage_config=ADVANTAGES,
+        share_prompts=False,
+        token_work=6 * 256,
+        padded_rows=False,
+    )
     assert shared.micro_batches[0].shares_rows() and not shared.micro_batches[0].needs_mask(hooks=())
     assert not step.micro_batches[0].shares_rows()
 
@@ -234,13 +273,9 @@ def model_groups(override=None):
         tokens = torch.randint(0, 17, (1, length), generator=generator)
         attention = padded_attention_mask([length], length, [WINDOWS[i]])
         with torch.no_grad():
-            logprobs = token_logprobs(
-                sampler(tokens, torch.arange(length)[None], attention), tokens
-            )[0]
+            logprobs = token_logprobs(sampler(tokens, torch.arange(length)[None], attention), tokens)[0]
         logprobs += torch.randn(length, generator=generator, dtype=torch.float64) * 0.3
-        window = (
-            {"attention": {"type": "sliding_window", "window": WINDOWS[i]}} if WINDOWS[i] else {}
-        )
+        window = {"attention": {"type": "sliding_window", "window": WINDOWS[i]}} if WINDOWS[i] else {}
         sequences.append(
             ScoredSequence(
                 tokens=tokens[0].tolist(),
@@ -258,8 +293,7 @@ def model_groups(override=None):
 
 
 CONFIGS = [
-    LossConfig(name=n, clip_low=0.2, clip_high=0.28, constant_normalizer=8)
-    for n in ("grpo", "dr_grpo", "dapo", "gspo")
+    LossConfig(name=n, clip_low=0.2, clip_high=0.28, constant_normalizer=8) for n in ("grpo", "dr_grpo", "dapo", "gspo")
 ]
 
 
@@ -289,15 +323,11 @@ def padded_loss(model, groups, config):
 
     def padded(name, fill, dtype):
         # float32 like the packed tensors, so both sides see the same rounded inputs.
-        return torch.tensor(
-            [getattr(r, name) + [fill] * (width - len(r.tokens)) for r in rows], dtype=dtype
-        )
+        return torch.tensor([getattr(r, name) + [fill] * (width - len(r.tokens)) for r in rows], dtype=dtype)
 
     input_ids = padded("tokens", 0, torch.long)
     attention = padded_attention_mask([len(r.tokens) for r in rows], width, WINDOWS)
-    logprobs = token_logprobs(
-        model(input_ids, torch.arange(width).expand(len(rows), width), attention), input_ids
-    )
+    logprobs = token_logprobs(model(input_ids, torch.arange(width).expand(len(rows), width), attention), input_ids)
     loss, _ = policy_loss(
         logprobs,
         padded("old_logprobs", 0.0, torch.float32),
@@ -351,9 +381,7 @@ def test_the_window_hook_matters_in_the_model():
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
 def test_advantage_override_changes_exactly_its_sequence(config):
     def logprob_gradient(groups):
-        step = build_step(
-            groups, policy_version=0, token_budget=64, advantage_config=ADVANTAGES
-        )
+        step = build_step(groups, policy_version=0, token_budget=64, advantage_config=ADVANTAGES)
         (batch,) = step.micro_batches
         generator = torch.Generator().manual_seed(4)
         logprobs = (
@@ -384,6 +412,13 @@ def test_answers_of_31_and_33_tokens_train_one_a_row_rather_than_pay_for_shared_
     # dense mask, as before, 0.489 s). Rows of 64 save 3% of the slots, less than the shared rows'
     # overhead (packing.SHARED_ROW_OVERHEAD).
     groups = [make_group([31 if i % 2 else 33] * 16, prompt=27) for i in range(8)]
-    step = build_step(groups, policy_version=0, token_budget=4096, advantage_config=ADVANTAGES, share_prompts=False, token_work=6 * 256)
+    step = build_step(
+        groups,
+        policy_version=0,
+        token_budget=4096,
+        advantage_config=ADVANTAGES,
+        share_prompts=False,
+        token_work=6 * 256,
+    )
     assert [tuple(b.input_ids.shape) for b in step.micro_batches] == [(64, 33), (64, 33)]  # 4224 slots: two
     assert not any(b.shares_rows() or b.needs_mask() for b in step.micro_batches)

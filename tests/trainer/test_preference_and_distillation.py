@@ -34,10 +34,15 @@ ROW = dict(
 def row_loss(config: LossConfig) -> tuple[torch.Tensor, torch.Tensor, dict]:
     logprobs = torch.tensor([ROW["logprobs"]], requires_grad=True)
     loss, metrics = policy_loss(
-        logprobs, torch.zeros(1, 5), torch.tensor([ROW["advantages"]]), torch.tensor([ROW["mask"]]), config,
-        sequence_ids=torch.tensor([ROW["sequence_ids"]]), ref_logprobs=torch.tensor([ROW["ref_logprobs"]]),
+        logprobs,
+        torch.zeros(1, 5),
+        torch.tensor([ROW["advantages"]]),
+        torch.tensor([ROW["mask"]]),
+        config,
+        sequence_ids=torch.tensor([ROW["sequence_ids"]]),
+        ref_logprobs=torch.tensor([ROW["ref_logprobs"]]),
         function=dpo,
-    )  # fmt: skip
+    )
     loss.backward()
     return loss, logprobs.grad, metrics
 
@@ -68,13 +73,21 @@ def test_dpo_refuses_sequences_out_of_pair_order():
     logprobs = torch.tensor([ROW["logprobs"]])
     with pytest.raises(ValueError, match=r"not \(chosen, rejected\) pairs"):
         policy_loss(
-            logprobs, torch.zeros(1, 5), -torch.tensor([ROW["advantages"]]), torch.tensor([ROW["mask"]]), LossConfig(),
-            sequence_ids=torch.tensor([ROW["sequence_ids"]]), ref_logprobs=torch.tensor([ROW["ref_logprobs"]]), function=dpo,
-        )  # fmt: skip
+            logprobs,
+            torch.zeros(1, 5),
+            -torch.tensor([ROW["advantages"]]),
+            torch.tensor([ROW["mask"]]),
+            LossConfig(),
+            sequence_ids=torch.tensor([ROW["sequence_ids"]]),
+            ref_logprobs=torch.tensor([ROW["ref_logprobs"]]),
+            function=dpo,
+        )
 
 
 def test_the_distillation_advantage_is_teacher_minus_sampler_on_trained_tokens():
-    sequence = ScoredSequence.from_prompt([5, 6], [7, 8, 9], [-1.0, -0.5, -2.0], score=0.0, teacher_logprobs=[0.0, 0.0, -0.25, -0.5, -1.0])
+    sequence = ScoredSequence.from_prompt(
+        [5, 6], [7, 8, 9], [-1.0, -0.5, -2.0], score=0.0, teacher_logprobs=[0.0, 0.0, -0.25, -0.5, -1.0]
+    )
     group = ScoredGroup(env="toy", item_id="t", sequences=[sequence])
     assert group_objective(group) == "distill"  # teacher logprobs on every sequence
     [trained] = training_sequences([group], ADVANTAGES)
@@ -103,14 +116,20 @@ def distill_groups(model_dir, count: int, seed: int) -> list[ScoredGroup]:
     groups = sampled_groups(model_dir, count, seed=seed, group_size=2)
     for group in groups:
         for sequence in group.sequences:
-            sequence.teacher_logprobs = [lp + (0.3 if t % 2 else -0.4) if m else 0.0
-                                         for t, (lp, m) in enumerate(zip(sequence.logprobs, sequence.mask))]  # fmt: skip
+            sequence.teacher_logprobs = [
+                lp + (0.3 if t % 2 else -0.4) if m else 0.0
+                for t, (lp, m) in enumerate(zip(sequence.logprobs, sequence.mask))
+            ]
     return groups
 
 
 def demonstrations(count: int) -> list[ScoredGroup]:
     return [
-        ScoredGroup(env="sft", item_id=f"d{i}", sequences=[ScoredSequence.from_prompt([7, 8, 9], [40 + i, 41, 42, 2], [0.0] * 4, 1.0)])
+        ScoredGroup(
+            env="sft",
+            item_id=f"d{i}",
+            sequences=[ScoredSequence.from_prompt([7, 8, 9], [40 + i, 41, 42, 2], [0.0] * 4, 1.0)],
+        )
         for i in range(count)
     ]
 
@@ -133,7 +152,9 @@ def test_a_reference_model_and_stored_reference_logprobs_give_the_same_dpo_step(
     for name in by_model[1]:
         torch.testing.assert_close(stored[1][name], by_model[1][name], rtol=0, atol=1e-5)
     # The policy is its own reference: h = 0, the loss is log 2 and nothing is preferred yet.
-    same = step_loss(reference.requires_grad_(True), pairs(tiny_model_dir, 3, seed=4), 512, LossConfig(), reference=reference)
+    same = step_loss(
+        reference.requires_grad_(True), pairs(tiny_model_dir, 3, seed=4), 512, LossConfig(), reference=reference
+    )
     assert same[0] == pytest.approx(math.log(2), abs=1e-5) and same[2]["dpo/accuracy"] == 0.0
     with pytest.raises(ValueError, match="without stored ref_logprobs and no reference model"):
         step_loss(model, pairs(tiny_model_dir, 1, seed=4), 512, LossConfig())
@@ -145,7 +166,12 @@ def test_packed_equals_unpacked_and_micro_batches_do_not_matter(tiny_model_dir, 
     groups = {"dpo": pairs, "ipo": pairs, "distill": distill_groups}.get(objective)
     groups = groups(tiny_model_dir, 4, seed=9) if groups else demonstrations(4)
     config = LossConfig(dpo_variant="ipo") if objective == "ipo" else LossConfig()
-    unit = max(sum(len(s.tokens) for s in g.sequences) if objective in ("dpo", "ipo") else max(len(s.tokens) for s in g.sequences) for g in groups)
+    unit = max(
+        sum(len(s.tokens) for s in g.sequences)
+        if objective in ("dpo", "ipo")
+        else max(len(s.tokens) for s in g.sequences)
+        for g in groups
+    )
     whole, whole_grads, whole_metrics, whole_step = step_loss(model, groups, 512, config, reference)
     one_each, grads, metrics, step = step_loss(model, groups, unit, config, reference)  # about a unit a micro-batch
     assert len(whole_step.micro_batches) == 1 and len(step.micro_batches) >= 3
@@ -167,7 +193,12 @@ def test_a_step_of_all_four_objectives_is_each_alone_weighted_by_its_groups(tiny
     }
     mixed = [g for part in parts.values() for g in part]
     total, grads, metrics, step = step_loss(model, mixed, 96, LossConfig(), reference)
-    assert {name: share.groups for name, share in step.objectives.items()} == {"rl": 2, "sft": 1, "dpo": 2, "distill": 3}
+    assert {name: share.groups for name, share in step.objectives.items()} == {
+        "rl": 2,
+        "sft": 1,
+        "dpo": 2,
+        "distill": 3,
+    }
     expected_loss, expected_grads = 0.0, {name: torch.zeros_like(g) for name, g in grads.items()}
     for name, groups in parts.items():
         alone, alone_grads, alone_metrics, _ = step_loss(model, groups, 96, LossConfig(), reference)
@@ -202,17 +233,35 @@ def test_groups_an_objective_cannot_train_are_skipped_with_their_reason(tmp_path
     write_shards(root, "run", groups, 2)
     rejected = []
     fresh, stale = next_step_groups(
-        ShardReader(root, "run"), 2, policy_version=0, max_staleness=1, timeout_s=1, objective="dpo",
+        ShardReader(root, "run"),
+        2,
+        policy_version=0,
+        max_staleness=1,
+        timeout_s=1,
+        objective="dpo",
         on_reject=lambda group, reason: rejected.append((group.item_id, reason)),
-    )  # fmt: skip
+    )
     assert [g.item_id for g in fresh] == ["pair", "pair-2"] and stale == []
     assert [item for item, _ in rejected] == ["tie", "first-token-only"]
     assert rejected[0][1].startswith("objective: dpo pair with tied scores (0.0)")
     assert rejected[1][1].startswith("sequences[0].mask: no trained token after the first")
     # Ragged teacher logprobs (a group that skipped validation): named with the fix.
-    ragged = ScoredGroup.model_construct(env="toy", item_id="r", group_id="g", objective="distill", sequences=[
-        ScoredSequence.model_construct(tokens=[1, 2, 3], mask=[False, True, True], logprobs=[0.0, -1.0, -1.0], score=0.0,
-                                       teacher_logprobs=[0.0, -1.0], advantages=None)])  # fmt: skip
+    ragged = ScoredGroup.model_construct(
+        env="toy",
+        item_id="r",
+        group_id="g",
+        objective="distill",
+        sequences=[
+            ScoredSequence.model_construct(
+                tokens=[1, 2, 3],
+                mask=[False, True, True],
+                logprobs=[0.0, -1.0, -1.0],
+                score=0.0,
+                teacher_logprobs=[0.0, -1.0],
+                advantages=None,
+            )
+        ],
+    )
     assert objective_problem(ragged, "distill").startswith("sequences[0].teacher_logprobs: 2 values for 3 tokens")
 
 
@@ -226,7 +275,14 @@ def test_a_trainer_waiting_after_rejected_groups_tells_the_samplers(tmp_path):
     waits, rejected = [], []
     with pytest.raises(DataTimeoutError):
         next_step_groups(
-            ShardReader(root, "run"), 1, policy_version=0, max_staleness=1, timeout_s=0.5, objective="dpo", poll_s=0.05,
-            on_wait=lambda stale: waits.append(len(stale)), on_reject=lambda group, reason: rejected.append(group.item_id),
-        )  # fmt: skip
+            ShardReader(root, "run"),
+            1,
+            policy_version=0,
+            max_staleness=1,
+            timeout_s=0.5,
+            objective="dpo",
+            poll_s=0.05,
+            on_wait=lambda stale: waits.append(len(stale)),
+            on_reject=lambda group, reason: rejected.append(group.item_id),
+        )
     assert rejected == ["tie", "tie"] and waits == [0]

@@ -14,7 +14,9 @@ from trainer.step import build_step
 WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 
 
-def group(prompt: int, answers: list[int], seed: int, *, own_prompts: bool = False, windowed: int | None = None) -> ScoredGroup:
+def group(
+    prompt: int, answers: list[int], seed: int, *, own_prompts: bool = False, windowed: int | None = None
+) -> ScoredGroup:
     """A group of answers to one prompt of `prompt` tokens (each its own prompt with own_prompts),
     sampler logprobs near the model's, scores that give every answer an advantage."""
     generator = torch.Generator().manual_seed(seed)
@@ -23,16 +25,27 @@ def group(prompt: int, answers: list[int], seed: int, *, own_prompts: bool = Fal
     for i, length in enumerate(answers):
         head = torch.randint(3, 500, (prompt,), generator=generator).tolist() if own_prompts else shared
         answer = torch.randint(3, 500, (length,), generator=generator).tolist()
-        sequences.append(ScoredSequence.from_prompt(
-            head, answer, (-2.0 - torch.rand(length, generator=generator)).tolist(), float(i % 3),
-            extras=WINDOW if i == windowed else {},
-        ))  # fmt: skip
+        sequences.append(
+            ScoredSequence.from_prompt(
+                head,
+                answer,
+                (-2.0 - torch.rand(length, generator=generator)).tolist(),
+                float(i % 3),
+                extras=WINDOW if i == windowed else {},
+            )
+        )
     return ScoredGroup(env="toy", item_id=str(seed), sequences=sequences)
 
 
 def step(groups: list[ScoredGroup], share: bool, token_work: int):
-    return build_step(groups, policy_version=0, token_budget=4096, advantage_config=AdvantageConfig(),
-                      token_work=token_work, share_prompts=share)  # fmt: skip
+    return build_step(
+        groups,
+        policy_version=0,
+        token_budget=4096,
+        advantage_config=AdvantageConfig(),
+        token_work=token_work,
+        share_prompts=share,
+    )
 
 
 def loss_and_gradients(model, batch_step):
@@ -57,7 +70,11 @@ def test_a_shared_prompt_trains_exactly_as_every_sequence_whole(tiny_model_dir):
     whole, shared = step(groups, False, work), step(groups, True, work)
     assert shared.stats["shared_prefix_tokens"] == 3 * 7 * 24 and whole.stats["shared_prefix_tokens"] == 0
     assert shared.stats["tokens"] == whole.stats["tokens"]
-    assert (shared.num_sequences, shared.num_trained_tokens) == (whole.num_sequences, whole.num_trained_tokens) == (40, 134)
+    assert (
+        (shared.num_sequences, shared.num_trained_tokens)
+        == (whole.num_sequences, whole.num_trained_tokens)
+        == (40, 134)
+    )
     assert all(batch.predictors is not None for batch in shared.micro_batches)
     whole_loss, whole_grad = loss_and_gradients(model, whole)
     shared_loss, shared_grad = loss_and_gradients(model, shared)
@@ -89,8 +106,16 @@ def test_long_answers_keep_their_prompt_copies():
 
 
 def sequence(tokens: list[int], mask: list[bool], unit: int, group_index: int = 0) -> TrainingSequence:
-    return TrainingSequence(tokens=tokens, mask=mask, old_logprobs=[0.0] * len(tokens), advantages=[1.0] * len(tokens),
-                            extras={}, name=f"s{unit}", unit=unit, group=group_index)  # fmt: skip
+    return TrainingSequence(
+        tokens=tokens,
+        mask=mask,
+        old_logprobs=[0.0] * len(tokens),
+        advantages=[1.0] * len(tokens),
+        extras={},
+        name=f"s{unit}",
+        unit=unit,
+        group=group_index,
+    )
 
 
 def test_a_prefix_stops_at_the_first_trained_token_and_leaves_each_sequence_a_token():
@@ -105,5 +130,8 @@ def test_a_prefix_stops_at_the_first_trained_token_and_leaves_each_sequence_a_to
 def test_pairs_and_sequences_of_no_group_are_laid_out_whole():
     tokens = list(range(1, 40))
     pair = [sequence(tokens + [50], [False] * 39 + [True], 0), sequence(tokens + [51], [False] * 39 + [True], 0)]
-    loose = [sequence(tokens + [52], [False] * 39 + [True], 1, -1), sequence(tokens + [53], [False] * 39 + [True], 2, -1)]
+    loose = [
+        sequence(tokens + [52], [False] * 39 + [True], 1, -1),
+        sequence(tokens + [53], [False] * 39 + [True], 2, -1),
+    ]
     assert share_prefixes(pair + loose, 4096, 6 * 256) == pair + loose

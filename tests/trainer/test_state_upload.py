@@ -42,13 +42,23 @@ print("SEEN " + json.dumps({"steps": seen, "stored_after": store.latest()}))
 def test_the_resume_state_is_uploaded_beside_the_steps_after_it(tmp_path, tiny_model_dir):
     root = str(tmp_path / "storage")
     write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=5), groups_per_shard=2)
-    done = subprocess.run([sys.executable, "-c", DRIVER, root, str(tiny_model_dir), str(tmp_path / "work"), str(UPLOAD_S)],
-                          cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER, root, str(tiny_model_dir), str(tmp_path / "work"), str(UPLOAD_S)],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     seen = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("SEEN "))[5:])
     step_2, step_4 = seen["steps"][1], seen["steps"][3]
     # Step 2 saved its state to disk and returned while its upload was under way.
-    assert step_2["metrics"]["save_state_s"] < UPLOAD_S and step_2["stored"] is None and "state_upload_s" not in step_2["metrics"]
+    assert (
+        step_2["metrics"]["save_state_s"] < UPLOAD_S
+        and step_2["stored"] is None
+        and "state_upload_s" not in step_2["metrics"]
+    )
     # Step 4's state waits for step 2's to be committed (one upload at a time), then goes up beside
     # the end of the run, which commits it.
     assert step_4["metrics"]["state_upload_s"] >= UPLOAD_S

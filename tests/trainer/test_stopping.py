@@ -60,7 +60,12 @@ def test_sigterm_mid_run_leaves_a_row_and_a_resume_state_for_every_checkpoint(tm
     root = str(tmp_path)
     write_shards(root, "run", sampled_groups(tiny_model_dir, 10, seed=3), groups_per_shard=2)
     log_path = tmp_path / "trainer.log"
-    command = [sys.executable, "-m", "trainer.cli", *trainer_args(root, "run", tiny_model_dir, 20, "save_every=1", "max_staleness=100")]
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.cli",
+        *trainer_args(root, "run", tiny_model_dir, 20, "save_every=1", "max_staleness=100"),
+    ]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT)
     try:

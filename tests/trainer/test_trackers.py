@@ -35,13 +35,23 @@ def test_a_tracker_that_cannot_load_is_named_with_its_fix_before_training(names,
 
 def test_a_built_in_tracker_whose_package_is_missing_says_what_to_install(monkeypatch):
     monkeypatch.setitem(trackers.BUILT_IN, "mlflow", ("no_such_package_here", "trainer.trackers:WandbTracker"))
-    with pytest.raises(ValueError, match=r"'mlflow' needs the no_such_package_here package, not installed here; pip install no_such_package_here"):
+    with pytest.raises(
+        ValueError,
+        match=r"'mlflow' needs the no_such_package_here package, not installed here; pip install no_such_package_here",
+    ):
         trackers.check_report_to(["mlflow"])
 
 
 def test_the_cli_refuses_a_tracker_that_does_not_load_and_names_the_setting(tmp_path, tiny_model_dir):
     args = trainer_args(str(tmp_path), "run", tiny_model_dir, 1, "report_to=[tensorbord]")
-    done = subprocess.run([sys.executable, "-m", "trainer.cli", *args], cwd=REPO, env=environment(), capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", *args],
+        cwd=REPO,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     said = " ".join(done.stderr.replace("│", " ").split())  # typer draws the error in a box
     assert done.returncode == 2 and "--set: report_to: 'tensorbord' is neither a built-in tracker" in said, done.stderr
 
@@ -63,13 +73,22 @@ def test_each_step_reaches_wandb_and_an_outside_tracker_across_a_resume(tmp_path
     assert recorded[0] == {"call": "init", "run": "run", "lr": 1e-3}
     logged = [r for r in recorded if r["call"] == "log"]
     assert [r["step"] for r in logged] == [row["step"] for row in rows] == [1, 2, 3, 4]
-    assert all(r[f"train/{name}"] == row[name] for r, row in zip(logged, rows) for name in row if name not in ("step", "time"))
+    assert all(
+        r[f"train/{name}"] == row[name] for r, row in zip(logged, rows) for name in row if name not in ("step", "time")
+    )
 
     run_id = (work_dir / "wandb-run-id").read_text()
     offline = sorted((work_dir / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(offline) == 2, list((work_dir / "wandb").iterdir())  # one W&B run, written by two starts
-    history = [r.history for path in offline for r in wandb_records(path / f"run-{run_id}.wandb") if r.WhichOneof("record_type") == "history"]
-    logged_to_wandb = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in h.item} for h in history]
+    history = [
+        r.history
+        for path in offline
+        for r in wandb_records(path / f"run-{run_id}.wandb")
+        if r.WhichOneof("record_type") == "history"
+    ]
+    logged_to_wandb = [
+        {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in h.item} for h in history
+    ]
     assert [h["_step"] for h in logged_to_wandb] == [1, 2, 3, 4], logged_to_wandb
     assert [h["train/loss"] for h in logged_to_wandb] == pytest.approx([row["loss"] for row in rows])
     assert all(h["train/tokens"] == row["tokens"] for h, row in zip(logged_to_wandb, rows))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from core.scored_group import ScoredGroup, ScoredSequence, new_group_id
+from core.scored_group import new_group_id
 from storage.checkpoints import checkpoint_url, fetch_checkpoint, latest_checkpoint, published_steps, read_checkpoint
 from storage.ledger import Ledger
 from storage.progress import SamplerPosition, read_sampler_positions, read_trainer_position, write_sampler_position
@@ -43,9 +43,7 @@ def environment() -> dict[str, str]:
 
 def run_trainer(args: list[str], launcher: list[str] | None = None, timeout: float = 240) -> str:
     command = (launcher or [sys.executable]) + ["-m", "trainer.cli", *args]
-    done = subprocess.run(
-        command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout
-    )
+    done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{output[-4000:]}"
     return output
@@ -60,7 +58,9 @@ def weights(checkpoint_url: str, cache: Path | None = None) -> dict[str, torch.T
         return load_file(local / WEIGHTS_FILE)
 
 
-def test_deltas_between_full_checkpoints_publish_the_same_weights_in_a_few_percent_of_the_bytes(tmp_path, tiny_model_dir):
+def test_deltas_between_full_checkpoints_publish_the_same_weights_in_a_few_percent_of_the_bytes(
+    tmp_path, tiny_model_dir
+):
     """bf16 at lr 1e-6: a full checkpoint every 3, deltas between; every step fetched is, byte for
     byte, what a run publishing in full wrote, and a delta is under 10% of a full step's weights."""
     root = str(tmp_path)
@@ -196,8 +196,11 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "trainer.cli", *trainer_args(root, "killed", tiny_model_dir, 6, *settings)],
-            cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=REPO,
+            env=environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 180
         while "waiting for groups" not in log_path.read_text():
@@ -237,7 +240,9 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir
 
 
 @pytest.mark.slow
-def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_published_weights(tmp_path, tiny_model_dir):
+def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_published_weights(
+    tmp_path, tiny_model_dir
+):
     """Checkpoints every step, resume state every 3: killed waiting in step 6 (steps 4-5 published,
     state at 3), it resumes at 3, trains 4-5 again from the same groups to their published weights
     (checked against their stored logprobs) and ends where an uninterrupted run ends."""
@@ -248,8 +253,11 @@ def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_pub
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "trainer.cli", *trainer_args(root, "killed", tiny_model_dir, 6, *settings)],
-            cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            cwd=REPO,
+            env=environment(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 180
         while "waiting for groups" not in log_path.read_text():
@@ -278,7 +286,9 @@ def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_pub
     whole_steps = read_metrics(tmp_path / "whole" / "trainer")
     assert [m["step"] for m in whole_steps if "save_state_s" in m] == [3, 6]  # not every step
     killed_steps = {m["step"]: m for m in read_metrics(tmp_path / "killed" / "trainer")}  # the rows trained last
-    assert [killed_steps[m["step"]]["loss"] for m in whole_steps] == pytest.approx([m["loss"] for m in whole_steps], abs=1e-7)
+    assert [killed_steps[m["step"]]["loss"] for m in whole_steps] == pytest.approx(
+        [m["loss"] for m in whole_steps], abs=1e-7
+    )
 
 
 @pytest.mark.slow
@@ -335,11 +345,20 @@ def test_two_ranks_resume_together_from_a_shared_work_dir_or_from_storage_on_a_n
     write_shards(root, "run", sampled_groups(tiny_model_dir, 6, seed=21), groups_per_shard=6)
     launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
     disk, new_disk = ["--work-dir", str(tmp_path / "host-c")], ["--work-dir", str(tmp_path / "host-d")]
-    run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 1, "state_in_storage=true", "max_staleness=8"), *disk], launcher=launcher)
-    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 2, "state_in_storage=true", "max_staleness=8"), *disk], launcher=launcher)
+    run_trainer(
+        ["--", *trainer_args(root, "run", tiny_model_dir, 1, "state_in_storage=true", "max_staleness=8"), *disk],
+        launcher=launcher,
+    )
+    output = run_trainer(
+        ["--", *trainer_args(root, "run", tiny_model_dir, 2, "state_in_storage=true", "max_staleness=8"), *disk],
+        launcher=launcher,
+    )
     assert "on 2 rank(s)" in output and "resuming from step 1" in output, output[-3000:]
     assert "fetched" not in output  # its own disk had it whole
-    output = run_trainer(["--", *trainer_args(root, "run", tiny_model_dir, 3, "state_in_storage=true", "max_staleness=8"), *new_disk], launcher=launcher)
+    output = run_trainer(
+        ["--", *trainer_args(root, "run", tiny_model_dir, 3, "state_in_storage=true", "max_staleness=8"), *new_disk],
+        launcher=launcher,
+    )
     assert output.count("resume state step-00000002 fetched") == 1 and "resuming from step 2" in output, output[-3000:]
     assert latest_checkpoint(root, "run").step == 3
     assert read_trainer_position(root, "run").groups_consumed == 6  # each group once across the three

@@ -33,9 +33,12 @@ def test_flow_trains_and_reports(tmp_path, tiny_model_dir, in_process_trainer, p
     write_shards(root, "flow-run", sampled_groups(tiny_model_dir, 4, seed=40), groups_per_shard=4)
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         result = train(
-            run_url=f"{root}/flow-run", model=str(tiny_model_dir), steps=2,
-            overrides=["groups_per_step=2", "save_every=2", "lr=1e-3"], data_timeout_s=60,
-        )  # fmt: skip
+            run_url=f"{root}/flow-run",
+            model=str(tiny_model_dir),
+            steps=2,
+            overrides=["groups_per_step=2", "save_every=2", "lr=1e-3"],
+            data_timeout_s=60,
+        )
         with get_client(sync_client=True) as client:
             keys = {artifact.key for artifact in client.read_artifacts()}
         drain_prefect_reporting()  # while the server is still the one the logs go to

@@ -27,15 +27,11 @@ class ToyCausalLM(nn.Module):
         """input_ids, position_ids [B, T]; attention_mask [B, 1, T, T] bool -> logits [B, T, V]."""
         hidden = self.embed(input_ids) + self.position(position_ids)
         query, key, value = self.qkv(hidden).unsqueeze(1).chunk(3, dim=-1)
-        attended = nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask
-        )
+        attended = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask)
         return self.head(hidden + attended.squeeze(1))
 
 
-def padded_attention_mask(
-    lengths: list[int], width: int, window: list[int | None] | None = None
-) -> torch.Tensor:
+def padded_attention_mask(lengths: list[int], width: int, window: list[int | None] | None = None) -> torch.Tensor:
     """[B, 1, width, width] causal mask for right-padded rows; padding slots attend to themselves.
 
     `window` gives each row an optional sliding window, as the packing hook applies it."""

@@ -13,7 +13,6 @@ returns the conversations when config.include_messages (Atropos's switch) is set
 """
 
 import random
-from typing import List, Tuple
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from atroposlib.type_definitions import Item
@@ -25,7 +24,7 @@ class AdditionManagedEnv(BaseEnv):
     name = "addition_managed"
 
     @classmethod
-    def config_init(cls) -> Tuple[BaseEnvConfig, List[APIServerConfig]]:
+    def config_init(cls) -> tuple[BaseEnvConfig, list[APIServerConfig]]:
         env_config = BaseEnvConfig(
             tokenizer_name="Qwen/Qwen2.5-0.5B-Instruct",
             group_size=4,
@@ -34,7 +33,9 @@ class AdditionManagedEnv(BaseEnv):
             include_messages=True,
             wandb_name="addition_managed",
         )
-        server_configs = [APIServerConfig(model_name="Qwen/Qwen2.5-0.5B-Instruct", base_url="http://localhost:9001/v1", api_key="x")]
+        server_configs = [
+            APIServerConfig(model_name="Qwen/Qwen2.5-0.5B-Instruct", base_url="http://localhost:9001/v1", api_key="x")
+        ]
         return env_config, server_configs
 
     async def setup(self):
@@ -47,14 +48,17 @@ class AdditionManagedEnv(BaseEnv):
         self.iter += 1
         prompt = tuple(
             frozenset(message.items())
-            for message in ({"role": "system", "content": system_prompt}, {"role": "user", "content": f"What is {a} + {b}?"})
+            for message in (
+                {"role": "system", "content": system_prompt},
+                {"role": "user", "content": f"What is {a} + {b}?"},
+            )
         )
         return (prompt, a + b)
 
     def score_reply(self, reply: str, answer: int) -> float:
         return 1.0 if str(answer) in reply else -1.0
 
-    async def collect_trajectories(self, item: Item) -> Tuple[ScoredDataGroup, List[Item]]:
+    async def collect_trajectories(self, item: Item) -> tuple[ScoredDataGroup, list[Item]]:
         messages = [dict(message) for message in item[0]]
         async with self.server.managed_server(tokenizer=self.tokenizer) as managed:
             chat_completions = await managed.chat_completion(
@@ -84,9 +88,15 @@ class AdditionManagedEnv(BaseEnv):
         correct = []
         for a, b in self.train[:8]:
             completion = await self.server.chat_completion(
-                messages=[{"role": "system", "content": system_prompt}, {"role": "user", "content": f"What is {a} + {b}?"}],
-                n=1, max_tokens=self.config.max_token_length, temperature=0.0, split="eval",
-            )  # fmt: skip
+                messages=[
+                    {"role": "system", "content": system_prompt},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                ],
+                n=1,
+                max_tokens=self.config.max_token_length,
+                temperature=0.0,
+                split="eval",
+            )
             correct.append(self.score_reply(completion.choices[0].message.content, a + b) > 0)
         await self.evaluate_log(metrics={"eval/percent_correct": sum(correct) / len(correct)})
 

@@ -10,7 +10,6 @@ Items are dataset rows ({"question", "answer"}); the reward is atropos_managed's
 """
 
 import random
-from typing import List, Tuple
 
 from atroposlib.envs.base import APIServerConfig, BaseEnv, BaseEnvConfig, ScoredDataGroup
 from atroposlib.type_definitions import Item
@@ -23,7 +22,7 @@ class AdditionRetokenizedEnv(BaseEnv):
     name = "addition_retokenized"
 
     @classmethod
-    def config_init(cls) -> Tuple[BaseEnvConfig, List[APIServerConfig]]:
+    def config_init(cls) -> tuple[BaseEnvConfig, list[APIServerConfig]]:
         env_config = BaseEnvConfig(
             tokenizer_name="Qwen/Qwen2.5-0.5B-Instruct",
             group_size=4,
@@ -31,7 +30,9 @@ class AdditionRetokenizedEnv(BaseEnv):
             max_token_length=16,
             wandb_name="addition_retokenized",
         )
-        server_configs = [APIServerConfig(model_name="Qwen/Qwen2.5-0.5B-Instruct", base_url="http://localhost:9001/v1", api_key="x")]
+        server_configs = [
+            APIServerConfig(model_name="Qwen/Qwen2.5-0.5B-Instruct", base_url="http://localhost:9001/v1", api_key="x")
+        ]
         return env_config, server_configs
 
     async def setup(self):
@@ -47,7 +48,7 @@ class AdditionRetokenizedEnv(BaseEnv):
         self.iter += 1
         return row
 
-    async def collect_trajectories(self, item: Item) -> Tuple[ScoredDataGroup, List[Item]]:
+    async def collect_trajectories(self, item: Item) -> tuple[ScoredDataGroup, list[Item]]:
         messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": item["question"]}]
         chat_completions = await self.server.chat_completion(
             messages=messages,
@@ -59,7 +60,9 @@ class AdditionRetokenizedEnv(BaseEnv):
         scores["tokens"], scores["masks"], scores["scores"], scores["messages"] = [], [], [], []
         for choice in chat_completions.choices:
             conversation = messages + [{"role": "assistant", "content": choice.message.content}]
-            tokenized = tokenize_for_trainer(self.tokenizer, conversation, include_messages=True, finish_reason=choice.finish_reason)
+            tokenized = tokenize_for_trainer(
+                self.tokenizer, conversation, include_messages=True, finish_reason=choice.finish_reason
+            )
             scores["tokens"].append(tokenized["tokens"])
             scores["masks"].append(tokenized["masks"])
             scores["messages"].append(tokenized["messages"])

@@ -13,7 +13,7 @@ observation's `echoed_message` is the next user turn. Reward, as in the template
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 from uuid import uuid4
 
 from openenv.core.env_server.http_server import create_app
@@ -45,11 +45,11 @@ class EchoEnvironment(Environment):
         super().__init__()
         self._state = State(episode_id=str(uuid4()), step_count=0)
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> EchoObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> EchoObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         return EchoObservation(echoed_message="Echo environment ready!", message_length=0, done=False, reward=0.0)
 
-    def step(self, action: EchoAction, timeout_s: Optional[float] = None, **kwargs: Any) -> EchoObservation:  # type: ignore[override]
+    def step(self, action: EchoAction, timeout_s: float | None = None, **kwargs: Any) -> EchoObservation:  # type: ignore[override]
         self._state.step_count += 1
         message = action.message
         return EchoObservation(

@@ -12,7 +12,7 @@ server's /schema) asks the policy for a JSON object and reads one.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 from uuid import uuid4
 
 from openenv.core.env_server.http_server import create_app
@@ -43,12 +43,12 @@ class GridEnvironment(Environment):
         self._state = State(episode_id=str(uuid4()), step_count=0)
         self.x = self.y = 0
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> GridObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> GridObservation:
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         self.x = self.y = 0
         return GridObservation(x=0, y=0, message=f"You are at (0, 0). Reach {GOAL}.", done=False, reward=0.0)
 
-    def step(self, action: StepAction, timeout_s: Optional[float] = None, **kwargs: Any) -> GridObservation:  # type: ignore[override]
+    def step(self, action: StepAction, timeout_s: float | None = None, **kwargs: Any) -> GridObservation:  # type: ignore[override]
         self._state.step_count += 1
         dx, dy = MOVES[action.direction]
         self.x = min(4, max(0, self.x + dx * action.steps))

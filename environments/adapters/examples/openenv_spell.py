@@ -13,7 +13,7 @@ third attempt.
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any
 from uuid import uuid4
 
 from openenv.core.env_server.http_server import create_app
@@ -53,21 +53,24 @@ class SpellEnvironment(Environment):
         super().__init__()
         self._state = SpellState(episode_id=str(uuid4()))
 
-    def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> SpellObservation:
+    def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> SpellObservation:
         target = random.Random(seed).choice(WORDS)
         self._state = SpellState(episode_id=episode_id or str(uuid4()), target=target, attempts_left=ATTEMPTS)
         return SpellObservation(target=target, feedback="Type the word.", attempts_left=ATTEMPTS)
 
-    def step(self, action: SpellAction, timeout_s: Optional[float] = None, **kwargs: Any) -> SpellObservation:  # type: ignore[override]
+    def step(self, action: SpellAction, timeout_s: float | None = None, **kwargs: Any) -> SpellObservation:  # type: ignore[override]
         state = self._state
         state.step_count += 1
         state.attempts_left -= 1
         correct = action.word.strip().lower() == state.target
         feedback = "Correct." if correct else f"Not {action.word.strip()[:40]!r}."
         return SpellObservation(
-            target=state.target, feedback=feedback, attempts_left=state.attempts_left,
-            done=correct or state.attempts_left == 0, reward=1.0 if correct else 0.0,
-        )  # fmt: skip
+            target=state.target,
+            feedback=feedback,
+            attempts_left=state.attempts_left,
+            done=correct or state.attempts_left == 0,
+            reward=1.0 if correct else 0.0,
+        )
 
     @property
     def state(self) -> SpellState:

@@ -268,7 +268,7 @@ class Admission:
         mine = next((s for s in samplers if s.sampler == self.slot), None)
         if mine is not None and mine.holder != self.sampler:
             await self._taken_over(mine)
-        self.others = (self.trainer.retired_committed if self.trainer else 0) + sum(
+        self.others = sum(
             s.committed + (0 if s.free(wall) else s.in_flight)  # a dead holder's in-flight never arrive
             for s in samplers
             if s.sampler != self.slot

@@ -10,9 +10,10 @@ scans) and object stores (LIST requests) alike.
 
 Writers create a shard's entry before the shard itself, so a shard a reader can see through the
 index is never missed; an entry whose shard never appears (its writer died in between) is dropped
-by the reader after the grace period. Runs written before the index existed (or shards copied into
-a run by hand) are indexed once by `backfill`, which every ShardReader runs when the run has no
-`_index/complete` marker (`index_shards` / `clotho shards index RUN_URL` for shards copied in later).
+by the reader after the grace period. Shards copied into a run without their entries (a run's
+rollouts/ copied elsewhere) are indexed once by `backfill`, which every ShardReader runs when the
+run has no `_index/complete` marker (`index_shards` / `clotho shards index RUN_URL` for shards
+copied in later).
 
 Late arrivals: a reader's watermark trails its clock by `GRACE_S`, so a shard published up to
 GRACE_S after its id was stamped (a slow upload, a writer clock ahead of the reader's) is still
@@ -38,7 +39,7 @@ from storage.layout import ShardLocation, join, new_shard_id, parse_shard_name
 log = logging.getLogger(__name__)
 
 INDEX = "_index"
-COMPLETE = "complete"  # written once every shard the run held before the index is indexed
+COMPLETE = "complete"  # written once every shard the run held when first read is indexed
 GRACE_S = 120.0
 _HOUR = re.compile(r"\d{8}T\d{2}")
 _MINUTE = re.compile(r"\d{2}")
@@ -175,8 +176,8 @@ def is_complete(fs: fsspec.AbstractFileSystem, run_path: str) -> bool:
 def backfill(
     fs: fsspec.AbstractFileSystem, run_path: str, rollouts_url: str, storage_options: dict | None = None
 ) -> bool:
-    """Index every shard under `rollouts_url` that has no entry (a run from before the index, or
-    shards copied in by hand), then mark the index complete; False (nothing marked) while the run
+    """Index every shard under `rollouts_url` that has no entry (shards copied in without their
+    entries), then mark the index complete; False (nothing marked) while the run
     holds no shard at all. Lists the whole run once; safe to run while writers write and twice at
     once (entries are only ever created)."""
     from storage.shard_file import find_shards  # shard_file imports this module

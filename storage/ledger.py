@@ -1,10 +1,8 @@
 """The consumer ledger: which shards (and how many groups of a shard) a trainer has consumed.
 
-Format 2 is a watermark: every shard whose id sorts before `watermark` is consumed, plus the
-exceptions after it: shards consumed out of order (`consumed`) and shards part-way through
-(`partial`). Its size is bounded by what is in flight, not by the run's history. Format 1 (every
-consumed shard by name, clotho before the index) still loads: its names become exceptions, which
-the reader's first pass folds into the watermark.
+A watermark: every shard whose id sorts before `watermark` is consumed, plus the exceptions after
+it: shards consumed out of order (`consumed`) and shards part-way through (`partial`). Its size is
+bounded by what is in flight, not by the run's history.
 """
 
 from __future__ import annotations
@@ -16,8 +14,7 @@ from typing import Any
 
 from storage.layout import parse_shard_name
 
-LEDGER_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+LEDGER_FORMAT = 2  # bumped when the layout changes; a ledger of another format is refused
 
 
 def shard_id_of(name: str) -> str:
@@ -91,17 +88,16 @@ class Ledger:
         """The inverse of to_dict; an empty dict (nothing saved yet) is an empty ledger."""
         if not data:
             return cls()
-        if data.get("format") not in READABLE_FORMATS:
+        if data.get("format") != LEDGER_FORMAT:
             raise ValueError(
-                f"ledger format {data.get('format')!r} is not one of {READABLE_FORMATS}; "
-                "it was saved by another clotho version"
+                f"ledger format {data.get('format')!r} is not {LEDGER_FORMAT}; it was saved by another clotho version"
             )
-        consumed = {shard_id_of(name) for name in data["consumed"]}
-        partial = {shard_id_of(str(name)): int(count) for name, count in data.get("partial", {}).items()}
+        consumed = set(data["consumed"])
+        partial = {str(shard_id): int(count) for shard_id, count in data["partial"].items()}
         both = consumed & partial.keys()
         if both:
             raise ValueError(f"ledger lists {sorted(both)} as both consumed and partial; the file is damaged")
-        return cls(watermark=str(data.get("watermark", "")), consumed=consumed, partial=partial)
+        return cls(watermark=str(data["watermark"]), consumed=consumed, partial=partial)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())

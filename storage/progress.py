@@ -52,11 +52,8 @@ class TrainerPosition:
     save_every: int
     max_staleness: int
     # The step this trainer trains up to (its --steps): a sampler that samples for a later phase
-    # waits for that phase's trainer (None in files written before it was kept).
+    # waits for that phase's trainer (None: no end, a trainer run without --steps).
     end_step: int | None = None
-    # Groups committed by samplers whose files a trainer removed, before sampler files were slots
-    # (runs started before 2026-12-04); kept and carried on, never added to now.
-    retired_committed: int = 0
     updated_at: float = field(default_factory=time.time)
 
 
@@ -70,9 +67,9 @@ class SamplerPosition:
     sampler: str  # the slot: its file's name
     committed: int
     in_flight: int
+    holder: str  # the rollout flow writing the slot
     closed: bool = False  # its holder's flow ended: it never writes again, the slot is free
     updated_at: float = field(default_factory=time.time)
-    holder: str = ""  # the rollout flow writing the slot ("": the slot's own name, as before slots)
     adopted: int = 0  # of `committed`, what the holder took over from the slot's previous holders
     generation: int = 0  # claims of the slot so far (claim_sampler_slot): the holder's, in each write
 
@@ -122,7 +119,6 @@ def announce_trainer(
         save_every=save_every,
         max_staleness=max_staleness,
         end_step=end_step,
-        retired_committed=known.retired_committed if known else 0,
     )
     write_trainer_position(root, run, position, storage_options=storage_options)
     return position
@@ -173,9 +169,7 @@ def read_sampler_positions(
 
 def groups_committed(root: str, run: str, *, storage_options: dict[str, Any] | None = None) -> int:
     """Every group the run's samplers committed to shards."""
-    live = sum(position.committed for position in read_sampler_positions(root, run, storage_options=storage_options))
-    trainer = read_trainer_position(root, run, storage_options=storage_options)
-    return live + (trainer.retired_committed if trainer is not None else 0)
+    return sum(position.committed for position in read_sampler_positions(root, run, storage_options=storage_options))
 
 
 def claim_url(root: str, run: str, slot: str, generation: int) -> str:

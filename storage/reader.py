@@ -100,7 +100,7 @@ class ShardReader:
         self.storage_options = storage_options
         self._fs, self._run_path = resolve(run_url(root, run), storage_options)
         self._rollouts_path = join(self._run_path, ROLLOUTS)
-        self._indexed = False  # whether the run's shards from before the index are indexed
+        self._indexed = False  # whether shards copied in without entries are indexed (backfill)
         self._unreadable: dict[str, int] = {}  # listed shards whose read found nothing, and how often
         self._pool: ThreadPoolExecutor | None = None  # started on the first read
         self._ahead: dict[str, Future[pa.Table]] = {}  # shard name -> its read-ahead
@@ -110,7 +110,7 @@ class ShardReader:
     def new_shards(self) -> list[ShardInfo]:
         """Shards passing the filters that are not fully consumed yet, oldest id first."""
         with storage_errors(self.url):
-            if not self._indexed:  # once per reader: one HEAD, or one listing of a run from before the index
+            if not self._indexed:  # once per reader: one HEAD, or one listing of a run copied without its index
                 self._indexed = is_complete(self._fs, self._run_path) or backfill(
                     self._fs, self._run_path, self.url, self.storage_options
                 )

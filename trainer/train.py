@@ -121,7 +121,6 @@ class TrainingRun:
             sequences_trained=0,
             wait_s=0.0,
             busy_s=0.0,
-            retired_committed=0,
         )
         self.reader: ShardReader | None = None
         self.metrics_log: MetricsLog | None = None
@@ -199,7 +198,6 @@ class TrainingRun:
             save_every=self.config.save_every,
             max_staleness=self.config.max_staleness,
             end_step=self.config.steps,
-            retired_committed=int(self.totals.get("retired_committed", 0)),  # runs before sampler slots
         )
         write_trainer_position(self.storage, self.run, position, storage_options=self.storage_options)
 

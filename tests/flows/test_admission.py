@@ -325,8 +325,10 @@ async def test_other_samplers_count_and_dead_ones_only_with_what_they_committed(
         root, "run", max_lag=0, served_version=Served(0), buffered=lambda: 0, flush=flush, sampler="me", refresh_s=0.02
     )
     await admission._refresh(force=True)  # claims its slot: a new one, none is free
-    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=2))
-    write_sampler_position(root, "run", SamplerPosition("dead", committed=0, in_flight=5, updated_at=1.0))
+    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=2, holder="live"))
+    write_sampler_position(
+        root, "run", SamplerPosition("dead", committed=0, in_flight=5, holder="dead", updated_at=1.0)
+    )
     await asyncio.sleep(0.05)  # past refresh_s: the next acquire reads them
     assert await admitted_within(admission, 1), "3 of 4 pending: one more fits"
     assert not await admitted_within(admission, 0.2)
@@ -369,7 +371,7 @@ async def test_a_starting_sampler_takes_over_a_closed_slot_and_its_count(tmp_pat
     ended = sampler(root, "ended")
     await store(ended, 3)
     await ended.close()
-    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=0))
+    write_sampler_position(root, "run", SamplerPosition("live", committed=1, in_flight=0, holder="live"))
     me = sampler(root, "me")
     await me._refresh(force=True)
     assert (me.slot, me.pending(), groups_committed(root, "run")) == ("ended", 4, 4)

@@ -3,10 +3,7 @@ consumed shards, old ledgers and old runs, a bounded ledger, and listings from t
 
 from __future__ import annotations
 
-import json
-import shutil
 import time
-from pathlib import Path
 
 import fsspec
 import pytest
@@ -17,7 +14,7 @@ from storage.layout import ShardLocation, new_shard_id
 from storage.ledger import Ledger
 from storage.reader import ShardReader
 from storage.schema import groups_to_table
-from storage.shard_file import find_shards, write_shard
+from storage.shard_file import write_shard
 from storage.writer import ShardWriter
 from tests.storage.factory import make_groups
 
@@ -73,20 +70,6 @@ def test_the_ledger_is_a_watermark_bounded_by_what_is_in_flight(root: str) -> No
     assert len(with_grace.ledger.consumed) == 30 and len(with_grace.ledger.to_json()) < 2000
 
 
-def test_a_format_1_ledger_on_a_run_written_before_the_index_resumes(root: str, tmp_path) -> None:
-    groups = write(root, 4, seed=4)
-    fs, run_path = fsspec.core.url_to_fs(f"{root}/run")
-    fs.rm(f"{run_path}/_index", recursive=True)  # as clotho wrote runs before the index
-    names = [shard.name for shard in ShardReader(root, "run").new_shards()]  # indexes it again
-    fs.rm(f"{run_path}/_index", recursive=True)
-    # What a checkpoint written before this change holds: every consumed shard by name.
-    old = {"format": 1, "consumed": names[:2], "partial": {names[2]: 1}}
-    resumed = ShardReader(root, "run", ledger=Ledger.from_dict(json.loads(json.dumps(old))))
-    assert list(resumed.groups()) == groups[5:]
-    resumed.new_shards()
-    assert resumed.ledger.to_dict()["format"] == 2 and resumed.ledger.partial == {}
-
-
 def test_an_entry_whose_shard_never_came_holds_the_pass_then_is_passed(root: str, monkeypatch) -> None:
     first = write(root, 1, seed=5)
     fs, run_path = fsspec.core.url_to_fs(f"{root}/run")
@@ -124,22 +107,6 @@ def test_a_writer_with_a_clock_far_off_the_storage_is_refused(tmp_path, monkeypa
     monkeypatch.setattr(time, "time", lambda real=time.time: real() + 600)
     with pytest.raises(RuntimeError, match=r"clock is \+600 s off the storage's.*synchronize the clock"):
         ShardWriter(f"file://{tmp_path}", "run", tokenizer="tok")
-
-
-def test_a_run_and_ledger_written_before_the_index_resume_exactly_once(tmp_path) -> None:
-    # A pipeline run of 2026-12-01 12:40 (before the index) and the format 1 ledger its step-5
-    # checkpoint's STABLE carries: 9 of its 32 shards consumed.
-    source = Path(__file__).parent / "data" / "run-before-index"
-    shutil.copytree(source / "rollouts", tmp_path / "run" / "rollouts")
-    saved = json.loads((source / "ledger-step-00000005.json").read_text())
-    assert saved["format"] == 1 and len(saved["consumed"]) == 9
-    all_names = [s.name for s in find_shards(f"file://{tmp_path}/run")[1]]
-    reader = ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(saved))
-    read = {batch.shard.name for batch in reader.batches()}
-    assert read == set(all_names) - set(saved["consumed"]) and len(read) == 23
-    assert (
-        list(ShardReader(f"file://{tmp_path}", "run", ledger=Ledger.from_dict(reader.ledger.to_dict())).batches()) == []
-    )
 
 
 def test_a_stopped_writer_s_entry_with_no_shard_is_dropped_and_the_run_reads_whole_at_once(root: str) -> None:

@@ -39,7 +39,7 @@ def test_positions_round_trip_and_replace_whole(root: str) -> None:
     assert read_trainer_position(root, "run") == later
 
     for name, committed in (("a", 5), ("b", 7), ("a", 9)):
-        write_sampler_position(root, "run", SamplerPosition(name, committed=committed, in_flight=2))
+        write_sampler_position(root, "run", SamplerPosition(name, committed=committed, in_flight=2, holder=name))
     samplers = sorted(read_sampler_positions(root, "run"), key=lambda p: p.sampler)
     assert [(p.sampler, p.committed, p.in_flight) for p in samplers] == [("a", 9, 2), ("b", 7, 2)]
     assert ShardReader(root, "run").new_shards() == []  # progress is not rollout data
@@ -47,7 +47,7 @@ def test_positions_round_trip_and_replace_whole(root: str) -> None:
 
 def test_a_bad_sampler_name_is_refused(root: str) -> None:
     with pytest.raises(ValueError, match="sampler 'a/b'"):
-        write_sampler_position(root, "run", SamplerPosition("a/b", committed=0, in_flight=0))
+        write_sampler_position(root, "run", SamplerPosition("a/b", committed=0, in_flight=0, holder="a/b"))
 
 
 def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> None:
@@ -60,7 +60,9 @@ def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> 
     flows, free = 8, 4
     for index in range(free):
         write_sampler_position(
-            root, "run", SamplerPosition(f"slot{index}", committed=index + 1, in_flight=0, closed=True)
+            root,
+            "run",
+            SamplerPosition(f"slot{index}", committed=index + 1, in_flight=0, holder=f"flow{index}", closed=True),
         )
     total = groups_committed(root, "run")
     rounds = 50

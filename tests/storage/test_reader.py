@@ -174,4 +174,4 @@ def test_ledger_format_errors() -> None:
     with pytest.raises(ValueError, match="ledger format"):
         Ledger.from_dict({"consumed": []})
     with pytest.raises(ValueError, match="both consumed and partial"):
-        Ledger.from_dict({"format": 1, "consumed": ["a"], "partial": {"a": 1}})
+        Ledger.from_dict({"format": 2, "watermark": "", "consumed": ["a"], "partial": {"a": 1}})

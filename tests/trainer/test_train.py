@@ -93,7 +93,7 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     write_shards(root, "run", later, groups_per_shard=2)
 
     # A rollout flow that ended: its slot is the samplers' to take over; the trainer writes only its own file.
-    ended = SamplerPosition("ended-flow", committed=5, in_flight=0, closed=True)
+    ended = SamplerPosition("ended-flow", committed=5, in_flight=0, holder="ended-flow", closed=True)
     write_sampler_position(root, "run", ended)
     settings = ("save_every=1", "max_staleness=0", "loss.kl_coef=0.01", "keep_last=1")
     run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))

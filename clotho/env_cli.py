@@ -44,7 +44,8 @@ def new_command(
     for path, template in written.items():
         path.write_text((TEMPLATES / template).read_text().format(**fields))
     typer.echo(f"wrote {', '.join(str(p) for p in written)}")
-    typer.echo(f"next: pip install -e {directory}  then  clotho env check {name}")
+    # No build isolation: pip would fetch setuptools from the index, which fails offline.
+    typer.echo(f"next: pip install --no-build-isolation -e {directory}  then  clotho env check {name}")
 
 
 @env_app.command("list")

@@ -39,6 +39,7 @@ def test_an_outside_package_installs_lists_and_passes_the_conformance_suite(poli
             "pip",
             "install",
             "--no-deps",
+            "--no-build-isolation",  # as `clotho env new` says: setuptools from the environment, offline
             "--disable-pip-version-check",
             "--target",
             str(site),

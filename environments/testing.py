@@ -152,8 +152,8 @@ class EnvironmentConformance:
     config: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(scope="class")
-    def conformance_results(self, request, policy_server, policy_tokenizer) -> dict[str, CheckResult]:
-        cls = request.cls
+    @classmethod
+    def conformance_results(cls, policy_server, policy_tokenizer) -> dict[str, CheckResult]:
         results = asyncio.run(
             run_checks(
                 cls.environment_class,

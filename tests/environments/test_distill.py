@@ -20,7 +20,8 @@ class TestDistillConformance(EnvironmentConformance):
     environment_class = Distill
 
     @pytest.fixture(scope="class")
-    def conformance_results(self, policy_server, policy_tokenizer):
+    @classmethod
+    def conformance_results(cls, policy_server, policy_tokenizer):
         config = {"env": "arithmetic", "env_config": {"max_tokens": 8}, "teacher_url": policy_server.base_url}
         results = asyncio.run(
             run_checks(

@@ -123,7 +123,7 @@ class GroupStore:
         return [result for result in results if isinstance(result, ScoredGroup)]
 
     async def write(self, scored: list[ScoredGroup]) -> None:
-        await self.published(self.writer.add_many, scored, env=scored[0].env)
+        await self.write_shards(self.writer.add_many, scored, env=scored[0].env)
         if self.admission is not None and self.admission.flush_due():
             await self.flush()
 
@@ -145,16 +145,16 @@ class GroupStore:
 
     async def flush(self) -> None:
         """Writes every buffered group now (the admission asks when the trainer waits for them)."""
-        await self.published(self.writer.flush)
+        await self.write_shards(self.writer.flush)
 
     async def flush_aged(self) -> None:
         """Writes a shard once its oldest group reached the writer's max age, also while no group ends."""
         while True:
             await asyncio.sleep(1.0)
             if self.writer.due():
-                await self.published(self.writer.flush_if_due)
+                await self.write_shards(self.writer.flush_if_due)
 
-    async def published(self, write: Callable[..., list[str]], *args: Any, env: str | None = None) -> None:
+    async def write_shards(self, write: Callable[..., list[str]], *args: Any, env: str | None = None) -> None:
         """One of the writer's writes, off the event loop; each shard it wrote becomes an event."""
         for url in await asyncio.to_thread(write, *args):
             emit_shard_event(url, self.run, env)

@@ -134,7 +134,7 @@ async def start_services(
                 )
 
         watching = asyncio.ensure_future(watcher.run(stop=stop_watching, on_outcomes=on_outcomes))
-        stack.push_async_callback(finish, watching, stop_watching)
+        stack.push_async_callback(stop_watcher, watching, stop_watching)
     else:
         log.info(
             "no reload watcher here: the servers at %s reload themselves (servers.reload_urls: false)", ", ".join(urls)
@@ -366,7 +366,7 @@ async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:
             await task
 
 
-async def finish(watching: asyncio.Future, stop: asyncio.Event) -> None:
+async def stop_watcher(watching: asyncio.Future, stop: asyncio.Event) -> None:
     """Stop the watcher between polls, never in the middle of a reload (a server left paused)."""
     stop.set()
     try:

@@ -172,7 +172,7 @@ class Lanes:
         handed_over: Results = []
         try:
             with hand_over_to(handed_over.append):
-                results = [await submitted(dict(spec=spec, item=item, **task), handed_over)]
+                results = [await on_task_runner(dict(spec=spec, item=item, **task), handed_over)]
         except asyncio.CancelledError:
             if handed_over:
                 await self.store.store(spec, handed_over)
@@ -236,12 +236,12 @@ class WeightedItems:
             return None
 
 
-async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
+async def on_task_runner(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
     """A task run submitted to the flow's task runner (e.g. Dask workers). Cancelled, it hands over
     the group of a run that already finished elsewhere; one still queued never starts."""
     future = collect_one.submit(**task)
     try:
-        await settled(future)
+        await task_runner_done(future)
     except asyncio.CancelledError:
         if not future.wrapped_future.done():
             future.wrapped_future.cancel()
@@ -252,7 +252,7 @@ async def submitted(task: dict[str, Any], handed_over: Results) -> ScoredGroup |
     return future.result()
 
 
-async def settled(future) -> None:
+async def task_runner_done(future) -> None:
     """Waits for a task-runner future without parking a thread on it (the default executor has
     only a handful of threads, which would cap the groups in flight)."""
     loop = asyncio.get_running_loop()

@@ -24,12 +24,11 @@ import atexit
 import json
 import logging
 import os
-import random
 import select
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -180,27 +179,17 @@ math_child = MathChild()
 atexit.register(lambda: math_child.process and math_child.process.kill())
 
 
-@dataclass
-class Shuffled:
-    """Row indices 0..size-1 in a seeded shuffle, epoch after epoch (just one when cycle is False)."""
+class SplitItems(Sequence):
+    """A split's rows as Items, each made when the item stream asks for it (a split may be large)."""
 
-    size: int
-    seed: int
-    cycle: bool
-    order: list[int] = field(default_factory=list)
-    epoch: int = -1
+    def __init__(self, rows: Any, make: Callable[[Any, int], Item]):
+        self.rows, self.make = rows, make
 
-    def __post_init__(self):
-        self.rng = random.Random(self.seed)
+    def __len__(self) -> int:
+        return len(self.rows)
 
-    def next(self) -> int | None:
-        if not self.order:
-            if self.epoch >= 0 and not self.cycle:
-                return None
-            self.epoch += 1
-            self.order = list(range(self.size))
-            self.rng.shuffle(self.order)
-        return self.order.pop()
+    def __getitem__(self, index):  # the item stream asks by index only
+        return self.make(self.rows, index)
 
 
 def _normalized(text: str) -> str:
@@ -236,11 +225,12 @@ class Dataset(Environment):
                     )
             if len(rows) == 0:
                 raise ValueError(f"source: {config.source!r} split {rows.split} has no rows")
-        self.streams = {
-            which: Shuffled(len(rows), config.seed, config.cycle)
-            for which, rows in self.rows.items()
-            if rows is not None
-        }
+
+    def items(self, split: str) -> SplitItems | None:
+        """The configured split as "train", eval_split as "eval" (None without one: evaluate then
+        draws from train with eval_seed); the base class hands them out."""
+        rows = self.rows[split]
+        return None if rows is None else SplitItems(rows, self._item)
 
     def _load(self) -> Any:
         import datasets
@@ -265,10 +255,7 @@ class Dataset(Environment):
                 ".parquet/.jsonl/.csv file, a directory of them, or a dataset id the hub can serve"
             ) from error
 
-    def _next(self, which: str) -> Item | None:
-        rows, index = self.rows[which], self.streams[which].next()
-        if index is None:
-            return None
+    def _item(self, rows: Any, index: int) -> Item:
         row, config = rows[index], self.config
         question = row[config.prompt_column]
         if isinstance(question, list):
@@ -278,12 +265,6 @@ class Dataset(Environment):
         if config.system_prompt is not None:
             prompt.insert(0, {"role": "system", "content": config.system_prompt})
         return Item(id=f"{rows.split}-{index}", prompt=prompt, answer=str(row[config.answer_column]))
-
-    async def get_item(self) -> Item | None:
-        return self._next("train")
-
-    async def get_eval_item(self) -> Item | None:
-        return self._next("eval") if self.rows["eval"] is not None else await super().get_eval_item()
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         answer = final_answer(messages)

@@ -18,6 +18,7 @@ never from the parts' own claims.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,7 @@ class Tally:
     torn: set[str]
     wrong_steps: list[str]  # ledgers that forgot groups; steps that took other than groups_per_step
     orphan_entries: int
+    misscored: set[str]  # members scored other than planned (see misscored)
 
 
 def unstable_checkpoints(run_url: str, up_to_step: int) -> list[str]:
@@ -176,7 +178,20 @@ def unstable_checkpoints(run_url: str, up_to_step: int) -> list[str]:
     ]
 
 
-def tally(run_url: str, up_to_step: int, groups_per_step: int) -> Tally:
+def misscored(groups: Iterable[tuple[str, list[float]]], planned: Callable[[str], list[float]]) -> list[str]:
+    """Stored groups whose scores are not the planned ones: `item_id member M: scored X, must be Y`."""
+    wrong = []
+    for item_id, scores in groups:
+        for member, (score, must) in enumerate(zip(scores, planned(item_id), strict=True)):
+            if abs(score - must) > 1e-9:
+                wrong.append(f"{item_id} member {member}: scored {score:g}, must be {must:g}")
+    return wrong
+
+
+def tally(
+    run_url: str, up_to_step: int, groups_per_step: int, planned: Callable[[str], list[float]] | None = None
+) -> Tally:
+    """`planned`: an item id's planned scores, to check every stored group's against (None: none checked)."""
     storage = read_storage(run_url)
     storage.torn += unstable_checkpoints(run_url, up_to_step)
     training = read_training(run_url, storage, up_to=up_to_step)
@@ -194,6 +209,7 @@ def tally(run_url: str, up_to_step: int, groups_per_step: int) -> Tally:
         torn=set(storage.torn),
         wrong_steps=training.regressions + wrong,
         orphan_entries=storage.orphan_entries,
+        misscored=set(misscored(((g.item_id, g.scores) for g in storage.groups), planned)) if planned else set(),
     )
 
 

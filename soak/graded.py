@@ -6,8 +6,8 @@ a wrong value (0) and an endless loop (0), run by `CodeExec.verdict`, starved ru
 failed as `infra`; before the judge, a joke whose score the soak's judge (`JudgeServer`) derives
 from its text, asked through `LLMJudge.judge`, a judge past `judge_timeout_s` retried and failed as
 `infra`. The faults (`hog_in_sandbox`, `hang_judge`) load the host or stop the judge mid-segment;
-after each segment `misscored` compares every stored group's scores with the planned ones: a
-machinery failure scored as a reward shows up there, whatever it was scored.
+after each segment `soak.checks.tally` compares every stored group's scores with the planned ones:
+a machinery failure scored as a reward shows up there, whatever it was scored.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Literal
 
@@ -104,10 +103,7 @@ class Graded(Distinct):
 
                 rollouts = [judged(sequence, joke) for sequence, (joke, _) in zip(drawn, answers, strict=True)]
                 sequences, errors = await self.gather_sequences(rollouts)
-        group = self.make_group(item, sequences, errors=errors)
-        if self.config.journal:
-            self.record(item.id)
-        return group
+        return self.finished(item, sequences, errors)
 
 
 def planned(item_id: str, group_size: int, grader: str) -> list[tuple[str, float]]:
@@ -179,13 +175,3 @@ class JudgeServer:
     def stop(self) -> None:
         self.http.shutdown()
         self.http.server_close()
-
-
-def misscored(groups: Iterable[tuple[str, list[float]]], planned: Callable[[str], list[float]]) -> list[str]:
-    """Stored groups whose scores are not the planned ones: `item_id member M: scored X, must be Y`."""
-    wrong = []
-    for item_id, scores in groups:
-        for member, (score, must) in enumerate(zip(scores, planned(item_id), strict=True)):
-            if abs(score - must) > 1e-9:
-                wrong.append(f"{item_id} member {member}: scored {score:g}, must be {must:g}")
-    return wrong

@@ -66,11 +66,14 @@ class Distinct(Environment):
                 min_tokens=self.config.sample_tokens,
                 temperature=1.0,
             )
-            group = self.make_group(item, scored(item.id, prompt, [(c.token_ids, c.logprobs) for c in completions]))
-        else:
-            if self.config.delay_s:
-                await asyncio.sleep(self.config.delay_s)
-            group = self.make_group(item, draw_group(item.id, self.config.group_size).sequences)
+            return self.finished(item, scored(item.id, prompt, [(c.token_ids, c.logprobs) for c in completions]))
+        if self.config.delay_s:
+            await asyncio.sleep(self.config.delay_s)
+        return self.finished(item, draw_group(item.id, self.config.group_size).sequences)
+
+    def finished(self, item: Item, sequences: list[ScoredSequence], errors: list[str] | None = None) -> ScoredGroup:
+        """The item's group, recorded in the journal before the flow stores it."""
+        group = self.make_group(item, sequences, errors=errors)
         if self.config.journal:
             self.record(item.id)
         return group

@@ -307,15 +307,14 @@ class Loop:
                 trial.caught_up_s = time.time() - killed_at
             state = asyncio.run(self.server_state())
             trial.problems += state.problems(self.last_step(), self.parity_guard().tolerance)
-        counted = checks.tally(self.run_url, self.last_step(), self.settings.groups_per_step)
+        counted = checks.tally(self.run_url, self.last_step(), self.settings.groups_per_step, self.planned_scores)
         new = {name: getattr(counted, name) - self.seen[name] for name in ("lost", "twice", "torn")}
         trial.committed = counted.committed - self.seen["committed"]
         trial.lost, trial.twice, trial.torn = (len(new[name]) for name in ("lost", "twice", "torn"))
         trial.problems += [f"{name}: {', '.join(sorted(found)[:3])}" for name, found in new.items() if found]
         trial.problems += [problem for problem in counted.wrong_steps if problem not in self.seen["wrong"]]
-        misscored = set(self.misscored())
-        trial.misscored = len(misscored - self.seen["misscored"])
-        trial.problems += sorted(misscored - self.seen["misscored"])[:3]
+        trial.misscored = len(counted.misscored - self.seen["misscored"])
+        trial.problems += sorted(counted.misscored - self.seen["misscored"])[:3]
         trial.infra_failed, trial.infra_retries = (self.infra[key] - self.seen[key] for key in ("failed", "retries"))
         self.seen = {
             "committed": counted.committed,
@@ -323,18 +322,16 @@ class Loop:
             "twice": counted.twice,
             "torn": counted.torn,
             "wrong": set(counted.wrong_steps),
-            "misscored": misscored,
+            "misscored": counted.misscored,
             **self.infra,
         }
 
-    def misscored(self) -> list[str]:
-        """Stored groups' scores against the planned ones (soak.graded.planned, soak.groups.planned_scores)."""
+    def planned_scores(self, item_id: str) -> list[float]:
+        """The scores `item_id`'s group must carry (soak.graded.planned, soak.groups.planned_scores)."""
         size = self.settings.group_size
         if self.settings.grader:
-            planned = lambda item_id: [score for _, score in graded.planned(item_id, size, self.settings.grader)]  # noqa: E731
-        else:
-            planned = lambda item_id: planned_scores(item_id, size)  # noqa: E731
-        return graded.misscored(((g.item_id, g.scores) for g in checks.read_storage(self.run_url).groups), planned)
+            return [score for _, score in graded.planned(item_id, size, self.settings.grader)]
+        return planned_scores(item_id, size)
 
     async def server_state(self) -> checks.ServerState:
         return await checks.server_state(

@@ -162,8 +162,9 @@ def retrying(fs: fsspec.AbstractFileSystem, path: str, operation: Callable[..., 
 
     def give_up(state: tenacity.RetryCallState) -> NoReturn:
         # One error, its chain cut: the last failure is in the message and .last_error.
-        assert state.outcome is not None and (error := state.outcome.exception()) is not None  # given up on an error
-        raise unavailable(fs, path, error, state.attempt_number, state.seconds_since_start, budget) from None
+        error = state.outcome.exception() if state.outcome is not None else None  # given up on an error: never None
+        last = error if error is not None else RuntimeError("no error recorded")
+        raise unavailable(fs, path, last, state.attempt_number, state.seconds_since_start, budget) from None
 
     for attempt in attempts(
         retry_on=is_transient,

@@ -6,7 +6,8 @@ import pytest
 
 from environments.base import Item
 from environments.failures import InfraError
-from soak.graded import Graded, JudgeServer, misscored, planned
+from soak.checks import misscored
+from soak.graded import Graded, JudgeServer, planned
 
 
 def planned_scores(grader: str, size: int = 4):

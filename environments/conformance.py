@@ -173,7 +173,7 @@ class Conformance:
         _, group = await self.sampled()
         sink = pa.BufferOutputStream()
         pq.write_table(groups_to_table([group], tokenizer="conformance"), sink)
-        [restored] = table_to_groups(pq.read_table(pa.BufferReader(sink.getvalue())))
+        [restored] = table_to_groups(pq.ParquetFile(pa.BufferReader(sink.getvalue())).read())
 
         def float32(values):  # the shard schema stores logprobs and advantages as float32
             return None if values is None else np.asarray(values, np.float32).tolist()

@@ -80,7 +80,11 @@ def encode(table: pa.Table) -> pa.Buffer:
 def decode(data: bytes | pa.Buffer, url: str) -> pa.Table:
     """Parse and check shard bytes; ShardFormatError (with the URL) if they are not a valid shard."""
     try:
-        table = upgrade_table(pq.read_table(pa.BufferReader(data)))
+        # ParquetFile, not read_table: read_table's dataset scan can drop its last reference to the
+        # bytes on one of arrow's pool threads after returning, and a command that exits then aborts
+        # ("terminate called without an active exception": that thread wants the GIL at finalization).
+        with pq.ParquetFile(pa.BufferReader(data)) as file:
+            table = upgrade_table(file.read())
     except (pa.ArrowException, OSError, ValueError) as error:
         raise ShardFormatError(f"{url}: not a readable Parquet file ({error})") from error
     try:

@@ -224,7 +224,8 @@ def evaluation_items(task: dict, tokenizer_dir: Path) -> list[tuple[Item, bool]]
     asyncio.run(env.setup())
     if task["env"] == "compare":
         training, held_out = split_pairs(env.config.max_value, env.config.held_out)
-        return [(env.item(a, b), False) for a, b in training] + [(env.item(a, b), True) for a, b in held_out]
+        problems = [(pair, False) for pair in training] + [(pair, True) for pair in held_out]
+        return [(env.item(a, b, f"all-{n}"), held) for n, ((a, b), held) in enumerate(problems)]
     return [(asyncio.run(env.get_item()), True) for _ in range(32)]
 
 

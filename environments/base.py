@@ -106,6 +106,8 @@ class Environment(ABC):
         self._renderer: ChatRenderer | None = None
         self._item_streams: dict[str, ItemStream | None] = {}
         self._made = 0  # items new_item made
+        self._twin: Environment | None = None  # evaluate's (_evaluation_twin)
+        self._twin_rng_state: Any = None
 
     # ---- what an environment author writes -------------------------------------------------
     async def setup(self) -> None:  # noqa: B027 - optional: most environments load nothing
@@ -216,8 +218,10 @@ class Environment(ABC):
         return f"group_size {self.config.group_size}"
 
     # ---- what the framework calls ----------------------------------------------------------
-    async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
-        """collect_trajectories, stamped with the policy versions and the sampling parameters that
+    async def collect_group(
+        self, item: Item, trajectories: Callable[[Item], Awaitable[ScoredGroup]] | None = None
+    ) -> ScoredGroup | RolloutFailure:
+        """collect_trajectories (or `trajectories`), stamped with the policy versions and the sampling parameters that
         drew it (environments.trajectory.complete_record), failures returned as data.
 
         The server tags every token with the version of the weights that sampled it (vLLM's weight
@@ -242,7 +246,7 @@ class Environment(ABC):
         try:
             async with asyncio.timeout(limit) as deadline:
                 with recording_completions() as sampled:
-                    group = await self.collect_trajectories(item)
+                    group = await (trajectories or self.collect_trajectories)(item)
             if not isinstance(group, ScoredGroup):
                 raise InvalidGroupError(
                     f"collect_trajectories returned {type(group).__name__}; return self.make_group(item, sequences)"
@@ -275,27 +279,46 @@ class Environment(ABC):
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:
         """Greedy answers (temperature 0, one per item) on up to num_items held-out items.
 
-        Runs on a twin of this environment whose item stream is seeded with config.eval_seed, so
-        the training stream is left where it was. Reports what it saw: items answered, failures,
-        mean score and the share of items whose answer scored above 0.
+        Runs on a twin of this environment (built and set up once, at the first evaluation) whose
+        item stream is seeded with config.eval_seed, so the training stream is left where it was;
+        every evaluation starts that stream over, so each scores the same items. Reports what it
+        saw: items answered, failures, mean score and the share of items whose answer scored above 0.
         """
-        twin_config = self.config.model_copy(
-            update={"temperature": 0.0, "group_size": 1, "seed": self.config.eval_seed, "cycle": False}
-        )
-        twin = type(self)(twin_config, client=self.client, tokenizer=self.tokenizer)
-        await twin.setup()
+        twin = await self._evaluation_twin()
         scores: list[float] = []
         failures: dict[str, int] = {}
         for _ in range(num_items):
             item = await twin.get_eval_item()
             if item is None:
                 break
-            result = await twin.collect_group(item)
+            result = await twin.collect_group(item, twin.answer_for_evaluation)
             if isinstance(result, RolloutFailure):
                 failures[result.reason] = failures.get(result.reason, 0) + 1
             else:
                 scores.append(result.sequences[0].score)
         return evaluation_report(scores, failures)
+
+    async def answer_for_evaluation(self, item: Item) -> ScoredGroup:
+        """How evaluate has the policy answer an item (on the twin: greedy, one sample). Default:
+        collect_trajectories. An environment whose groups are not the policy's own answers (a
+        demonstration) answers with Environment.collect_trajectories, one sampled turn."""
+        return await self.collect_trajectories(item)
+
+    async def _evaluation_twin(self) -> Environment:
+        if self._twin is None:
+            config = self.config.model_copy(
+                update={"temperature": 0.0, "group_size": 1, "seed": self.config.eval_seed, "cycle": False}
+            )
+            twin = type(self)(config, client=self.client, tokenizer=self.tokenizer)
+            await twin.setup()
+            self._twin, self._twin_rng_state = twin, twin.rng.getstate()
+        twin = self._twin
+        for stream in twin._item_streams.values():
+            if stream is not None:
+                stream.restart()
+        twin._made = 0
+        twin.rng.setstate(self._twin_rng_state)  # as set up: new_item draws the same items again
+        return twin
 
     # ---- helpers the base class owns -------------------------------------------------------
     @property

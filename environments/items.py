@@ -30,6 +30,11 @@ class ItemStream:
         self.order = self._order()
         self.position = 0
 
+    def restart(self) -> None:
+        """Back to the first item of the first pass."""
+        self.passes, self.position = 0, 0
+        self.order = self._order()
+
     def _order(self) -> list[int]:
         order = list(range(len(self.rows)))
         if self.shuffle:

@@ -25,7 +25,6 @@ import asyncio
 import builtins
 import contextlib
 import json
-import random
 import re
 import secrets
 from dataclasses import dataclass
@@ -143,6 +142,11 @@ def token_spans(decode, token_ids: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+PROMPT = (
+    "Write this Python function. Answer with the whole function in one ```python code block.\n\n```python\n{stub}\n```"
+)
+
+
 class CodeExec(Environment):
     """A Python function task -> the share of its hidden tests the sandboxed answer passes."""
 
@@ -150,28 +154,19 @@ class CodeExec(Environment):
     config_class = CodeExecConfig
     item_class = CodeItem
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.order: list[dict] = []
-        self.count = 0
-
-    async def get_item(self) -> CodeItem | None:
-        if not self.order:
-            if self.count and not self.config.cycle:
-                return None
-            self.order = self.rng.sample(TASKS, len(TASKS))
-        task = self.order.pop()
-        self.count += 1
-        prompt = (
-            "Write this Python function. Answer with the whole function in one ```python code block.\n\n"
-            f"```python\n{task['stub']}\n```"
-        )
-        return CodeItem(
-            id=f"{self.config.seed}-{self.count}-{task['id']}",
-            prompt=[{"role": "user", "content": prompt}],
-            tests=task["tests"],
-            solution=task["solution"],
-        )
+    def items(self, split: str) -> list[CodeItem] | None:
+        """Every task, under its own id ("train"; evaluate draws from it too, seeded by eval_seed)."""
+        if split != "train":
+            return None
+        return [
+            CodeItem(
+                id=task["id"],
+                prompt=[{"role": "user", "content": PROMPT.format(stub=task["stub"])}],
+                tests=task["tests"],
+                solution=task["solution"],
+            )
+            for task in TASKS
+        ]
 
     def gold_completion(self, item: CodeItem) -> str:
         return f"```python\n{item.solution}\n```"

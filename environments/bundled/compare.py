@@ -2,7 +2,7 @@
 prompt's own numbers, so a small model can learn it by attending to them: the demo's RL task.
 
 The problems are split once, the same way for every instance: a share of the pairs {a, b} (both
-orders) is held out for `evaluate` and never handed out by `get_item`, so neither RL nor an SFT
+orders) is held out for `evaluate` (the "eval" split) and never made by `new_item`, so neither RL nor an SFT
 warm start on this environment's gold answers ever sees an evaluation problem."""
 
 from __future__ import annotations
@@ -59,11 +59,10 @@ class Compare(Environment):
     config_class = CompareConfig
 
     async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
         self.training, self.held_out = split_pairs(self.config.max_value, self.config.held_out)
         self.problems = self.diverse_pool(self.config.pool or 0)
-        self.evaluation_order = self.rng.sample(self.held_out or self.training, len(self.held_out or self.training))
+        evaluation = self.held_out or self.training
+        self.evaluation_order = self.rng.sample(evaluation, len(evaluation))
 
     def diverse_pool(self, size: int) -> list[tuple[int, int]]:
         """`size` training problems, each with an answer no earlier one has while answers remain: a
@@ -77,29 +76,27 @@ class Compare(Environment):
                 break
             if pick(*problem) not in {pick(*p) for p in pool}:
                 pool.append(problem)
-        return pool + [self.problem() for _ in range(size - len(pool))]
+        return pool + [self.rng.choice(self.training) for _ in range(size - len(pool))]
 
-    def problem(self) -> tuple[int, int]:
-        return self.rng.choice(self.training)
+    def items(self, split: str) -> list[Item] | None:
+        """ "eval": each held-out problem once, in an order seeded by eval_seed (evaluate's twin is
+        seeded with it). "train" is made by new_item."""
+        if split != "eval":
+            return None
+        return [self.item(a, b, f"{self.config.seed}-{n}") for n, (a, b) in enumerate(self.evaluation_order, 1)]
 
-    def item(self, a: int, b: int) -> Item:
-        self.count += 1
+    def new_item(self, rng: random.Random, index: int) -> Item:
+        a, b = self.problems[index % len(self.problems)] if self.problems else rng.choice(self.training)
+        return self.item(a, b, f"{self.config.seed}-{index + 1}")
+
+    def item(self, a: int, b: int, id: str) -> Item:
         pick = max if self.config.which == "larger" else min
         return Item(
-            id=f"{self.config.seed}-{self.count}",
+            id=id,
             prompt=[{"role": "user", "content": f"Which is {self.config.which}, {a} or {b}? Give only the number."}],
             answer=pick(a, b),
             extras={"pair": [a, b]},
         )
-
-    async def get_item(self) -> Item:
-        return self.item(*(self.problems[self.count % len(self.problems)] if self.problems else self.problem()))
-
-    async def get_eval_item(self) -> Item | None:
-        """Each held-out problem once (in an order seeded by eval_seed), then None."""
-        if self.count >= len(self.evaluation_order):
-            return None
-        return self.item(*self.evaluation_order[self.count])
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         match = _NUMBER.search(final_answer(messages))

@@ -69,6 +69,7 @@ class Distill(Environment):
         self.teacher = PolicyClient(self.config.teacher_url, model=self.config.teacher_model, api_key=api_key)
 
     async def get_item(self) -> Item | None:
+        """Written, not items or new_item: the items are the source environment's, handed out by it."""
         return await self.source.get_item()
 
     def reward(self, item: Item, messages: list[dict]) -> float:

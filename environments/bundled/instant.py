@@ -7,6 +7,8 @@ policy-version read every group gets).
 
 from __future__ import annotations
 
+import random
+
 from core.scored_group import ScoredGroup, ScoredSequence
 from environments.base import Environment, EnvironmentConfig, Item
 
@@ -18,12 +20,10 @@ class Instant(Environment):
     config_class = EnvironmentConfig
 
     async def setup(self) -> None:
-        self.count = 0
         self.completion_text = self.tokenizer.decode([4, 5], skip_special_tokens=True)
 
-    async def get_item(self) -> Item:
-        self.count += 1
-        return Item(id=str(self.count), prompt=[{"role": "user", "content": "hi"}])
+    def new_item(self, rng: random.Random, index: int) -> Item:
+        return Item(id=str(index + 1), prompt=[{"role": "user", "content": "hi"}])
 
     def reward(self, item: Item, messages: list[dict]) -> float:
         return 1.0

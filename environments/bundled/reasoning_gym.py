@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import random
 import statistics
 from collections import deque
 from typing import Any
@@ -178,7 +179,6 @@ class ReasoningGym(Environment):
         attributes = create_curriculum(config.dataset).attributes.values() if config.curriculum else []
         top = max((len(attribute.levels) - 1 for attribute in attributes), default=0)
         self.curriculum = Curriculum(top, config.window, config.raise_above, config.lower_below)
-        self.count = 0
         self._datasets: dict[tuple[int, int], Any] = {}
 
     def dataset(self, level: int, chunk: int = 0) -> Any:
@@ -192,11 +192,11 @@ class ReasoningGym(Environment):
             self._datasets[key] = DATASETS[self.config.dataset][0](config=dataset_config(self.config, level, seed))
         return self._datasets[key]
 
-    async def get_item(self) -> ReasoningGymItem:
-        index, level = self.count, self.curriculum.level
+    def new_item(self, rng: random.Random, index: int) -> ReasoningGymItem:
+        """The dataset's entry `index` at the curriculum's level (the dataset draws it, from config.seed)."""
+        level = self.curriculum.level
         chunk, position = divmod(index, CHUNK)
         entry = self.dataset(level, chunk)[position]
-        self.count += 1
         messages = [
             {"role": "system", "content": SYSTEM_PROMPTS["default"]},
             {"role": "user", "content": entry["question"]},

@@ -3,14 +3,13 @@ answers, sent through the same pipe as rollouts and trained with the sft objecti
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field, model_validator
 
 from core.scored_group import ScoredGroup, ScoredSequence
-from environments.base import Environment, EnvironmentConfig, Item, evaluation_report, final_answer, prompt_messages
+from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import Messages
 from environments.loading import load_config, load_environment_class
 
@@ -71,9 +70,6 @@ class SFT(Environment):
             await self.source.setup()
         else:
             self.rows = self._load_rows(self.config.data, self.config.split, "data")
-        self.rng = random.Random(self.config.seed)
-        self.order: list[int] = []
-        self.epoch = -1
 
     def _load_rows(self, source: str, split: str, field: str) -> list[dict[str, Any]]:
         import datasets
@@ -103,21 +99,25 @@ class SFT(Environment):
             raise ValueError(f"{field}: {source!r} has no rows")
         return [dataset[index] for index in range(len(dataset))]
 
+    def items(self, split: str) -> list[dict[str, Any]] | None:
+        """The rows of data ("train"), of eval_data or else data's first rows ("eval"), as items
+        whose id is the row's index; None when learning an environment's gold answers."""
+        if self.source is not None:
+            return None
+        if split == "train":
+            rows = self.rows
+        else:
+            rows = self._load_rows(self.config.eval_data, "train", "eval_data") if self.config.eval_data else self.rows
+        columns = self.config.prompt_column, self.config.completion_column
+        return [
+            {"id": str(index), "prompt": row[columns[0]], "answer": row[columns[1]]} for index, row in enumerate(rows)
+        ]
+
     async def get_item(self) -> Item | None:
+        """Written, not items: with `env`, the items are that environment's, handed out by it."""
         if self.source is not None:
             return await self.source.get_item()
-        if not self.order:
-            if self.epoch >= 0 and not self.config.cycle:
-                return None
-            self.epoch += 1
-            self.order = list(range(len(self.rows)))
-            self.rng.shuffle(self.order)
-        return self._row_item(self.order.pop(), self.rows)
-
-    def _row_item(self, index: int, rows: list[dict[str, Any]]) -> Item:
-        row = rows[index]
-        prompt, completion = row[self.config.prompt_column], row[self.config.completion_column]
-        return Item(id=str(index), prompt=prompt, answer=completion)
+        return await super().get_item()
 
     def demonstration(self, item: Item) -> str:
         """The answer to learn for `item`: its row's completion or the source's gold answer."""
@@ -161,19 +161,13 @@ class SFT(Environment):
     def gold_completion(self, item: Item) -> str | None:
         return self.demonstration(item)
 
+    async def answer_for_evaluation(self, item: Item) -> ScoredGroup:
+        """The policy's own greedy answer, scored by reward: not the demonstration."""
+        return await Environment.collect_trajectories(self, item)
+
     async def evaluate(self, num_items: int = 16) -> dict[str, float]:
         """Greedy answers of the policy: the source environment's own evaluation, or exact match
-        on the rows of eval_data (else the first rows of data)."""
+        on the "eval" rows (eval_data, else the first rows of data)."""
         if self.source is not None:
             return await self.source.evaluate(num_items)
-        rows = self._load_rows(self.config.eval_data, "train", "eval_data") if self.config.eval_data else self.rows
-        scores = []
-        for index in range(min(num_items, len(rows))):
-            item = self._row_item(index, rows)
-            prompt_ids = self.renderer.prompt_ids(prompt_messages(item))
-            [completion] = await self.client.complete(
-                prompt_ids, n=1, **{**self.sampling(), "temperature": 0.0, "top_p": 1.0}
-            )
-            answer = {"role": "assistant", "content": self.renderer.decode(completion.token_ids)}
-            scores.append(self.reward(item, prompt_messages(item) + [answer]))
-        return evaluation_report(scores)
+        return await super().evaluate(num_items)

@@ -90,21 +90,16 @@ class ToolUse(Environment):
     name = "tool_use"
     config_class = ToolUseConfig
 
-    async def setup(self) -> None:
-        self.rng = random.Random(self.config.seed)
-        self.count = 0
-
-    async def get_item(self) -> Item:
-        self.count += 1
-        names = self.rng.sample(sorted(PRICES), self.config.items_per_list)
-        basket = {name: self.rng.randint(1, self.config.max_quantity) for name in names}
+    def new_item(self, rng: random.Random, index: int) -> Item:
+        names = rng.sample(sorted(PRICES), self.config.items_per_list)
+        basket = {name: rng.randint(1, self.config.max_quantity) for name in names}
         listing = ", ".join(f"{quantity} {name}" for name, quantity in basket.items())
         prompt = (
             f"What do {listing} cost in total? Tools, one call per turn: CALL lookup(item) gives a unit "
             "price, CALL calc(expression) computes. End with ANSWER: <number>."
         )
         return Item(
-            id=f"{self.config.seed}-{self.count}",
+            id=f"{self.config.seed}-{index + 1}",
             prompt=[{"role": "user", "content": prompt}],
             answer=sum(PRICES[name] * quantity for name, quantity in basket.items()),
             extras={"basket": basket},

@@ -114,8 +114,7 @@ def test_without_the_curriculum_the_dataset_kwargs_set_the_difficulty(tiny_model
         tiny_model_dir, dataset="chain_sum", curriculum=False, window=1, dataset_kwargs={"min_terms": 5, "max_terms": 5}
     )
     env.record(0, [1.0])
-    env.count = CHUNK - 1  # the stream crosses into its next chunk of entries
-    items = [asyncio.run(env.get_item()) for _ in range(3)]
+    items = [env.new_item(env.rng, index) for index in range(CHUNK - 1, CHUNK + 2)]  # into the next chunk
     assert {item.level for item in items} == {0} and len({item.id for item in items}) == 3
     assert all(from_json(item.entry)["metadata"]["num_terms"] == 5 for item in items)
     assert len({item.prompt[-1]["content"] for item in items}) == 3

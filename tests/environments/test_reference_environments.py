@@ -222,17 +222,22 @@ async def test_the_framework_stamps_the_served_version_whatever_the_environment_
 
 async def test_evaluate_is_greedy_on_held_out_items_and_reports_what_it_saw(policy_server, tiny_model_dir):
     class Finite(Arithmetic):
-        """Two evaluation items, then none; records what it was asked to sample with."""
+        """Two evaluation items, then none; records what it was asked to sample with and how often
+        it was set up."""
 
         seen: list = []
+        setups = 0
 
-        async def get_eval_item(self):
-            self.asked = getattr(self, "asked", 0) + 1
-            if self.asked > 2:
-                return None
-            item = await self.get_item()
+        async def setup(self):
+            Finite.setups += 1
+            await super().setup()
+
+        def items(self, split):
+            return [self.new_item(self.rng, index) for index in range(2)] if split == "eval" else None
+
+        async def answer_for_evaluation(self, item):
             Finite.seen.append((item.id, self.config.temperature, self.config.group_size))
-            return item
+            return await super().answer_for_evaluation(item)
 
     async with PolicyClient(policy_server.base_url) as client:
         env = Finite({"group_size": 4, "max_tokens": 4, "seed": 7}, client=client, tokenizer=str(tiny_model_dir))
@@ -243,6 +248,6 @@ async def test_evaluate_is_greedy_on_held_out_items_and_reports_what_it_saw(poli
         assert (await env.get_item()).id == "7-2", "evaluation left the training stream where it was"
     assert report["items"] == 2 and report["failures"] == 0
     assert report == again  # greedy: the same answers twice
-    eval_seed = env.config.eval_seed
-    assert Finite.seen[:2] == [(f"{eval_seed}-1", 0.0, 1), (f"{eval_seed}-2", 0.0, 1)]
+    assert Finite.seen == [("eval-0", 0.0, 1), ("eval-1", 0.0, 1)] * 2  # each evaluation: the same items
+    assert Finite.setups == 2  # the environment, and its evaluation twin once
     assert training_item.id == "7-1"

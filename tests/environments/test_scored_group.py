@@ -19,7 +19,7 @@ def group(*sequences, **fields):
 
 
 def test_a_valid_group_carries_its_contract_fields():
-    g = group(seq(), seq(score=0.0), policy_version=3, extras={"attention": {"type": "sliding_window", "window": 8}})
+    g = group(seq(), seq(score=0.0), policy_version=3, extras={"curriculum": {"level": 2}})
     assert g.schema_version == SCHEMA_VERSION and g.policy_version == 3
     assert g.scores == [1.0, 0.0] and g.num_tokens == 8
     assert len({group(seq()).group_id for _ in range(50)}) == 50

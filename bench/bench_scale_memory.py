@@ -59,20 +59,18 @@ def resident(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def whole_logits_logprobs(model, batch, hooks=None, device="cpu"):
+def whole_logits_logprobs(model, batch, device="cpu"):
     """The trainer's packed_logprobs before the cut: the whole [rows, L, vocab] logits, then
     token_logprobs over them (no entropy)."""
     import torch
 
     from trainer.model import token_logprobs
-    from trainer.packing import DEFAULT_HOOKS
 
-    hooks = DEFAULT_HOOKS if hooks is None else hooks
     input_ids = batch.input_ids.to(device)
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
     inputs, predictors = dict(input_ids=input_ids, use_cache=False), None
-    if batch.needs_mask(hooks):
-        inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask(hooks).to(device))
+    if batch.needs_mask():
+        inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask().to(device))
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
     elif batch.shares_rows():  # as packed_logprobs: variable-length attention over the sequences' bounds
         bounds, longest = batch.sequence_bounds()

@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.attention == "mask":  # the trainer before the cut: the dense mask for rows that share
         from trainer.packing import PackedBatch
 
-        PackedBatch.needs_mask = lambda self, hooks=(): self.shares_rows()
+        PackedBatch.needs_mask = lambda self: self.shares_rows()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, args.dtype)
     model = build_model(args.size, dtype, device)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from core.sampling import Sampling, policy_gradient_problems
 
 # Bump when a field is added, removed or changes meaning; storage writes it into every shard and
-# reads older versions by filling what they lack (storage.schema.upgrade_table).
+# refuses shards of any other version (until a first release, no code reads older formats).
 #   1: the first wave's fields
 #   2: ScoredGroup.objective
 #   3: ScoredSequence.ref_logprobs and teacher_logprobs; objectives "dpo" and "distill"

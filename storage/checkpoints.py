@@ -74,6 +74,15 @@ class CheckpointInfo:
         return self.step
 
     @property
+    def run_url(self) -> str:
+        """The run the checkpoint belongs to: {run_url}/checkpoints/step-N."""
+        parent, _, _ = self.url.rstrip("/").rpartition("/")
+        run, _, directory = parent.rpartition("/")
+        if directory != CHECKPOINTS:
+            raise CheckpointError(f"{self.url} is not in a run's {CHECKPOINTS}/ directory: it names no run")
+        return run
+
+    @property
     def chain(self) -> list[int]:
         """The steps this one's weights are built from, oldest (a full checkpoint) first; [] for a
         full checkpoint."""

@@ -45,14 +45,14 @@ SHARD_SCHEMA = pa.schema(
         pa.field("group_extras", pa.string(), nullable=False),  # JSON object of the group
         pa.field("chat_template", pa.string(), nullable=True),
         pa.field("created_at", pa.timestamp("ns", tz="UTC"), nullable=False),
-        pa.field("objective", pa.string(), nullable=True),  # since version 2
-        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
-        pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),  # since version 3
-        pa.field("previous_score", pa.float64(), nullable=True),  # since version 4
+        pa.field("objective", pa.string(), nullable=True),
+        pa.field("ref_logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("teacher_logprobs", pa.list_(pa.float32()), nullable=True),
+        pa.field("previous_score", pa.float64(), nullable=True),
         # ScoredSequence.policy_versions: both null (unknown) or first <= last
-        pa.field("first_policy_version", pa.int64(), nullable=True),  # since version 5
-        pa.field("last_policy_version", pa.int64(), nullable=True),  # since version 5
-        pa.field("sampling", SAMPLING_TYPE, nullable=True),  # since version 6
+        pa.field("first_policy_version", pa.int64(), nullable=True),
+        pa.field("last_policy_version", pa.int64(), nullable=True),
+        pa.field("sampling", SAMPLING_TYPE, nullable=True),
     ]
 )
 GROUP_COLUMNS = (
@@ -65,15 +65,6 @@ GROUP_COLUMNS = (
     "created_at",
     "objective",
 )
-# The columns each older schema version lacks; all are nullable and null means "not set".
-ADDED_IN_VERSION = {
-    2: ("objective",),
-    3: ("ref_logprobs", "teacher_logprobs"),
-    4: ("previous_score",),
-    5: ("first_policy_version", "last_policy_version"),
-    6: ("sampling",),
-}
-
 METADATA_SCHEMA_VERSION = b"clotho.schema_version"
 METADATA_TOKENIZER = b"clotho.tokenizer"
 METADATA_NUM_GROUPS = b"clotho.num_groups"
@@ -178,25 +169,6 @@ def concat_shard_tables(tables: list[pa.Table]) -> pa.Table:
     metadata = dict(tables[0].schema.metadata)
     metadata[METADATA_NUM_GROUPS] = str(sum(int(t.schema.metadata[METADATA_NUM_GROUPS]) for t in tables)).encode()
     return pa.concat_tables(tables).replace_schema_metadata(metadata)
-
-
-def upgrade_table(table: pa.Table) -> pa.Table:
-    """A shard table of an older schema version as the current one: each column added since is
-    appended as nulls (its "not set") and the metadata says the current version. Tables of the
-    current version, or of versions this clotho cannot read, are returned unchanged."""
-    metadata = table.schema.metadata or {}
-    try:
-        version = int(metadata[METADATA_SCHEMA_VERSION])
-    except (KeyError, ValueError):
-        return table  # check_metadata reports it
-    if not 1 <= version < SCHEMA_VERSION:
-        return table
-    for added_in, names in sorted(ADDED_IN_VERSION.items()):
-        if version < added_in:
-            for name in names:
-                field = SHARD_SCHEMA.field(name)
-                table = table.append_column(field, pa.nulls(table.num_rows, field.type))
-    return table.replace_schema_metadata({**metadata, METADATA_SCHEMA_VERSION: str(SCHEMA_VERSION).encode()})
 
 
 def check_metadata(schema: pa.Schema) -> tuple[str, int]:

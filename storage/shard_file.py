@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 
 from storage.filesystem import list_files, publish, read_bytes, relative, resolve, storage_errors
 from storage.layout import SHARD_SUFFIX, ShardLocation, is_hidden, join, parse_shard_name
-from storage.schema import SchemaVersionError, ShardFormatError, upgrade_table
+from storage.schema import SchemaVersionError, ShardFormatError
 from storage.shard_checks import check_table
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ def decode(data: bytes | pa.Buffer, url: str) -> pa.Table:
         # bytes on one of arrow's pool threads after returning, and a command that exits then aborts
         # ("terminate called without an active exception": that thread wants the GIL at finalization).
         with pq.ParquetFile(pa.BufferReader(data)) as file:
-            table = upgrade_table(file.read())
+            table = file.read()
     except (pa.ArrowException, OSError, ValueError) as error:
         raise ShardFormatError(f"{url}: not a readable Parquet file ({error})") from error
     try:

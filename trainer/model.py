@@ -10,7 +10,7 @@ import torch
 from trainer import attention
 from trainer.config import LossConfig
 from trainer.losses import dpo, policy_loss, sft
-from trainer.packing import DEFAULT_HOOKS, AttentionMaskHook, PackedBatch
+from trainer.packing import PackedBatch
 from trainer.step import ObjectiveShare
 
 if TYPE_CHECKING:
@@ -179,7 +179,6 @@ def hidden_logprobs(
 def packed_logprobs(
     model: torch.nn.Module,
     batch: PackedBatch,
-    hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS,
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprob of every token of a packed micro-batch under `model`, each sequence at its
@@ -187,8 +186,8 @@ def packed_logprobs(
     token_logprobs, hidden_logprobs).
 
     Sequences are kept apart by restarting position_ids and (trainer.attention) by their boundaries
-    for variable-length attention, or by the block-diagonal boolean mask [rows, 1, L, L] where a hook
-    or a shared prefix changes a sequence's block (PackedBatch.needs_mask). Rows of one sequence each
+    for variable-length attention, or by the block-diagonal boolean mask [rows, 1, L, L] where a
+    sequence continues a shared prefix (PackedBatch.needs_mask). Rows of one sequence each
     with plain causal attention need neither (sdpa's causal kernel). The model runs without its LM
     head; hidden_logprobs applies it in chunks.
     """
@@ -196,8 +195,8 @@ def packed_logprobs(
     temperature = 1.0 if batch.temperatures is None else batch.temperatures
     inputs = dict(input_ids=input_ids, use_cache=False, logits_to_keep=NO_LOGITS, output_hidden_states=True)
     predictors = None
-    if batch.needs_mask(hooks):
-        inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask(hooks).to(device))
+    if batch.needs_mask():
+        inputs.update(position_ids=batch.position_ids.to(device), attention_mask=batch.attention_mask().to(device))
         predictors = batch.predictors.to(device) if batch.predictors is not None else None
     elif batch.shares_rows():
         bounds, longest = batch.sequence_bounds()
@@ -293,7 +292,6 @@ def idle_micro_batch() -> PackedBatch:
         old_logprobs=torch.zeros(1, 1),
         advantages=torch.zeros(1, 1),
         sequence_lengths=[],
-        sequence_extras=[],
         sequence_objectives=[],
     )
 

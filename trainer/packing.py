@@ -5,51 +5,15 @@ scored groups and packs them here."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-
-AttentionMaskHook = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
-"""Given one sequence's block of the attention mask, [n, n] bool (True: the query row may attend to
-the key column; causal to begin with), and that sequence's extras, return the block to use. A hook
-returns the block unchanged for extras it does not understand, so several can be chained."""
 
 
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """A boolean attention mask as an additive one: 0 where allowed, the dtype's min elsewhere."""
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-
-
-def sliding_window(block: torch.Tensor, extras: dict[str, Any]) -> torch.Tensor:
-    """Hook: extras {"attention": {"type": "sliding_window", "window": W}} lets each token see only
-    itself and the W - 1 tokens before it: query i attends key j iff 0 <= i - j < W, as in Mistral.
-    """
-    spec = extras.get("attention")
-    if not isinstance(spec, dict) or spec.get("type") != "sliding_window":
-        return block
-    window = spec.get("window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(
-            f"extras.attention.window: {window!r}; give a positive int, the number of most recent "
-            "tokens (the token itself included) each token may attend to"
-        )
-    positions = torch.arange(block.shape[0])
-    return block & (positions[:, None] - positions[None, :] < window)
-
-
-DEFAULT_HOOKS: tuple[AttentionMaskHook, ...] = (sliding_window,)
-
-
-def hooked_block(size: int, extras: dict[str, Any], hooks: Sequence[AttentionMaskHook]) -> tuple[torch.Tensor, bool]:
-    """One sequence's block of the attention mask, [size, size] bool: causal, then through every
-    hook with the sequence's extras; and whether the hooks changed it from plain causal."""
-    causal = torch.ones(size, size, dtype=torch.bool).tril()
-    block = causal
-    for hook in hooks:
-        block = hook(block, extras)
-    return block, block is not causal and not torch.equal(block, causal)
 
 
 @dataclass(frozen=True)
@@ -60,7 +24,6 @@ class TrainingSequence:
     mask: list[bool]
     old_logprobs: list[float]
     advantages: list[float]
-    extras: dict[str, Any]
     name: str
     objective: str = "rl"
     ref_logprobs: list[float] | None = None  # stored by the environment (dpo); else the trainer's
@@ -82,8 +45,8 @@ class PackedBatch:
 
     input_ids, position_ids, sequence_ids, mask, old_logprobs, advantages: [rows, row length].
     position_ids restart at 0 for every sequence; the sequences are kept apart by their boundaries
-    (`sequence_bounds`, for variable-length attention) or, where hooks or shared prefixes change
-    their blocks, by `attention_mask`, block-diagonal per row (trainer.attention). sequence_ids is
+    (`sequence_bounds`, for variable-length attention) or, where sequences continue shared
+    prefixes, by `attention_mask`, block-diagonal per row (trainer.attention). sequence_ids is
     0..n-1 by sequence over the rows in order and -1 on padding. mask is True on trained tokens
     only: never on padding and never on the first token of a sequence, which has no prediction
     (see losses.token_logprobs).
@@ -96,7 +59,6 @@ class PackedBatch:
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
     sequence_lengths: list[int]
-    sequence_extras: list[dict[str, Any]]
     sequence_objectives: list[str] = field(default_factory=list)
     # Reference logprobs the environment stored, [rows, L], and where there are any, [rows, L] bool;
     # None when no sequence of the micro-batch has them.
@@ -154,16 +116,11 @@ class PackedBatch:
             needed = needed & ~self.has_stored_ref
         return bool(needed.any())
 
-    def needs_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> bool:
+    def needs_mask(self) -> bool:
         """Whether attention needs `attention_mask`, the dense one: a sequence continues a shared
-        prefix or a hook changes some sequence's causal block. Else each sequence attends causally
-        within itself, which needs no mask (trainer.attention)."""
-        if self.predictors is not None:
-            return True
-        return any(
-            hooked_block(size, extras, hooks)[1]
-            for size, extras in zip(self.sequence_lengths, self.sequence_extras, strict=True)
-        )
+        prefix. Else each sequence attends causally within itself, which needs no mask
+        (trainer.attention)."""
+        return self.predictors is not None
 
     def shares_rows(self) -> bool:
         """Whether some row holds more than one sequence (or one not from its first slot): plain
@@ -183,14 +140,13 @@ class PackedBatch:
         bounds = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([rows * length])]).to(torch.int32)
         return bounds, int((bounds[1:] - bounds[:-1]).max())
 
-    def attention_mask(self, hooks: Sequence[AttentionMaskHook] = DEFAULT_HOOKS) -> torch.Tensor:
+    def attention_mask(self) -> torch.Tensor:
         """Block-diagonal causal mask [rows, 1, L, L] bool, True where a query may attend to a key.
 
-        Each sequence's block passes through every hook with that sequence's extras. A sequence that
-        continues a shared prefix gets the rows of its own tokens from the block of the whole
-        sequence (prefix and its tokens), split over the prefix's columns and its own. A padding
-        slot attends only to itself, so no softmax row is empty (an empty row gives NaN in sdpa).
-        Use `additive_mask` for models that want 0 / -inf instead of booleans.
+        A sequence that continues a shared prefix attends to all of the prefix's columns and
+        causally to its own. A padding slot attends only to itself, so no softmax row is empty (an
+        empty row gives NaN in sdpa). Use `additive_mask` for models that want 0 / -inf instead of
+        booleans.
         """
         rows, length = self.input_ids.shape
         mask = torch.eye(length, dtype=torch.bool).repeat(rows, 1, 1)
@@ -198,17 +154,13 @@ class PackedBatch:
             tuple((self.sequence_ids == index).nonzero()[0].tolist()) for index in range(len(self.sequence_lengths))
         ]
         prefixes = self.sequence_prefixes or [None] * len(self.sequence_lengths)
-        for index, (size, extras) in enumerate(zip(self.sequence_lengths, self.sequence_extras, strict=True)):
+        for index, size in enumerate(self.sequence_lengths):
             row, start = starts[index]  # the sequence's first slot
+            mask[row, start : start + size, start : start + size] = torch.ones(size, size, dtype=torch.bool).tril()
             prefix = prefixes[index]
-            if prefix is None:
-                mask[row, start : start + size, start : start + size] = hooked_block(size, extras, hooks)[0]
-                continue
-            shared = self.sequence_lengths[prefix]
-            block = hooked_block(shared + size, extras, hooks)[0][shared:]
-            prefix_start = starts[prefix][1]
-            mask[row, start : start + size, prefix_start : prefix_start + shared] = block[:, :shared]
-            mask[row, start : start + size, start : start + size] = block[:, shared:]
+            if prefix is not None:  # all of the prefix's columns
+                prefix_start, shared = starts[prefix][1], self.sequence_lengths[prefix]
+                mask[row, start : start + size, prefix_start : prefix_start + shared] = True
         return mask[:, None]
 
 
@@ -274,11 +226,8 @@ def pack_micro_batches(
     if not members:
         return []
     padded = padded_rows and all(len(unit) == 1 for unit in members)
-    # Rows that need the dense mask (a shared prompt, a hook that changes a block) pay for it.
-    dense = any(
-        s.prefix or s.position_offset or (s.extras and hooked_block(len(s.tokens), s.extras, DEFAULT_HOOKS)[1])
-        for s in sequences
-    )
+    # Rows that need the dense mask (a shared prompt) pay for it.
+    dense = any(s.prefix or s.position_offset for s in sequences)
     row_length, plan = choose_row_length(lengths, token_budget, row_multiple, token_work, padded, dense)
     rows = [sorted(i for u in units_in_row for i in members[u]) for units_in_row in plan]
     # As few micro-batches as the budget allows, the rows shared evenly (124 + 4 rows would pay a
@@ -417,7 +366,6 @@ def _pack(all_sequences: Sequence[TrainingSequence], rows: Sequence[list[int]], 
         old_logprobs=torch.tensor(columns["old"], dtype=torch.float32),
         advantages=torch.tensor(columns["advantages"], dtype=torch.float32),
         sequence_lengths=[len(s.tokens) for s in sequences],
-        sequence_extras=[s.extras for s in sequences],
         sequence_objectives=[s.objective for s in sequences],
         stored_ref_logprobs=torch.tensor(columns["ref"], dtype=torch.float32) if any_stored else None,
         has_stored_ref=torch.tensor(columns["has_ref"], dtype=torch.bool) if any_stored else None,

@@ -13,9 +13,8 @@ of ~27 tokens, 16 answers of ~4 tokens each) a step computes ~730 slots instead 
 Sharing is chosen per group by the packer's cost model (slots x (token_work + row length), a dense
 mask over the row): it pays where answers are short next to the prompt, not where a row of 16 long
 answers would make its attention cost more than the prompt's copies did; long groups may share in
-chunks, each chunk with a copy of the prefix. A group whose attention hooks change a sequence's
-causal block (a sliding window) is laid out as before, and so are dpo pairs and groups whose
-sequences were sampled at different temperatures (the prefix's last slot predicts each rest's
+chunks, each chunk with a copy of the prefix. Dpo pairs and groups whose sequences were sampled
+at different temperatures are laid out as before (the prefix's last slot predicts each rest's
 first token, at one temperature).
 """
 
@@ -24,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from trainer.packing import DEFAULT_HOOKS, TrainingSequence, hooked_block, row_cost
+from trainer.packing import TrainingSequence, row_cost
 
 
 def shared_prefix_length(sequences: Sequence[TrainingSequence]) -> int:
@@ -61,9 +60,7 @@ def chunk_count(lengths: Sequence[int], prefix: int, token_budget: int, token_wo
     return best
 
 
-def share_prefixes(
-    sequences: Sequence[TrainingSequence], token_budget: int, token_work: int, hooks=DEFAULT_HOOKS
-) -> list[TrainingSequence]:
+def share_prefixes(sequences: Sequence[TrainingSequence], token_budget: int, token_work: int) -> list[TrainingSequence]:
     """The sequences with each group's shared prefix laid out once where that costs less: a prefix
     sequence (untrained) followed by the rests that continue it, one unit each chunk, in place of
     the group's sequences. Other sequences come back unchanged, in order."""
@@ -81,7 +78,7 @@ def share_prefixes(
         if any(s.temperature != group[0].temperature for s in group[1:]):  # the prefix's last slot predicts at one
             continue
         count = chunk_count([len(s.tokens) for s in group], prefix, token_budget, token_work)
-        if count == 0 or any(hooked_block(len(s.tokens), s.extras, hooks)[1] for s in group):
+        if count == 0:
             continue
         laid_out: list[TrainingSequence] = []
         bounds = [len(group) * k // count for k in range(count + 1)]

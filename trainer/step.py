@@ -22,7 +22,7 @@ def training_sequences(
     groups: Sequence[ScoredGroup], config: AdvantageConfig, default_objective: str = "auto"
 ) -> list[TrainingSequence]:
     """Flatten groups into sequences with their objective (trainer.data.group_objective), their
-    per-token advantages and extras (group's, then the sequence's own on top), with the first
+    per-token advantages, with the first
     token untrained since nothing predicts it, and the temperature each is scored at
     (logprob_temperature). Advantages by objective:
         rl       the group's (trainer.advantages; per-token overrides honoured)
@@ -51,7 +51,6 @@ def training_sequences(
                     mask=[False] + list(sequence.mask[1:]),
                     old_logprobs=list(sequence.logprobs),
                     advantages=token_advantages,
-                    extras={**group.extras, **sequence.extras},
                     name=f"group {group.group_id} (env {group.env}) sequences[{index}]",
                     objective=objective,
                     ref_logprobs=None if sequence.ref_logprobs is None else list(sequence.ref_logprobs),

@@ -9,6 +9,7 @@ import pytest
 import storage.checkpoints as checkpoints
 from storage.checkpoints import (
     CheckpointError,
+    CheckpointInfo,
     apply_retention,
     best_checkpoint,
     latest_checkpoint,
@@ -46,6 +47,14 @@ def test_latest_reads_the_pointer_and_looks_one_step_past_it(root: str, model_di
     monkeypatch.undo()
     fs.rm(f"{path}/LATEST")
     assert latest_checkpoint(root, "run").step == 5  # no pointer: the steps are listed
+
+
+def test_a_checkpoint_names_its_run(root: str, model_dir, tmp_path) -> None:
+    publish(root, model_dir, [3])
+    assert latest_checkpoint(root, "run").run_url == f"{root}/run"
+    elsewhere = CheckpointInfo(url=f"file://{tmp_path}/loose/step-00000003", step=3, manifest={})
+    with pytest.raises(CheckpointError, match="not in a run's checkpoints/ directory"):
+        _ = elsewhere.run_url
 
 
 def test_retention_keeps_the_last_k_every_nth_latest_and_pinned(root: str, model_dir) -> None:

@@ -24,63 +24,48 @@ from trainer.model import (
 from trainer.packing import TrainingSequence, pack_micro_batches
 from trainer.step import ObjectiveShare
 
-WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 
-
-def sequence(length: int, seed: int, extras: dict | None = None) -> TrainingSequence:
+def sequence(length: int, seed: int) -> TrainingSequence:
     tokens = torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed))
     return TrainingSequence(
         tokens=tokens.tolist(),
         mask=[False] + [True] * (length - 1),
         old_logprobs=[-1.0] * length,
         advantages=[1.0] * length,
-        extras=extras or {},
         name=f"sequence {seed}",
     )
 
 
 @torch.no_grad()
 def check_each_scores_as_alone(model, batch, sequences: list[TrainingSequence]) -> torch.Tensor:
-    """Every sequence's logprobs in the micro-batch equal its own forward pass, with its window
-    (WINDOW: 4 tokens) where its extras ask for one; returns the micro-batch's logprobs."""
+    """Every sequence's logprobs in the micro-batch equal its own forward pass; returns the
+    micro-batch's logprobs."""
     packed, _ = packed_logprobs(model, batch)
     for index, s in enumerate(sequences):
         ids = torch.tensor([s.tokens])
-        causal = torch.ones(len(s.tokens), len(s.tokens), dtype=torch.bool).tril()
-        if s.extras:
-            positions = torch.arange(len(s.tokens))
-            causal &= positions[:, None] - positions[None, :] < 4
-        alone = token_logprobs(model(input_ids=ids, attention_mask=causal[None, None]).logits, ids)
+        alone = token_logprobs(model(input_ids=ids).logits, ids)
         torch.testing.assert_close(packed[batch.sequence_ids == index][1:], alone[0, 1:], atol=2e-6, rtol=0)
     return packed
 
 
 def test_packed_logprobs_equal_each_sequence_alone(tiny_model_dir):
-    # Three sequences, the middle one with a sliding window, sharing rows (the window brings the
-    # dense mask): each must score exactly as it does alone, so neither positions nor attention
-    # leak across packed boundaries or rows.
+    # Three sequences sharing rows, kept apart by their bounds (no mask): each must score exactly as
+    # it does alone, so neither positions nor attention leak across packed boundaries or rows.
     model = load_policy(str(tiny_model_dir)).eval()
-    sequences = [sequence(20, 0), sequence(33, 1, WINDOW), sequence(7, 2)]
+    sequences = [sequence(20, 0), sequence(33, 1), sequence(7, 2)]
     (batch,) = pack_micro_batches(sequences, token_budget=128, padded_rows=False)
-    assert batch.shares_rows() and batch.needs_mask()
-    packed = check_each_scores_as_alone(model, batch, sequences)
-    # The window changes the scores: without the hook the middle sequence would score differently.
-    with torch.no_grad():
-        unwindowed, _ = packed_logprobs(model, batch, hooks=())
-    middle = batch.sequence_ids == 1
-    assert not torch.allclose(unwindowed[middle], packed[middle], atol=1e-4)
+    assert batch.shares_rows() and not batch.needs_mask()
+    check_each_scores_as_alone(model, batch, sequences)
 
 
 def test_rows_of_one_sequence_run_without_a_mask_and_score_as_each_sequence_alone(tiny_model_dir):
     # One sequence a row, padded at the end (where slots cost the most, the padded batch of alike
-    # lengths saves the rows' padding): no mask, no position ids (sdpa's causal kernel). A window
-    # hook on one sequence brings the mask back for its micro-batch.
+    # lengths saves the rows' padding): no mask, no position ids (sdpa's causal kernel).
     model = load_policy(str(tiny_model_dir)).eval()
-    for sequences in ([sequence(33, 0), sequence(33, 1), sequence(33, 2)], [sequence(33, 0), sequence(33, 1, WINDOW)]):
-        (batch,) = pack_micro_batches(sequences, token_budget=128, token_work=6 * 64)
-        assert batch.input_ids.shape == (len(sequences), 33) and not batch.shares_rows()
-        assert batch.needs_mask() == any(s.extras for s in sequences)
-        check_each_scores_as_alone(model, batch, sequences)
+    sequences = [sequence(33, 0), sequence(33, 1), sequence(33, 2)]
+    (batch,) = pack_micro_batches(sequences, token_budget=128, token_work=6 * 64)
+    assert batch.input_ids.shape == (len(sequences), 33) and not batch.shares_rows() and not batch.needs_mask()
+    check_each_scores_as_alone(model, batch, sequences)
 
 
 def test_ranks_share_micro_batches_and_pad_with_idle_ones(tiny_model_dir):

@@ -18,14 +18,13 @@ from trainer.packing import (
     pack_micro_batches,
     padding_waste,
     plan_micro_batches,
-    sliding_window,
 )
 from trainer.step import build_step, training_sequences
 
 ADVANTAGES = AdvantageConfig(mode="mean_only")
 
 
-def make_group(lengths, prompt=2, version=0, extras=None, sequence_extras=None, scores=None, override=None):
+def make_group(lengths, prompt=2, version=0, scores=None, override=None):
     sequences = []
     for i, length in enumerate(lengths):
         completion = length - prompt
@@ -35,11 +34,10 @@ def make_group(lengths, prompt=2, version=0, extras=None, sequence_extras=None, 
                 [(i + t) % 17 for t in range(completion)],
                 [-0.5] * completion,
                 scores[i] if scores else float(i),
-                extras=(sequence_extras or {}).get(i, {}),
                 advantages=override if i == 1 else None,
             )
         )
-    return ScoredGroup(env="toy", item_id="0", sequences=sequences, policy_version=version, extras=extras or {})
+    return ScoredGroup(env="toy", item_id="0", sequences=sequences, policy_version=version)
 
 
 def test_first_fit_decreasing_plan():
@@ -96,42 +94,6 @@ def test_block_diagonal_causal_mask():
     assert torch.equal(mask[0, 0], expected)
     additive = additive_mask(mask)
     assert additive[0, 0, 1, 0] == 0 and additive[0, 0, 0, 1] == torch.finfo(torch.float32).min
-
-
-def test_sliding_window_changes_only_its_sequence():
-    window = {"attention": {"type": "sliding_window", "window": 2}}
-    group = make_group([4, 4], sequence_extras={1: window})
-    (batch,) = pack_micro_batches(training_sequences([group], ADVANTAGES), 8, row_multiple=8, padded_rows=False)
-    mask = batch.attention_mask()[0, 0]
-    causal = torch.ones(4, 4, dtype=torch.bool).tril()
-    assert torch.equal(mask[:4, :4], causal)
-    positions = torch.arange(4)
-    assert torch.equal(mask[4:, 4:], causal & (positions[:, None] - positions[None, :] < 2))
-    assert not mask[4:, :4].any() and not mask[:4, 4:].any()
-    assert torch.equal(batch.attention_mask(hooks=())[0, 0, 4:, 4:], causal)
-
-
-def test_group_extras_reach_every_sequence_and_sequence_extras_win():
-    group = make_group(
-        [3, 3],
-        extras={"attention": {"type": "sliding_window", "window": 1}, "note": "g"},
-        sequence_extras={1: {"attention": {"type": "full"}}},
-    )
-    first, second = training_sequences([group], ADVANTAGES)
-    assert first.extras == {"attention": {"type": "sliding_window", "window": 1}, "note": "g"}
-    assert second.extras == {"attention": {"type": "full"}, "note": "g"}
-    (batch,) = pack_micro_batches([first, second], 8, row_multiple=8, padded_rows=False)
-    mask = batch.attention_mask()[0, 0]
-    assert torch.equal(mask[:3, :3], torch.eye(3, dtype=torch.bool))
-    assert torch.equal(mask[3:6, 3:6], torch.ones(3, 3, dtype=torch.bool).tril())
-
-
-def test_malformed_window_is_named():
-    with pytest.raises(ValueError, match="extras.attention.window: 0; give a positive int"):
-        sliding_window(
-            torch.ones(2, 2, dtype=torch.bool),
-            {"attention": {"type": "sliding_window", "window": 0}},
-        )
 
 
 def test_every_group_given_is_packed_and_its_staleness_measured():
@@ -233,18 +195,7 @@ def test_answers_of_one_length_train_as_a_padded_batch_with_no_mask():
         token_work=6 * 256,
     )
     assert [b.input_ids.shape[0] for b in halves.micro_batches] == [64, 64]
-    # A sequence whose hook narrows its attention needs the mask again; rows that share need their
-    # sequences' bounds (variable-length attention), not a mask.
-    window = {"attention": {"type": "sliding_window", "window": 2}}
-    windowed = build_step(
-        [make_group(lengths, prompt=29, sequence_extras={3: window})],
-        policy_version=0,
-        token_budget=4096,
-        advantage_config=ADVANTAGES,
-        share_prompts=False,
-        token_work=6 * 256,
-    )
-    assert windowed.micro_batches[0].needs_mask() and not windowed.micro_batches[0].needs_mask(hooks=())
+    # Rows that share need their sequences' bounds (variable-length attention), not a mask.
     shared = build_step(
         groups,
         policy_version=0,
@@ -254,13 +205,11 @@ def test_answers_of_one_length_train_as_a_padded_batch_with_no_mask():
         token_work=6 * 256,
         padded_rows=False,
     )
-    assert shared.micro_batches[0].shares_rows() and not shared.micro_batches[0].needs_mask(hooks=())
+    assert shared.micro_batches[0].shares_rows() and not shared.micro_batches[0].needs_mask()
     assert not step.micro_batches[0].shares_rows()
 
 
 # --- packed == unpacked, through a model ------------------------------------------------------
-
-WINDOWS = [None, 3, None, None, None]
 
 
 def model_groups(override=None):
@@ -271,18 +220,16 @@ def model_groups(override=None):
     sequences = []
     for i, (length, prompt) in enumerate(zip(lengths, prompts, strict=True)):
         tokens = torch.randint(0, 17, (1, length), generator=generator)
-        attention = padded_attention_mask([length], length, [WINDOWS[i]])
+        attention = padded_attention_mask([length], length)
         with torch.no_grad():
             logprobs = token_logprobs(sampler(tokens, torch.arange(length)[None], attention), tokens)[0]
         logprobs += torch.randn(length, generator=generator, dtype=torch.float64) * 0.3
-        window = {"attention": {"type": "sliding_window", "window": WINDOWS[i]}} if WINDOWS[i] else {}
         sequences.append(
             ScoredSequence(
                 tokens=tokens[0].tolist(),
                 mask=[False] * prompt + [True] * (length - prompt),
                 logprobs=[0.0] * prompt + logprobs[prompt:].tolist(),
                 score=float(i * i % 5),  # 0 1 4 | 4 1: every sequence has an advantage
-                extras=window,
                 advantages=override if (override is not None and i == 3) else None,
             )
         )
@@ -297,11 +244,10 @@ CONFIGS = [
 ]
 
 
-def packed_loss(model, step, config, hooks=None):
+def packed_loss(model, step, config):
     total = 0.0
     for batch in step.micro_batches:
-        mask = batch.attention_mask() if hooks is None else batch.attention_mask(hooks)
-        logprobs = token_logprobs(model(batch.input_ids, batch.position_ids, mask), batch.input_ids)
+        logprobs = token_logprobs(model(batch.input_ids, batch.position_ids, batch.attention_mask()), batch.input_ids)
         loss, _ = policy_loss(
             logprobs,
             batch.old_logprobs,
@@ -326,7 +272,7 @@ def padded_loss(model, groups, config):
         return torch.tensor([getattr(r, name) + [fill] * (width - len(r.tokens)) for r in rows], dtype=dtype)
 
     input_ids = padded("tokens", 0, torch.long)
-    attention = padded_attention_mask([len(r.tokens) for r in rows], width, WINDOWS)
+    attention = padded_attention_mask([len(r.tokens) for r in rows], width)
     logprobs = token_logprobs(model(input_ids, torch.arange(width).expand(len(rows), width), attention), input_ids)
     loss, _ = policy_loss(
         logprobs,
@@ -363,19 +309,6 @@ def test_packed_equals_unpacked(config, budget, padded_rows):
     assert any(g.abs().max() > 1e-3 for g in packed_grads.values())
     for name in packed_grads:
         torch.testing.assert_close(packed_grads[name], unpacked_grads[name], rtol=0, atol=1e-5)
-
-
-def test_the_window_hook_matters_in_the_model():
-    step = build_step(
-        model_groups(),
-        policy_version=0,
-        token_budget=64,
-        advantage_config=ADVANTAGES,
-    )
-    model = ToyCausalLM(seed=1)
-    assert packed_loss(model, step, CONFIGS[0]) != pytest.approx(
-        packed_loss(model, step, CONFIGS[0], hooks=()), abs=1e-6
-    )
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)

@@ -11,12 +11,8 @@ from trainer.packing import TrainingSequence
 from trainer.prefix_sharing import share_prefixes, shared_prefix_length
 from trainer.step import build_step
 
-WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 
-
-def group(
-    prompt: int, answers: list[int], seed: int, *, own_prompts: bool = False, windowed: int | None = None
-) -> ScoredGroup:
+def group(prompt: int, answers: list[int], seed: int, *, own_prompts: bool = False) -> ScoredGroup:
     """A group of answers to one prompt of `prompt` tokens (each its own prompt with own_prompts),
     sampler logprobs near the model's, scores that give every answer an advantage."""
     generator = torch.Generator().manual_seed(seed)
@@ -31,7 +27,6 @@ def group(
                 answer,
                 (-2.0 - torch.rand(length, generator=generator)).tolist(),
                 float(i % 3),
-                extras=WINDOW if i == windowed else {},
             )
         )
     return ScoredGroup(env="toy", item_id=str(seed), sequences=sequences)
@@ -59,16 +54,15 @@ def loss_and_gradients(model, batch_step):
 
 
 def test_a_shared_prompt_trains_exactly_as_every_sequence_whole(tiny_model_dir):
-    # Three groups of 8 short answers to one prompt share it; a group with a sliding window on one
-    # answer and a group of different prompts are laid out whole, as before. The loss and every
-    # gradient are the same either way; the shared layout computes
-    # 3 x 7 x 24 fewer tokens.
+    # Four groups of 8 short answers to one prompt share it; a group of different prompts is laid
+    # out whole, as before. The loss and every gradient are the same either way; the shared layout
+    # computes 4 x 7 x 24 fewer tokens.
     model = load_policy(str(tiny_model_dir)).train()
     work = 6 * model.config.hidden_size
     groups = [group(24, [2, 5, 3, 4, 2, 3, 5, 4], seed) for seed in range(3)]
-    groups += [group(24, [3, 4, 2, 5, 3, 2, 4, 3], 3, windowed=2), group(24, [3] * 8, 4, own_prompts=True)]
+    groups += [group(24, [3, 4, 2, 5, 3, 2, 4, 3], 3), group(24, [3] * 8, 4, own_prompts=True)]
     whole, shared = step(groups, False, work), step(groups, True, work)
-    assert shared.stats["shared_prefix_tokens"] == 3 * 7 * 24 and whole.stats["shared_prefix_tokens"] == 0
+    assert shared.stats["shared_prefix_tokens"] == 4 * 7 * 24 and whole.stats["shared_prefix_tokens"] == 0
     assert shared.stats["tokens"] == whole.stats["tokens"]
     assert (
         (shared.num_sequences, shared.num_trained_tokens)
@@ -111,7 +105,6 @@ def sequence(tokens: list[int], mask: list[bool], unit: int, group_index: int = 
         mask=mask,
         old_logprobs=[0.0] * len(tokens),
         advantages=[1.0] * len(tokens),
-        extras={},
         name=f"s{unit}",
         unit=unit,
         group=group_index,

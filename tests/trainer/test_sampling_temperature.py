@@ -40,7 +40,6 @@ def sequence(length: int, seed: int, temperature: float) -> TrainingSequence:
         mask=[False] + [True] * (length - 1),
         old_logprobs=[-1.0] * length,
         advantages=[1.0] * length,
-        extras={},
         name=f"sequence {seed}",
         temperature=temperature,
     )

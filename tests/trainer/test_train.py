@@ -25,7 +25,6 @@ from tests.trainer.rollouts import sampled_groups, write_shards
 from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
-WINDOW = {"attention": {"type": "sliding_window", "window": 4}}
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -85,11 +84,10 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
 
     root = str(tmp_path)
     # Step 1 trains on two version-0 groups and publishes version 1; with max_staleness 0 the
-    # next version-0 group is then stale, and step 2 takes version 1's (one with a sliding window).
+    # next version-0 group is then stale, and step 2 takes version 1's.
     write_shards(root, "run", sampled_groups(tiny_model_dir, 2, seed=1), groups_per_shard=2)
     write_shards(root, "run", sampled_groups(tiny_model_dir, 1, seed=2), groups_per_shard=1)
     later = sampled_groups(tiny_model_dir, 2, seed=3, policy_version=1)
-    later[1].extras.update(WINDOW)
     write_shards(root, "run", later, groups_per_shard=2)
 
     # A rollout flow that ended: its slot is the samplers' to take over; the trainer writes only its own file.

@@ -31,18 +31,12 @@ class ToyCausalLM(nn.Module):
         return self.head(hidden + attended.squeeze(1))
 
 
-def padded_attention_mask(lengths: list[int], width: int, window: list[int | None] | None = None) -> torch.Tensor:
-    """[B, 1, width, width] causal mask for right-padded rows; padding slots attend to themselves.
-
-    `window` gives each row an optional sliding window, as the packing hook applies it."""
+def padded_attention_mask(lengths: list[int], width: int) -> torch.Tensor:
+    """[B, 1, width, width] causal mask for right-padded rows; padding slots attend to themselves."""
     masks = []
-    for row, length in enumerate(lengths):
+    for length in lengths:
         mask = torch.eye(width, dtype=torch.bool)
-        block = torch.ones(length, length, dtype=torch.bool).tril()
-        if window is not None and window[row] is not None:
-            positions = torch.arange(length)
-            block &= positions[:, None] - positions[None, :] < window[row]
-        mask[:length, :length] = block
+        mask[:length, :length] = torch.ones(length, length, dtype=torch.bool).tril()
         masks.append(mask)
     return torch.stack(masks)[:, None]
 

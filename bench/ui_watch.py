@@ -160,9 +160,12 @@ def shoot(chromium: str, ui: str, card: dict, step: int, total: int, out: Path) 
     }
 
 
-def chromium_run(chromium: str, arguments: list[str]) -> subprocess.CompletedProcess:
-    """Headless Chromium on a page of the UI, with a profile of its own. Without the
-    background-networking flags Chromium keeps dialling Google's hosts."""
+def chromium_run(
+    chromium: str, arguments: list[str], window: str = "1400,2000", timeout_s: float = 180
+) -> subprocess.CompletedProcess:
+    """Headless Chromium on a page of the UI, with a profile of its own (the README's screenshots
+    take theirs with it too: docs/screenshot_prefect_ui.py). Without the background-networking
+    flags Chromium keeps dialling Google's hosts."""
     with tempfile.TemporaryDirectory(prefix="ui-watch-chromium-") as profile:
         return subprocess.run(
             [
@@ -177,13 +180,13 @@ def chromium_run(chromium: str, arguments: list[str]) -> subprocess.CompletedPro
                 "--disable-sync",
                 f"--user-data-dir={profile}",
                 "--hide-scrollbars",
-                "--window-size=1400,2000",
+                f"--window-size={window}",
                 "--virtual-time-budget=30000",
                 *arguments,
             ],
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=timeout_s,
         )
 
 

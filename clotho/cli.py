@@ -445,7 +445,7 @@ def demo(
 
     from clotho.demo import run_demo
 
-    start_local_prefect_server()  # before the demo's first step: the command may run again against it
+    start_local_prefect_server()
     quiet_terminal(verbose)
 
     try:

@@ -50,14 +50,12 @@ def make_prefect_home(home: Path | None = None) -> Path:
     return home
 
 
-SERVER_VARIABLE = "CLOTHO_LOCAL_PREFECT_SERVER"  # the pid of the server a command started, across its re-exec
-
-
 def start_local_prefect_server() -> None:
-    """Without PREFECT_API_URL a command's flow runs against a local Prefect server that the
-    command owns: `prefect server start` on a free loopback port, started here, and the command
-    run again (exec) pointed at it, so Prefect reads the URL from its settings as for any server.
-    It stops when the command exits. Why not Prefect's temporary server:
+    """Without PREFECT_API_URL a command's flows run against a local Prefect server that the
+    command owns: `prefect server start` on a free loopback port, started here once, its URL set in
+    the environment (for the processes the command starts) and Prefect's settings read again from
+    it (prefect.context.refresh_global_settings_context: the command goes on in this process, not
+    run a second time). It stops when the command exits. Why not Prefect's temporary server:
 
     - The server gets a session of its own: in our process group, a Ctrl-C in the terminal (sent to
       the whole group) would stop it in the middle of the flow's cleanup, which then hangs reporting
@@ -67,12 +65,10 @@ def start_local_prefect_server() -> None:
     - The wait fits a first start (FIRST_START_TIMEOUT_S, or Prefect's setting when larger), and a
       start that still fails says what it waited for and how to fix it.
 
-    A process that is not the `clotho` command (a test calling a command in-process) is never
-    replaced: Prefect's temporary server serves it.
+    A process that is not the `clotho` command (a test calling a command in-process) keeps its
+    environment: Prefect's temporary server serves it.
     """
-    if os.environ.get(SERVER_VARIABLE):  # this is the command again, run against its own server
-        atexit.register(stop_server, int(os.environ.pop(SERVER_VARIABLE)))
-        return
+    from prefect.context import refresh_global_settings_context
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_HOME,
@@ -88,19 +84,16 @@ def start_local_prefect_server() -> None:
     make_prefect_home(home)
     timeout_s = max(FIRST_START_TIMEOUT_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     url, server = serve_prefect(home, timeout_s)
+    atexit.register(stop_server, server.pid)
     print(
         f"clotho: Prefect UI at {url.removesuffix('/api')} while this command runs (its runs stay in {home}; "
         "`prefect server start` shows them later)",
         file=sys.stderr,
     )
-    sys.stdout.flush()
-    sys.stderr.flush()
-    environment = {**os.environ, "PREFECT_API_URL": url, SERVER_VARIABLE: str(server.pid)}
-    try:
-        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environment)
-    except OSError:
-        stop_server(server.pid)
-        raise
+    os.environ["PREFECT_API_URL"] = url
+    refresh_global_settings_context()
+    if PREFECT_API_URL.value() != url:  # a settings context entered before this one would hide the URL
+        raise PrefectStartError(f"Prefect did not take PREFECT_API_URL={url}; set it before running the command")
 
 
 def is_the_command() -> bool:

@@ -20,31 +20,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.ui_watch import chromium_run  # noqa: E402
 from tests.prefect_server import start_prefect_server  # noqa: E402
 
 
-def screenshot(url: str, out: Path, profile: Path) -> None:
-    subprocess.run(
-        [
-            "chromium",
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={profile}",
-            "--window-size=1500,1000",
-            "--virtual-time-budget=20000",
-            f"--screenshot={out}",
-            url,
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+def screenshot(url: str, out: Path) -> None:
+    chromium_run("chromium", [f"--screenshot={out}", url], window="1500,1000", timeout_s=120).check_returncode()
     print(f"wrote {out}")
 
 
@@ -89,7 +70,7 @@ def main() -> None:
         time.sleep(3)  # let the server settle the last task-run records
         runs = httpx.post(f"{prefect.api_url}/flow_runs/filter", json={}, timeout=30).json()
         run_id = runs[0]["id"]
-        screenshot(f"{prefect.ui_url}/runs/flow-run/{run_id}", REPO / "docs" / "prefect-flow-run.png", work / "chrome1")
+        screenshot(f"{prefect.ui_url}/runs/flow-run/{run_id}", REPO / "docs" / "prefect-flow-run.png")
         # The per-environment stats table artifact of that run, on its own page.
         artifacts = httpx.post(
             f"{prefect.api_url}/artifacts/filter",
@@ -99,7 +80,6 @@ def main() -> None:
         screenshot(
             f"{prefect.ui_url}/artifacts/artifact/{artifacts[0]['id']}",
             REPO / "docs" / "prefect-rollout-stats.png",
-            work / "chrome2",
         )
     finally:
         prefect.stop()

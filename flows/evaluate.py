@@ -77,15 +77,23 @@ def find_checkpoint(checkpoint: str, run: str | None) -> CheckpointInfo:
         raise EvaluationError(f"--checkpoint {checkpoint}: {error}") from None
 
 
+async def evaluated_environment(env: str, env_config: dict[str, Any], client: PolicyClient, tokenizer: str) -> Any:
+    """The environment `env` set up to answer through `client`: what both evaluators (this flow,
+    and the pipeline's at every `evaluation.every` versions) call Environment.evaluate on."""
+    from environments.loading import load_config, load_environment_class
+
+    env_class = await asyncio.to_thread(load_environment_class, env)  # imports it
+    settings = load_config(env_class, env_config)
+    environment = await asyncio.to_thread(env_class, settings, client=client, tokenizer=tokenizer)  # a tokenizer
+    await environment.setup()
+    return environment
+
+
 async def evaluate_on(
     url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int
 ) -> dict[str, float]:
-    from environments.loading import load_config, load_environment_class
-
-    env_class = load_environment_class(env)
     async with PolicyClient(url, api_key=api_key) as client:
-        environment = env_class(load_config(env_class, env_config), client=client, tokenizer=tokenizer)
-        await environment.setup()
+        environment = await evaluated_environment(env, env_config, client, tokenizer)
         return await environment.evaluate(num_items=items)
 
 
@@ -139,7 +147,7 @@ def evaluate(
     }
     with storage_errors(target):
         fs.pipe_file(path, json.dumps(result, indent=1).encode())
-    run = info.url.rstrip("/").rsplit("/", 3)[-3]
+    run = split_run_url(info.run_url)[1]
     create_table_artifact(
         key=artifact_key("evaluation", run),
         table=[

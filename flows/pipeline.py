@@ -30,6 +30,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from core.processes import stop_process, tethered
+from flows.evaluate import evaluated_environment
 from flows.live_view import RunView
 from flows.pipeline_config import Phase, PipelineConfig
 from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
@@ -409,19 +410,14 @@ async def evaluate_versions(
     at the last step: the curve, the same measure in every phase. Resolves `stop_rule_met` with
     the version at which the last phase's stop rule holds, and ends there. Each evaluated checkpoint
     that beats the best so far is marked best (checkpoints/BEST, kept by retention; curve.best)."""
-    from environments.loading import load_config, load_environment_class
-
     storage, run = split_run_url(config.run)
     best = await asyncio.to_thread(read_best, storage, run)  # a resumed run's, from before
     if best is not None:
         curve.best = {**best, "checkpoint": checkpoint_url(storage, run, int(best["step"]))}
     evaluation = config.evaluation
-    env_class = await asyncio.to_thread(load_environment_class, evaluation.env)  # imports it
     last_step = config.total_steps
     async with PolicyClient(url, api_key=api_key) as client:
-        settings = load_config(env_class, evaluation.config)
-        env = await asyncio.to_thread(env_class, settings, client=client, tokenizer=tokenizer)  # loads the tokenizer
-        await env.setup()
+        env = await evaluated_environment(evaluation.env, evaluation.config, client, tokenizer)
         evaluated: int | None = None
         while evaluated != last_step:
             version = await client.weight_version()

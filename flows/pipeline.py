@@ -42,7 +42,7 @@ from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
-from storage.checkpoints import checkpoint_url, mark_best, read_best
+from storage.checkpoints import checkpoint_url, mark_best, pin_steps, read_best
 from storage.layout import split_run_url
 from storage.models import local_model
 from storage.progress import clear_run_end, groups_committed, read_trainer_position, write_run_end
@@ -394,6 +394,9 @@ def sample_utilization(storage: str, run: str, steps: StepLog) -> dict[str, floa
     return {"groups_sampled": sampled, "groups_trained": trained, "sample_utilization": trained / sampled}
 
 
+EVALUATOR_PIN = "evaluator"  # the pin (storage.checkpoints.pin_steps) of the step being evaluated
+
+
 async def evaluate_versions(
     config: PipelineConfig,
     url: str,
@@ -422,6 +425,9 @@ async def evaluate_versions(
         while evaluated != last_step:
             version = await client.weight_version()
             if evaluated is None or version >= min(evaluated + evaluation.every, last_step):
+                # Pinned while it is evaluated: the server may reload past it meanwhile, and retention
+                # would then delete the checkpoint this evaluation may find best.
+                await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, {version})
                 report = await env.evaluate(num_items=evaluation.items)
                 # A reload may land while it evaluates: record the version it started on.
                 row = curve.add(
@@ -443,6 +449,7 @@ async def evaluate_versions(
                             "reward": row["reward"],
                             "checkpoint": checkpoint_url(storage, run, version),
                         }
+                await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, set())  # BEST keeps the best
                 # The last phase's evaluations: of the versions it trained (not the one it started from).
                 last_phase, last_phase_start = config.phases[-1], last_step - config.phases[-1].steps
                 if last_phase.stop is not None and version > last_phase_start:

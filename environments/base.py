@@ -74,9 +74,10 @@ def final_answer(messages: Messages) -> str:
 
 class Environment(ABC):
     """Subclass this: set `name` and `config_class`; write reward, and either items (a list or a
-    datasets.Dataset: the base class hands them out) or get_item (items made as they are asked
-    for); collect_trajectories when the default (one turn, group_size samples of the item's prompt)
-    is not what the environment does.
+    datasets.Dataset: the base class hands them out) or new_item (items made as they are asked
+    for; get_item only where they are another environment's or a remote queue's); play for a
+    multi-turn conversation, collect_trajectories when neither the default (one turn, group_size
+    samples of the item's prompt) nor rollout_group is what the environment does.
 
     The base class owns the rest: the tokenizer and chat rendering, token bookkeeping, group
     assembly and validation, the policy version every group is stamped with, and turning failures
@@ -119,7 +120,7 @@ class Environment(ABC):
         config.seed for each pass, starting over when config.cycle; "eval" is what evaluate
         scores, in order (None: evaluate draws from the train split, seeded by eval_seed). Rows are
         Items or mappings of item_class's fields; a missing id becomes "{split}-{index}".
-        None (the default): the environment writes get_item instead."""
+        None (the default): the environment writes new_item (or get_item) instead."""
         return None
 
     def new_item(self, rng: random.Random, index: int) -> Item | dict[str, Any] | Awaitable[Item | dict[str, Any]]:
@@ -127,7 +128,7 @@ class Environment(ABC):
         problems): drawn with `rng`, the instance's random.Random seeded from config.seed (also
         `self.rng`, for a fixed pool drawn in setup), `index` counting the items made from 0. An
         Item or a mapping of item_class's fields; a missing id becomes "{seed}-{index + 1}". May be
-        a coroutine (a search run off the event loop). Not written: items or get_item instead."""
+        a coroutine (a search run off the event loop). Not written: items (or get_item) instead."""
         raise NotImplementedError
 
     async def get_item(self) -> Item | None:

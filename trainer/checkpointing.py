@@ -84,17 +84,31 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
 
 
 def published_tensors(
-    module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
+    module: PreTrainedModel,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous.
+    """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous;
+    a tensor the state dict names twice (a tied head) is cast once and named twice. `into`: tensors
+    of an earlier publish that nothing reads any more, cast into where name, shape and dtype match:
+    a new 1 GB of bf16 at the 0.5B shape is faulted in at every publish, on a VM seconds a GB.
 
     With tied embeddings they include `lm_head.weight`, the tensor of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
     weights."""
-    tensors = {
-        name: (tensor.to(dtype) if dtype is not None else tensor).contiguous() for name, tensor in state_dict.items()
-    }
+    into = into or {}
+    cast: dict[int, torch.Tensor] = {}  # by the source's data pointer
+    tensors = {}
+    for name, tensor in state_dict.items():
+        if tensor.data_ptr() not in cast:
+            target = into.get(name)
+            if dtype is not None and target is not None and target.shape == tensor.shape and target.dtype == dtype:
+                cast[tensor.data_ptr()] = target.copy_(tensor)
+            else:
+                cast[tensor.data_ptr()] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+        tensors[name] = cast[tensor.data_ptr()]
     if module.config.tie_word_embeddings:
         embedding = "model.embed_tokens.weight"
         if embedding not in tensors:
@@ -144,6 +158,10 @@ class DeltaPublisher:
     chain: list[int] = field(default_factory=list)  # of the previous publish
     tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     skip: int = 0  # publishes left that go full without trying a delta, after one that was too big
+    # The previous publish's tensors, and those of the one before it, which nothing reads any more:
+    # the next publish casts into them (published_tensors' `into`).
+    kept: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[int]] | None:
         """The delta of `tensors` against the previous publish and the chain it extends; None when a
@@ -177,11 +195,13 @@ class DeltaPublisher:
     def published(self, step: int, tensors: dict[str, torch.Tensor], chain: list[int]) -> None:
         if self.full_every > 1:
             self.step, self.chain = step, chain
+            self.spare, self.kept = self.kept, tensors
             self.tensors = {name: raw_bytes(tensor) for name, tensor in tensors.items()}
 
     def forget(self) -> None:
         """After a step it did not publish itself: the next publish is full."""
         self.step, self.chain, self.tensors = None, [], {}
+        self.spare, self.kept = self.kept or self.spare, {}
 
 
 SAFETENSORS_DTYPES = {
@@ -232,7 +252,7 @@ def publish_step(
         return None
     url = checkpoint_url(storage, run, step)
     torch_dtype = getattr(torch, dtype) if dtype else None
-    tensors = published_tensors(engine.module, state_dict, torch_dtype)
+    tensors = published_tensors(engine.module, state_dict, torch_dtype, deltas.spare if deltas is not None else None)
     # What a parity reference is computed on: the weights as published where they are not the
     # parameters themselves (rounded to the served dtype).
     rounded = tensors if torch_dtype not in (None, torch.float32) else None

@@ -232,6 +232,40 @@ def test_a_streamed_safetensors_file_loads_as_safetensors_own_with_tied_tensors(
     assert (tmp_path / "copy.safetensors").read_bytes() == (tmp_path / "w.safetensors").read_bytes()
 
 
+def test_a_tensor_named_twice_is_encoded_once_and_rebuilt_under_both_names(tmp_path, monkeypatch) -> None:
+    """A tied head (the embedding's tensor under a second name) goes into a delta as `same_as`, not
+    as a second XOR: the rebuild writes its bytes at both names, byte for byte the full file; a chain
+    whose deltas tie other names together gives no weights."""
+    from storage import weight_delta
+    from storage.weight_delta import write_safetensors
+    from trainer.checkpointing import SAFETENSORS_DTYPES
+
+    monkeypatch.setattr(weight_delta, "CHUNK", 1000)  # several chunks: each is written at both places
+
+    def tied(step: int) -> dict[str, torch.Tensor]:
+        tensors = weights_at(step)
+        return {"a.weight": tensors["a.weight"], "b.bias": tensors["b.bias"], "head": tensors["a.weight"]}
+
+    def entries(tensors: dict[str, torch.Tensor]) -> dict:
+        return {n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()}
+
+    def tied_delta(step: int, base: int) -> bytes:
+        return encode(entries(tied(step)), {n: raw_bytes(t) for n, t in tied(base).items()}, base)
+
+    write_safetensors(entries(tied(1)), tmp_path / "base.safetensors")
+    write_safetensors(entries(tied(3)), tmp_path / "expected.safetensors")
+    two = tied_delta(2, 1)
+    header = json.loads(two[8 : 8 + int.from_bytes(two[:8], "little")])
+    assert header["tensors"]["head"] == {"dtype": "BF16", "shape": [64, 48], "size": 6144, "same_as": "a.weight"}
+    untied = {**tied(2), "head": tied(2)["head"].clone()}  # the same values in memory of their own
+    assert len(two) < len(encode(entries(untied), {n: raw_bytes(t) for n, t in tied(1).items()}, 1))
+    apply(tmp_path / "base.safetensors", [(2, two), (3, tied_delta(3, 2))], tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+    other = encode(entries(untied), {n: raw_bytes(t) for n, t in tied(1).items()}, 1)
+    with pytest.raises(DeltaError, match="the delta of step 3 ties other tensors together"):
+        apply(tmp_path / "base.safetensors", [(2, other), (3, tied_delta(3, 2))], tmp_path / "out.safetensors")
+
+
 def test_a_local_publish_links_the_staged_files_instead_of_copying_them(tmp_path) -> None:
     staged = tmp_path / "staging" / "step"
     staged.mkdir(parents=True)

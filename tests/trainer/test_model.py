@@ -198,6 +198,30 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
     assert loaded.dtype == torch.bfloat16
 
 
+def test_a_publish_casts_a_tied_head_once_into_the_tensors_of_the_publish_before_last():
+    """Each publish's bf16 copy goes into the memory of the publish before the previous one (which
+    nothing reads any more), the tied head cast once: no new GB is faulted in per publish at the
+    0.5B shape; the previous publish's bytes, which the next delta XORs against, stay as they were."""
+    from trainer.checkpointing import DeltaPublisher
+
+    model = load_policy(str(cached_tiny_model(tie_embeddings=True)))
+    publisher = DeltaPublisher(full_every=10)
+    addresses = []
+    for step in range(1, 5):
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(0.01)
+        tensors = published_tensors(model, model.state_dict(), torch.bfloat16, publisher.spare)
+        assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensors[name], tensor.to(torch.bfloat16)), name
+        if publisher.kept:  # the previous publish's bytes: the delta's base, not written over
+            assert all(kept.data_ptr() != tensors[name].data_ptr() for name, kept in publisher.kept.items())
+        addresses.append(tensors["model.embed_tokens.weight"].data_ptr())
+        publisher.published(step, tensors, [])
+    assert addresses[2] == addresses[0] and addresses[3] == addresses[1] and addresses[0] != addresses[1]
+
+
 def test_rows_shared_by_sequences_attend_by_their_bounds_without_a_mask(tiny_model_dir, monkeypatch):
     """Several sequences a row, no hook: variable-length attention over their boundaries (each
     row's padding a segment of its own), no dense mask built; the same logprobs as each sequence

@@ -34,7 +34,7 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,43 +96,53 @@ def _chunks(size: int) -> list[slice]:
     return [slice(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)] or [slice(0, 0)]
 
 
+Bytes = np.ndarray | Callable[[slice], np.ndarray]  # the bytes, or a function giving bytes start:stop
+
+
 def encode(
-    tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]],
+    tensors: Mapping[str, tuple[str, Sequence[int], Bytes]],
     previous: Mapping[str, np.ndarray],
     base: int,
+    in_place: bool = False,
 ) -> bytes:
-    """The delta of `tensors` (name -> (dtype, shape, raw bytes as uint8)) against `previous` (name ->
-    raw bytes of the publish `base`): raises DeltaError unless both hold the same tensors of the same
-    byte sizes (a full checkpoint is then due)."""
+    """The delta of `tensors` (name -> (dtype, shape, raw bytes as uint8, or a function giving a
+    slice of them: a cast done a chunk at a time)) against `previous` (name -> raw bytes of the
+    publish `base`): raises DeltaError unless both hold the same tensors of the same byte sizes (a
+    full checkpoint is then due). `in_place`: each chunk of `previous` becomes the tensors' bytes
+    once XORed, so a publisher keeps one copy of the weights, not two."""
     if tensors.keys() != previous.keys():
         raise DeltaError(f"tensors differ from step {base}'s: {sorted(tensors.keys() ^ previous.keys())[:5]}")
     for name, (_, _, data) in tensors.items():
-        if data.nbytes != previous[name].nbytes:
+        if isinstance(data, np.ndarray) and data.nbytes != previous[name].nbytes:
             raise DeltaError(f"{name} has {data.nbytes} bytes, {previous[name].nbytes} at step {base}")
-    aliases = same_memory(tensors)
-    pieces = [
-        (name, part) for name, (_, _, data) in tensors.items() if name not in aliases for part in _chunks(data.nbytes)
-    ]
+    aliases = same_memory(tensors, previous)
+    pieces = [(name, part) for name in tensors if name not in aliases for part in _chunks(previous[name].nbytes)]
 
     def one(piece: tuple[str, slice]) -> tuple[bytes, int]:
         name, part = piece
-        data = tensors[name][2][part]
+        source, before = tensors[name][2], previous[name][part]
+        data = source[part] if isinstance(source, np.ndarray) else source(part)
+        if data.nbytes != before.nbytes:
+            raise DeltaError(f"{name} gives {data.nbytes} bytes for {part.start}:{part.stop}, not {before.nbytes}")
         difference = _scratch.take(data.nbytes)
-        np.bitwise_xor(_words(data), _words(previous[name][part]), out=_words(difference))
+        np.bitwise_xor(_words(data), _words(before), out=_words(difference))
+        if in_place:
+            before[:] = data
         return _codec().compress(difference, asbytes=True), checksum(data)
 
     blobs = iter(_each(one, pieces))
     header: dict[str, dict] = {}
     written, start = [], 0
-    for name, (dtype, shape, data) in tensors.items():
+    for name, (dtype, shape, _) in tensors.items():
+        size = int(previous[name].nbytes)
         if name in aliases:
-            header[name] = {"dtype": dtype, "shape": list(shape), "size": int(data.nbytes), "same_as": aliases[name]}
+            header[name] = {"dtype": dtype, "shape": list(shape), "size": size, "same_as": aliases[name]}
             continue
-        chunks = [next(blobs) for _ in _chunks(data.nbytes)]
+        chunks = [next(blobs) for _ in _chunks(size)]
         header[name] = {
             "dtype": dtype,
             "shape": list(shape),
-            "size": int(data.nbytes),
+            "size": size,
             "start": start,
             "chunks": [[len(blob), crc] for blob, crc in chunks],
         }
@@ -144,15 +154,24 @@ def encode(
     return b"".join([struct.pack("<Q", len(head)), head, *written])
 
 
-def same_memory(tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]]) -> dict[str, str]:
-    """name -> the first name of `tensors` whose bytes are the very same memory."""
-    first: dict[tuple[int, int], str] = {}
+def same_memory(
+    tensors: Mapping[str, tuple[str, Sequence[int], Bytes]], previous: Mapping[str, np.ndarray]
+) -> dict[str, str]:
+    """name -> the first name of `tensors` that is the very same tensor: its bytes the same memory
+    (or the same function), and so are the previous publish's."""
+
+    def place(data) -> tuple[int, int]:
+        return (
+            (data.__array_interface__["data"][0], int(data.nbytes)) if isinstance(data, np.ndarray) else (id(data), 0)
+        )
+
+    first: dict[tuple, str] = {}
     aliases = {}
     for name, (_, _, data) in tensors.items():
-        place = (data.__array_interface__["data"][0], int(data.nbytes))
-        if place in first and data.nbytes:
-            aliases[name] = first[place]
-        first.setdefault(place, name)
+        key = (place(data), place(previous[name]))
+        if key in first and previous[name].nbytes:
+            aliases[name] = first[key]
+        first.setdefault(key, name)
     return aliases
 
 

@@ -84,31 +84,25 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
 
 
 def published_tensors(
-    module: PreTrainedModel,
-    state_dict: dict[str, torch.Tensor],
-    dtype: torch.dtype | None,
-    into: dict[str, torch.Tensor] | None = None,
+    module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
 ) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous;
-    a tensor the state dict names twice (a tied head) is cast once and named twice. `into`: tensors
-    of an earlier publish that nothing reads any more, cast into where name, shape and dtype match:
-    a new 1 GB of bf16 at the 0.5B shape is faulted in at every publish, on a VM seconds a GB.
+    a tensor the state dict names twice (a tied head) is cast once and named twice.
 
     With tied embeddings they include `lm_head.weight`, the tensor of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
     weights."""
-    into = into or {}
     cast: dict[int, torch.Tensor] = {}  # by the source's data pointer
     tensors = {}
     for name, tensor in state_dict.items():
         if tensor.data_ptr() not in cast:
-            target = into.get(name)
-            if dtype is not None and target is not None and target.shape == tensor.shape and target.dtype == dtype:
-                cast[tensor.data_ptr()] = target.copy_(tensor)
-            else:
-                cast[tensor.data_ptr()] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+            cast[tensor.data_ptr()] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
         tensors[name] = cast[tensor.data_ptr()]
+    return with_tied_head(module, tensors)
+
+
+def with_tied_head(module: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if module.config.tie_word_embeddings:
         embedding = "model.embed_tokens.weight"
         if embedding not in tensors:
@@ -148,40 +142,59 @@ def save_hf_checkpoint(
 
 @dataclass
 class DeltaPublisher:
-    """What the next publish's delta is taken against: the previous publish's tensors (their bytes,
-    on rank 0) and the chain it was built from. A full checkpoint every `full_every` publishes, the
-    ones between as deltas (storage.weight_delta); a delta that would not save half the bytes of a
-    full checkpoint (weights that all move, in fp32) is published full instead."""
+    """The tensors each publish writes, and what the next one's delta is taken against: one copy of
+    the previous publish's tensors (on rank 0, in the published dtype) and the chain it was built
+    from. A full checkpoint every `full_every` publishes, the ones between as deltas
+    (storage.weight_delta); a delta that would not save half the bytes of a full checkpoint (weights
+    that all move, in fp32) is published full instead.
+
+    A publish casts the weights into that copy, a chunk at a time as the delta XORs them
+    (weight_delta.encode's in_place): the trainer holds one copy of the published weights, and no new
+    one is faulted in per publish (1.2 GB at the 0.5B shape; on a VM, seconds a GB)."""
 
     full_every: int
-    step: int | None = None
+    step: int | None = None  # the publish `kept` holds; None: none (the next publish is full)
     chain: list[int] = field(default_factory=list)  # of the previous publish
-    tensors: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
-    skip: int = 0  # publishes left that go full without trying a delta, after one that was too big
-    # The previous publish's tensors, and those of the one before it, which nothing reads any more:
-    # the next publish casts into them (published_tensors' `into`).
     kept: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    spare: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+    skip: int = 0  # publishes left that go full without trying a delta, after one that was too big
 
-    def encode(self, tensors: dict[str, torch.Tensor]) -> tuple[bytes, list[int]] | None:
-        """The delta of `tensors` against the previous publish and the chain it extends; None when a
-        full checkpoint is due. After a delta too big to be worth it (the learning rate and dtype
-        that made it hold for the steps after), the next full_every - 1 publishes go full untried."""
-        if self.step is None or len(self.chain) + 1 >= self.full_every:
-            return None
-        chain = [*self.chain, self.step]
-        if self.skip:
+    def publishing(
+        self, module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
+    ) -> tuple[dict[str, torch.Tensor], tuple[bytes, list[int]] | None]:
+        """The tensors to publish for `state_dict` in `dtype`, and the delta with the chain it
+        extends (None when a full checkpoint is due). Until `published`, nothing is taken as
+        published: a publish that fails midway leaves the next one full."""
+        base, chain, self.step = self.step, [*self.chain, self.step], None
+        if self.full_every == 1:
+            return published_tensors(module, state_dict, dtype), None
+        kept = self.kept
+        target = dtype or next(iter(state_dict.values())).dtype
+        if kept.keys() != with_tied_head(module, dict(state_dict)).keys() or any(
+            kept[name].shape != tensor.shape or kept[name].dtype != target for name, tensor in state_dict.items()
+        ):
+            self.kept = self.own_copy(published_tensors(module, state_dict, dtype), state_dict)
+            return self.kept, None
+        due = base is not None and len(chain) < self.full_every
+        if due and self.skip:
             self.skip -= 1
-            return None
+            due = False
+        if not due:
+            for tensor, kept_tensor in unique_pairs(state_dict, kept):
+                kept_tensor.copy_(tensor)
+            return kept, None
+        sources = {}  # by the source's data pointer: a tied tensor is one function
+        for tensor in state_dict.values():
+            sources.setdefault(tensor.data_ptr(), chunk_reader(tensor, target))
         current = {
-            name: (str(t.dtype).removeprefix("torch."), tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()
+            name: (str(target).removeprefix("torch."), tuple(kept[name].shape), sources[state_dict[name].data_ptr()])
+            for name in state_dict
         }
-        try:
-            delta = weight_delta.encode(current, self.tensors, self.step)
-        except weight_delta.DeltaError as error:
-            log.info("publishing in full: %s", error)
-            return None
-        full = sum(data.nbytes for *_, data in current.values())
+        current = with_tied_head(module, current)
+        previous = {name: raw_bytes(tensor) for name, tensor in kept.items()}
+        delta = weight_delta.encode(current, previous, base, in_place=True)
+        full = sum(
+            data.nbytes for name, data in previous.items() if name not in weight_delta.same_memory(current, previous)
+        )
         if len(delta) > full / 2:
             self.skip = self.full_every - 1
             log.info(
@@ -189,19 +202,48 @@ class DeltaPublisher:
                 100 * len(delta) / full,
                 self.skip,
             )
-            return None
-        return delta, chain
+            return kept, None
+        return kept, (delta, chain)
 
-    def published(self, step: int, tensors: dict[str, torch.Tensor], chain: list[int]) -> None:
+    @staticmethod
+    def own_copy(tensors: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """`tensors` with those that are the engine's own parameters (published in their own dtype)
+        copied: the next optimizer step would change them under the next delta."""
+        own = {tensor.data_ptr() for tensor in state_dict.values()}
+        copies: dict[int, torch.Tensor] = {}  # by data pointer: tied tensors are copied once
+        for tensor in tensors.values():
+            if tensor.data_ptr() in own and tensor.data_ptr() not in copies:
+                copies[tensor.data_ptr()] = tensor.clone()
+        return {name: copies.get(tensor.data_ptr(), tensor) for name, tensor in tensors.items()}
+
+    def published(self, step: int, chain: list[int]) -> None:
+        """The tensors `publishing` gave are step `step`'s, built from `chain` (empty: in full)."""
         if self.full_every > 1:
             self.step, self.chain = step, chain
-            self.spare, self.kept = self.kept, tensors
-            self.tensors = {name: raw_bytes(tensor) for name, tensor in tensors.items()}
 
     def forget(self) -> None:
         """After a step it did not publish itself: the next publish is full."""
-        self.step, self.chain, self.tensors = None, [], {}
-        self.spare, self.kept = self.kept or self.spare, {}
+        self.step, self.chain = None, []
+
+
+def unique_pairs(state_dict: dict[str, torch.Tensor], kept: dict[str, torch.Tensor]):
+    """(source, kept copy) once per distinct source tensor."""
+    seen = set()
+    for name, tensor in state_dict.items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            yield tensor, kept[name]
+
+
+def chunk_reader(tensor: torch.Tensor, dtype: torch.dtype):
+    """A function giving bytes start:stop of `tensor` cast to `dtype` (weight_delta.encode's chunk
+    at a time), casting only those."""
+    flat, size = tensor.detach().reshape(-1), torch.empty((), dtype=dtype).element_size()
+
+    def read(part: slice):
+        return flat[part.start // size : part.stop // size].to(dtype).contiguous().view(torch.uint8).numpy()
+
+    return read
 
 
 SAFETENSORS_DTYPES = {
@@ -252,17 +294,21 @@ def publish_step(
         return None
     url = checkpoint_url(storage, run, step)
     torch_dtype = getattr(torch, dtype) if dtype else None
-    tensors = published_tensors(engine.module, state_dict, torch_dtype, deltas.spare if deltas is not None else None)
+    try:
+        read_checkpoint(url, storage_options=storage_options)
+        already = True
+    except CheckpointError:
+        already = False
+    if deltas is not None:
+        if already:
+            deltas.forget()
+        tensors, encoded = deltas.publishing(engine.module, state_dict, torch_dtype)
+    else:
+        tensors, encoded = published_tensors(engine.module, state_dict, torch_dtype), None
     # What a parity reference is computed on: the weights as published where they are not the
     # parameters themselves (rounded to the served dtype).
     rounded = tensors if torch_dtype not in (None, torch.float32) else None
-    try:
-        read_checkpoint(url, storage_options=storage_options)
-    except CheckpointError:
-        pass
-    else:
-        if deltas is not None:
-            deltas.forget()
+    if already:
         difference = replay_difference(engine.module, url, zero_stage, storage_options, rounded)
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
@@ -281,7 +327,6 @@ def publish_step(
                 difference,
             )
         return url
-    encoded = deltas.encode(tensors) if deltas is not None else None
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, None if encoded else tensors, base_model, Path(temporary), torch_dtype)
         if encoded:
@@ -293,16 +338,7 @@ def publish_step(
             write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary), rounded)
         publish_checkpoint(temporary, storage, run, step, extra=extra, storage_options=storage_options)
     if deltas is not None:
-        # The next delta is taken against these bytes: a tensor that is the engine's own parameter
-        # (published in its own dtype, on CPU) is copied, or the next optimizer step would change it.
-        own = {tensor.data_ptr() for tensor in state_dict.values()}
-        copies: dict[int, torch.Tensor] = {}  # by data pointer: tied tensors are copied once
-        kept = {}
-        for name, tensor in tensors.items():
-            if tensor.data_ptr() in own and tensor.data_ptr() not in copies:
-                copies[tensor.data_ptr()] = tensor.clone()
-            kept[name] = copies.get(tensor.data_ptr(), tensor)
-        deltas.published(step, kept, encoded[1] if encoded else [])
+        deltas.published(step, encoded[1] if encoded else [])
     return url
 
 

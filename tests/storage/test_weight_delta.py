@@ -163,29 +163,42 @@ def test_a_cache_shared_by_two_runs_gives_each_its_own_weights(root: str, tmp_pa
         assert (local / WEIGHTS_FILE).read_bytes() == full_file(3 + shift, tmp_path / f"expected-{run}")
 
 
-def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch) -> None:
+def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch, tmp_path) -> None:
     """Weights that all move (fp32 at a large learning rate) make a delta as big as the weights: the
     trainer publishes that step full and does not spend an XOR and a compression on the next
-    full_every - 1 either; then it tries again."""
+    full_every - 1 either; then it tries again, and its delta rebuilds the step from the one before.
+    Every publish's tensors are the one copy the publisher keeps, written over in place."""
+    from types import SimpleNamespace
+
     from storage import weight_delta
     from trainer.checkpointing import DeltaPublisher
 
     tried = []
-    monkeypatch.setattr(weight_delta, "encode", lambda *args: tried.append(args[2]) or encode(*args))
+    monkeypatch.setattr(weight_delta, "encode", lambda *args, **kw: tried.append(args[2]) or encode(*args, **kw))
+    module = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False))
     publisher = DeltaPublisher(full_every=4)
-    publisher.published(1, weights_at(1), [])
+    first, encoded = publisher.publishing(module, weights_at(1), None)
+    assert encoded is None  # nothing to take a delta against
+    publisher.published(1, [])
     noisy = {
         name: torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
         for name, t in weights_at(2).items()
     }
-    assert publisher.encode(noisy) is None and tried == [1]  # too big: step 2 goes full
-    publisher.published(2, noisy, [])
+    tensors, encoded = publisher.publishing(module, noisy, None)
+    assert encoded is None and tried == [1]  # too big: step 2 goes full
+    assert all(torch.equal(tensors[name], noisy[name]) for name in noisy)
+    publisher.published(2, [])
     for step in (3, 4, 5):
-        assert publisher.encode(weights_at(step)) is None  # full, untried
-        publisher.published(step, weights_at(step), [])
+        tensors, encoded = publisher.publishing(module, weights_at(step), None)
+        assert encoded is None  # full, untried
+        publisher.published(step, [])
     assert tried == [1]
-    encoded, chain = publisher.encode(weights_at(6))  # tried again: a small move is a delta
+    full_file(5, tmp_path / "five.safetensors")
+    tensors, (delta, chain) = publisher.publishing(module, weights_at(6), None)  # tried again: a delta
     assert tried == [1, 5] and chain == [5]
+    assert all(tensors[name] is first[name] and torch.equal(tensors[name], t) for name, t in weights_at(6).items())
+    apply(tmp_path / "five.safetensors", [(6, delta)], tmp_path / "six.safetensors")
+    assert (tmp_path / "six.safetensors").read_bytes() == full_file(6, tmp_path / "expected.safetensors")
 
 
 def test_tensors_of_many_chunks_rebuild_and_a_wrong_chunk_is_named(tmp_path, monkeypatch) -> None:

@@ -198,28 +198,43 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
     assert loaded.dtype == torch.bfloat16
 
 
-def test_a_publish_casts_a_tied_head_once_into_the_tensors_of_the_publish_before_last():
-    """Each publish's bf16 copy goes into the memory of the publish before the previous one (which
-    nothing reads any more), the tied head cast once: no new GB is faulted in per publish at the
-    0.5B shape; the previous publish's bytes, which the next delta XORs against, stay as they were."""
-    from trainer.checkpointing import DeltaPublisher
+def test_a_publish_casts_into_the_one_copy_the_publisher_keeps_and_its_delta_rebuilds_it(tmp_path):
+    """Each publish's bf16 weights go into the memory of the previous publish's, a chunk at a time as
+    the delta XORs them (the tied head cast once, `same_as` in the delta): one copy kept, no new GB
+    faulted in per publish at the 0.5B shape, and the deltas rebuild each step byte for byte."""
+    from storage import weight_delta
+    from trainer.checkpointing import SAFETENSORS_DTYPES, DeltaPublisher, raw_bytes
 
     model = load_policy(str(cached_tiny_model(tie_embeddings=True)))
     publisher = DeltaPublisher(full_every=10)
-    addresses = []
+
+    def write(tensors, path) -> None:
+        entries = {n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()}
+        weight_delta.write_safetensors(entries, path)
+
+    addresses, deltas = set(), []
     for step in range(1, 5):
         with torch.no_grad():
             for parameter in model.parameters():
-                parameter.add_(0.01)
-        tensors = published_tensors(model, model.state_dict(), torch.bfloat16, publisher.spare)
+                parameter.add_(parameter.abs() * 2**-6)  # past bf16's spacing: the bytes change
+        tensors, encoded = publisher.publishing(model, model.state_dict(), torch.bfloat16)
         assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensors[name], tensor.to(torch.bfloat16)), name
-        if publisher.kept:  # the previous publish's bytes: the delta's base, not written over
-            assert all(kept.data_ptr() != tensors[name].data_ptr() for name, kept in publisher.kept.items())
-        addresses.append(tensors["model.embed_tokens.weight"].data_ptr())
-        publisher.published(step, tensors, [])
-    assert addresses[2] == addresses[0] and addresses[3] == addresses[1] and addresses[0] != addresses[1]
+        addresses.add(tensors["model.embed_tokens.weight"].data_ptr())
+        if step == 1:
+            assert encoded is None
+            write(tensors, tmp_path / "base.safetensors")
+        else:
+            assert encoded is not None and encoded[1] == list(range(1, step))
+            deltas.append((step, encoded[0]))
+        publisher.published(step, encoded[1] if encoded else [])
+    assert len(addresses) == 1
+    header = weight_delta.read_delta(deltas[0][1], "delta")[0]
+    assert header["tensors"]["lm_head.weight"]["same_as"] == "model.embed_tokens.weight"
+    write(tensors, tmp_path / "expected.safetensors")
+    weight_delta.apply(tmp_path / "base.safetensors", deltas, tmp_path / "out.safetensors")
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
 
 
 def test_rows_shared_by_sequences_attend_by_their_bounds_without_a_mask(tiny_model_dir, monkeypatch):

@@ -31,11 +31,11 @@ from prefect.artifacts import acreate_markdown_artifact
 
 from core.processes import stop_process, tethered
 from flows.evaluate import evaluated_environment
+from flows.followed_runs import FollowedRun, follow
 from flows.live_view import RunView
 from flows.pipeline_config import Phase, PipelineConfig
 from flows.pipeline_report import Curve, PipelineLog, StepLog, report_markdown
 from flows.rollout import rollout
-from flows.rollout_runs import run_rollout_deployment
 from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
@@ -180,17 +180,8 @@ async def run_phase(
     try:
         while not stop_rule_met.done():
             outcome = await trainer.outcome()
-            if outcome == "" or (outcome and not trainer.restarts_left):
+            if outcome is not None:
                 break
-            if outcome:
-                log.warning(
-                    "phase %s: %s; starting the trainer's nodes again (%d more time(s) at most), each from the newest "
-                    "resume state",
-                    phase.name,
-                    outcome,
-                    trainer.restarts_left - 1,
-                )
-                await trainer.restart()
             await asyncio.sleep(1.0)
             await view.show_new_steps(phase, log)
             failed = [task for task in rollouts if task.done() and task.exception() is not None]
@@ -315,8 +306,6 @@ async def start_trainer(config: PipelineConfig, phase: Phase, end_step: int, wor
 class LocalTrainer:
     """`clotho train` as a process of its own beside the pipeline (DeepSpeed owns its process)."""
 
-    restarts_left = 0  # a trainer beside the pipeline that failed fails the phase
-
     def __init__(self, process: subprocess.Popen, log_path: Path):
         self.process, self.log_path = process, log_path
 
@@ -355,7 +344,7 @@ async def phase_rollout(
     name = f"{phase.name}-{index}"
     if config.rollout.deployment is None:
         return await rollout.with_options(flow_run_name=name)(**parameters)
-    return await run_rollout_deployment(config.rollout.deployment, parameters, name, config.rollout.restarts)
+    return await follow(FollowedRun(config.rollout.deployment, parameters, name, config.rollout.restarts))
 
 
 async def cancel_and_wait(tasks: list[asyncio.Future]) -> None:

@@ -139,14 +139,15 @@ class RolloutConfig(Strict):
         default=3,
         ge=0,
         description="With a deployment: times each rollout flow run is started again after it crashed or was lost with "
-        "its host (still Running, its sampler silent for a minute: it is marked crashed first).",
+        "its host (still Running, its Prefect heartbeats silent for three intervals: it is marked crashed first).",
     )
 
 
 class TrainerNodesConfig(Strict):
     """The trainer on several hosts: one run of `deployment` (flows/train_node.py) per node, each on a
-    work queue that only that node's worker polls, joined by torchrun's rendezvous at node 0. Each
-    node keeps its work dir on its own disk; the steps' metrics reach the pipeline through storage."""
+    work queue that only that node's worker polls, its torchrun agent meeting the others at the
+    rendezvous the pipeline serves. Each node keeps its work dir on its own disk; the steps' metrics
+    reach the pipeline through storage."""
 
     work_queues: list[str] = Field(
         min_length=1,
@@ -154,7 +155,8 @@ class TrainerNodesConfig(Strict):
         "node (`prefect work-queue create Q --pool POOL`, then `prefect worker start --pool POOL --work-queue Q` there).",
     )
     rendezvous: str = Field(
-        description="HOST:PORT on node 0 that every node reaches: torchrun's master address (rank 0 runs there).",
+        description="HOST:PORT of the pipeline's host as every node reaches it: the pipeline serves the nodes' "
+        "rendezvous there (torchrun's c10d store), so it outlives any node.",
         pattern=r"^[^:/\s]+:\d+$",
     )
     procs_per_node: int = Field(default=1, ge=1, description="Trainer ranks per node (its GPUs; 1 on CPU).")
@@ -172,8 +174,9 @@ class TrainerNodesConfig(Strict):
     restarts: int = Field(
         default=3,
         ge=0,
-        description="Times a phase starts its nodes again after one failed or was lost with its host, each resuming "
-        "from the newest resume state in storage (state_in_storage); 0: the phase fails with the node.",
+        description="Times torchrun starts every node's ranks again after one failed (torchrun --max-restarts), "
+        "and times a node's flow run lost with its host is started again on its queue; each resumes from the "
+        "newest resume state in storage (state_in_storage). 0: the phase fails with the node.",
     )
 
 

@@ -1,11 +1,15 @@
 """The trainer on several hosts: one `train-node` flow run per node, each taken by the worker on that
-node's own work queue, each running torchrun for its node; the nodes meet at node 0's rendezvous.
+node's own work queue, each running torchrun's elastic agent for its node; the agents meet at the
+rendezvous the pipeline serves (a c10d store on the pipeline's host, so it outlives any node).
 
     pipeline (any host) --run_deployment(work_queue_name=Q_i)--> worker on node i --> train_node(node_rank=i)
-                                                                                     torchrun --node-rank i
-                                                                                       -> clotho train ranks
+      serves the rendezvous <------------- torchrun --rdzv-backend c10d --max-restarts R ----+
+                                              -> clotho train ranks
 
-A node keeps its work dir (metrics.jsonl, TensorBoard, resume state) on its own disk; what the
+When a node's trainer fails (its own error, or a peer gone), torchrun stops every node's ranks and
+starts them again (R times at most), each resuming from the newest resume state in storage; a node
+lost with its host is started again on its queue by the pipeline (flows.followed_runs) and joins
+them. A node keeps its work dir (metrics.jsonl, TensorBoard, resume state) on its own disk; what the
 pipeline reads of the trainer goes through the run's storage (the steps' metrics, its position).
 Cancelling a node's flow run stops its trainer at a step boundary (trainer.stopping).
 """
@@ -18,14 +22,14 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from uuid import UUID
 
 from prefect import flow, get_run_logger
 
 from core.processes import stop_process, tethered
+from flows.followed_runs import FollowedRun
 from storage.layout import split_run_url
 from trainer.train import default_work_dir
 
@@ -33,9 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 # A stopped trainer finishes its step in progress (publish included) first; then SIGKILL, which its
 # resume state survives.
 TRAINER_STOP_S = 120.0
-# After a node failed, the others' trainers fail within seconds (their peer is gone); a node whose
-# worker has not ended its flow run by then lost its host with it.
-LOST_AFTER_S = 60.0
+# How long an agent waits for every node at a rendezvous: a node lost with its host is known as
+# lost after three 30 s heartbeats, then its worker (back on its host) starts it again.
+JOIN_TIMEOUT_S = 900
 LOG_TAIL_CHARS = 3000
 
 
@@ -68,33 +72,40 @@ def train_node(
     nodes: int,
     node_rank: int,
     rendezvous: str,
+    rendezvous_id: str = "clotho",
     procs_per_node: int = 1,
+    restarts: int = 3,
     overrides: list[str] | None = None,
     data_timeout_s: float = 600.0,
     work_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Node `node_rank` of `nodes` of the trainer (`procs_per_node` ranks here) up to `steps`: torchrun
-    with node 0's `rendezvous` (HOST:PORT) as its master. Its output goes to
-    {work_dir}/trainer-node{node_rank}.log and to this flow run's logs; fails when the trainer fails.
-    `work_dir`: on this node's disk (None: .clotho/trainer/RUN in the working directory)."""
+    """Node `node_rank` of `nodes` of the trainer (`procs_per_node` ranks here) up to `steps`:
+    torchrun's elastic agent, meeting the others at `rendezvous` (HOST:PORT, the c10d store the
+    pipeline serves) as `rendezvous_id`; it starts every node's ranks again after a failure,
+    `restarts` times at most. Its output goes to {work_dir}/trainer-node{node_rank}.log and to this
+    flow run's logs; fails when the trainer fails. `work_dir`: on this node's disk (None:
+    .clotho/trainer/RUN in the working directory)."""
     logger = get_run_logger()
     storage, run = split_run_url(run_url)
     work_dir = Path(work_dir).resolve() if work_dir else default_work_dir(storage, run)
-    host, _, port = rendezvous.rpartition(":")
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
         str(nodes),
-        "--node-rank",
-        str(node_rank),
         "--nproc-per-node",
         str(procs_per_node),
-        "--master-addr",
-        host,
-        "--master-port",
-        port,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        rendezvous,
+        "--rdzv-id",
+        rendezvous_id,
+        "--rdzv-conf",
+        f"is_host=false,join_timeout={JOIN_TIMEOUT_S}",
+        "--max-restarts",
+        str(restarts),
         "-m",
         "trainer.cli",
         "--",
@@ -151,21 +162,12 @@ def forward_lines(path: Path, offset: int, logger) -> int:
 
 @dataclass
 class NodeRuns:
-    """A phase's trainer as `train-node` flow runs, one per work queue (config.trainer_nodes), from
-    the pipeline: started, followed, started again after a node failed or was lost (each node
-    resumes from the newest resume state in storage) and stopped, through the Prefect API,
-    wherever the nodes are."""
+    """A phase's trainer as `train-node` flow runs, one per work queue (config.trainer_nodes), each
+    followed (flows.followed_runs: one lost with its host is started again on its queue), and the
+    rendezvous their agents meet at, served from here for the phase."""
 
-    deployment: str
-    work_queues: list[str]
-    parameters: dict[str, Any]
-    phase: str
-    start_timeout_s: float
-    restarts_left: int
-    attempt: int = 0
-    names: list[str] = field(default_factory=list)
-    ids: list[UUID] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
+    runs: list[FollowedRun]
+    store: Any  # torch.distributed.TCPStore: the rendezvous, alive while this is
 
     @classmethod
     async def start(cls, config, phase, end_step: int) -> NodeRuns:
@@ -193,94 +195,70 @@ class NodeRuns:
                         f"node {index}'s worker on it: prefect work-queue create {queue} --pool {pool}; "
                         f"prefect worker start --pool {pool} --work-queue {queue}"
                     ) from None
+        store = serve_rendezvous(nodes.rendezvous)
         parameters = dict(
             run_url=config.run,
             model=config.model,
             steps=end_step,
             nodes=len(nodes.work_queues),
             rendezvous=nodes.rendezvous,
+            rendezvous_id=f"{split_run_url(config.run)[1]}-{phase.name}-{os.urandom(4).hex()}",
             procs_per_node=nodes.procs_per_node,
+            restarts=nodes.restarts,
             overrides=config.trainer_overrides(phase),
             data_timeout_s=config.data_timeout_s,
             work_dir=nodes.work_dir,
         )
         runs = cls(
-            nodes.deployment, list(nodes.work_queues), parameters, phase.name, nodes.start_timeout_s, nodes.restarts
+            [
+                FollowedRun(
+                    nodes.deployment,
+                    {**parameters, "node_rank": index},
+                    f"{phase.name}-train-node{index}",
+                    restarts_left=nodes.restarts,
+                    work_queue=queue,
+                    start_timeout_s=nodes.start_timeout_s,
+                )
+                for index, queue in enumerate(nodes.work_queues)
+            ],
+            store,
         )
-        await runs.launch()
+        try:
+            for run in runs.runs:
+                await run.start()
+        except BaseException:
+            await runs.stop()
+            raise
         return runs
 
-    async def launch(self) -> None:
-        """A flow run for each node, on its queue (named PHASE-train-nodeI, then -rN on restarts)."""
-        from prefect.deployments import arun_deployment
-
-        self.names, self.ids, self.started = [], [], time.monotonic()
-        try:
-            for index, queue in enumerate(self.work_queues):
-                name = f"{self.phase}-train-node{index}" + (f"-r{self.attempt}" if self.attempt else "")
-                flow_run = await arun_deployment(
-                    self.deployment,
-                    parameters={**self.parameters, "node_rank": index},
-                    flow_run_name=name,
-                    work_queue_name=queue,
-                    timeout=0,
-                )
-                self.names.append(name)
-                self.ids.append(flow_run.id)
-        except BaseException:
-            await self.stop()
-            raise
-
     async def outcome(self) -> str | None:
-        """None while every node trains; "" once all completed; else what failed."""
-        from prefect.client.orchestration import get_client
+        """None while the nodes train (a node lost with its host started again); "" once all
+        completed; else what failed."""
+        outcomes = [await run.outcome() for run in self.runs]
+        failed = [outcome for outcome in outcomes if outcome]
+        if failed:
+            return failed[0]
+        return "" if all(outcome == "" for outcome in outcomes) else None
 
-        async with get_client() as client:
-            states = [(await client.read_flow_run(flow_run_id)).state for flow_run_id in self.ids]
-        for name, queue, state in zip(self.names, self.work_queues, states):
-            if state is not None and state.is_final() and not state.is_completed():
-                return f"trainer node flow run {name} ended {state.type.value}: {state.message}"
-            if (state is None or state.is_scheduled()) and time.monotonic() - self.started > self.start_timeout_s:
-                return (
-                    f"no worker took trainer node flow run {name} from work queue {queue!r} in {self.start_timeout_s:.0f} s "
-                    f"(trainer_nodes.start_timeout_s); start one on that node: prefect worker start --work-queue {queue} --pool POOL"
-                )
-        return "" if all(state is not None and state.is_completed() for state in states) else None
-
-    async def restart(self) -> None:
-        """After a node failed or was lost (with restarts left): the others stopped (a node whose
-        worker has not ended it in LOST_AFTER_S is taken for lost with its host and marked crashed),
-        then every node started again, each resuming from the newest resume state in storage."""
-        assert self.restarts_left > 0, "no restart left"
-        self.restarts_left -= 1
-        await self.stop(lost_after_s=LOST_AFTER_S)
-        self.attempt += 1
-        await self.launch()
-
-    async def stop(self, lost_after_s: float = TRAINER_STOP_S + 30) -> None:
+    async def stop(self) -> None:
         """Cancel the nodes' flow runs still going (each stops its trainer after the step in
-        progress) and wait for them to end; one whose worker has not ended it after `lost_after_s`
-        (its host is gone) is marked crashed."""
-        from prefect.client.orchestration import get_client
-        from prefect.states import Cancelled, Cancelling, Crashed
+        progress) and wait for them to end (one whose worker does not end it is marked crashed)."""
+        started = [run for run in self.runs if run.flow_run_id is not None]
+        for run in started:
+            await run.cancel()
+        await asyncio.gather(*(run.stopped(TRAINER_STOP_S + 30) for run in started))
 
-        async with get_client() as client:
-            going = []
-            for flow_run_id in self.ids:
-                state = (await client.read_flow_run(flow_run_id)).state
-                if state.is_final():
-                    continue
-                # Not taken by a worker yet: it never starts. Taken: its worker stops it.
-                await client.set_flow_run_state(
-                    flow_run_id, Cancelled() if state.is_scheduled() else Cancelling(), force=True
-                )
-                going.append(flow_run_id)
-            deadline = time.monotonic() + lost_after_s
-            while going and time.monotonic() < deadline:
-                await asyncio.sleep(1.0)
-                going = [i for i in going if not (await client.read_flow_run(i)).state.is_final()]
-            for flow_run_id in going:
-                message = (
-                    f"its worker did not end it within {lost_after_s:.0f} s of its cancel: taken for lost with its host"
-                )
-                await client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
+
+def serve_rendezvous(endpoint: str):
+    """The c10d store the nodes' torchrun agents meet at (`--rdzv-conf is_host=false`), served on
+    this host at `endpoint`'s port: it lives as long as the pipeline, not as any node."""
+    from torch.distributed import TCPStore
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        return TCPStore(host, int(port), is_master=True, multi_tenant=True, wait_for_workers=False)
+    except (RuntimeError, ValueError) as error:
+        raise RuntimeError(
+            f"trainer_nodes.rendezvous: cannot serve the trainer nodes' rendezvous at {endpoint} ({error}); give "
+            "this host's address as the nodes reach it and a free port"
+        ) from None

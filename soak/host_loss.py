@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -97,8 +98,8 @@ def trial(c: Cluster, index: int, rng: random.Random) -> dict:
         "killed_at_step": steps,
         "disk_lost": wipe,
         "exit": ran.strip().splitlines()[-1] if ran.strip() else "",
-        "restarts": ran.count("starting the trainer's nodes again"),
-        "rollout_restarts": ran.count("starting it again as"),
+        "restarts": len(re.findall(r"flow run \S*train-node\S* crashed .*starting it again", ran)),
+        "rollout_restarts": len(re.findall(r"flow run (?!\S*train-node)\S+ crashed .*starting it again", ran)),
         "recovery_s": round(min(after) - killed_at, 1) if after else None,
         "minutes": round((time.time() - started) / 60, 2),
         "steps": tallied["steps"],

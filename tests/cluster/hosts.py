@@ -198,7 +198,8 @@ def start_workers(c: Cluster, host: str, suffix: str = "") -> None:
 
 
 # `clotho run`'s config across the cluster: the server on b, rollout flows on c and d, the trainer
-# as two nodes, c (rank 0) and d.
+# as two nodes, c (rank 0: the rendezvous orders the nodes by host name) and d, meeting at the
+# rendezvous the pipeline serves on a.
 LOOP_CONFIG = """
 run: {run}
 model: {model}
@@ -206,7 +207,7 @@ max_lag: 1
 servers: {{count: 0, urls: [{server}], reload_urls: false}}
 rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
 trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
-trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{c}:29400", work_dir: /tmp/train-{name}}}
+trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{a}:29400", work_dir: /tmp/train-{name}}}
 phases:
   - name: rl
     steps: {steps}
@@ -219,7 +220,7 @@ phases:
 
 def loop_config(c: Cluster, run: str, server: str, steps: int) -> str:
     return LOOP_CONFIG.format(
-        run=run, model=MODEL, server=server, c=c.host("c"), name=run.rsplit("/", 1)[-1], steps=steps
+        run=run, model=MODEL, server=server, a=c.host("a"), name=run.rsplit("/", 1)[-1], steps=steps
     )
 
 

@@ -15,6 +15,7 @@ from flows.pipeline_config import PipelineConfig
 from flows.train_node import NodeRuns, train_node
 
 pytestmark = pytest.mark.integration
+PORT = 29437  # the rendezvous each phase serves while its nodes run
 
 
 def config(tmp_path, **nodes) -> PipelineConfig:
@@ -22,7 +23,7 @@ def config(tmp_path, **nodes) -> PipelineConfig:
         {
             "run": f"file://{tmp_path}/storage/run",
             "model": "/models/tiny",
-            "trainer_nodes": {"work_queues": ["node-a", "node-b"], "rendezvous": "host-a:29400", **nodes},
+            "trainer_nodes": {"work_queues": ["node-a", "node-b"], "rendezvous": f"127.0.0.1:{PORT}", **nodes},
             "phases": [{"name": "rl", "steps": 3, "environments": [{"env": "compare"}]}],
         }
     )
@@ -68,7 +69,7 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
         said.append(await runs.outcome())
         await runs.stop()
         async with get_client() as client:
-            flow_runs = [await client.read_flow_run(i) for i in runs.ids]
+            flow_runs = [await client.read_flow_run(run.flow_run_id) for run in runs.runs]
         assert [r.state.type.value for r in flow_runs] == ["CANCELLED", "CANCELLED"]  # never started, never will
         assert [
             (r.name, r.parameters["node_rank"], r.parameters["nodes"], r.parameters["steps"]) for r in flow_runs
@@ -77,7 +78,7 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
             ("rl-train-node1", 1, 2, 3),
         ]
         assert (
-            flow_runs[1].parameters["rendezvous"] == "host-a:29400"
+            flow_runs[1].parameters["rendezvous"] == f"127.0.0.1:{PORT}"
             and "max_staleness=1" in flow_runs[1].parameters["overrides"]
         )
         return said
@@ -87,14 +88,18 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
     assert said[0].startswith("trainer_nodes.deployment: no deployment 'train-node/train-node'; deploy it"), said[0]
     assert said[1].startswith("trainer_nodes.work_queues[1]: no work queue 'node-b' in pool 'train-pool'"), said[1]
     assert "prefect work-queue create node-b --pool train-pool" in said[1], said[1]
-    assert said[2].startswith("no worker took trainer node flow run rl-train-node0 from work queue 'node-a' in 1 s"), (
-        said[2]
-    )
+    assert said[2].startswith("no worker took flow run rl-train-node0 from work queue 'node-a' in 1 s"), said[2]
+    assert said[2].endswith("start one: prefect worker start --pool POOL --work-queue node-a"), said[2]
 
 
 def test_a_node_whose_trainer_fails_fails_with_the_trainers_words(prefect_server, tmp_path):
-    """torchrun launches `clotho train` for the node; the trainer refuses a model that is not there,
-    and the node's flow run fails with that, its log beside the work dir."""
+    """torchrun's elastic agent meets the rendezvous the pipeline serves and launches `clotho train`
+    for the node; the trainer refuses a model that is not there, torchrun starts it again
+    (`restarts`) and gives up, and the node's flow run fails with the trainer's words, its log
+    beside the work dir."""
+    from flows.train_node import serve_rendezvous
+
+    store = serve_rendezvous("127.0.0.1:29431")
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         with pytest.raises(RuntimeError) as failed:
             train_node(
@@ -104,46 +109,50 @@ def test_a_node_whose_trainer_fails_fails_with_the_trainers_words(prefect_server
                 nodes=1,
                 node_rank=0,
                 rendezvous="127.0.0.1:29431",
+                restarts=1,
                 work_dir=str(tmp_path / "work"),
             )
+    del store
     said = str(failed.value)
     assert said.startswith("trainer node 0 on ") and "exited with" in said, said
     assert "Invalid value for --model" in said and "'/no-such-model' does not exist" in said, (
         said
     )  # the trainer's own words, from its log
-    assert (tmp_path / "work" / "trainer-node0.log").exists()
+    log = (tmp_path / "work" / "trainer-node0.log").read_text()
+    assert log.count("Invalid value for --model") == 2, log[-3000:]  # the first try and one restart
 
 
-def test_after_a_node_failed_the_lost_one_is_marked_crashed_and_every_node_starts_again(
+def test_a_node_lost_with_its_host_starts_again_on_its_queue_and_a_failed_one_fails_the_phase(
     prefect_server, tmp_path, monkeypatch
 ):
-    """Node 1 failed (its peer's host went away); node 0 still shows Running, since its host and
-    its worker are gone: it is cancelled, marked crashed when no worker ends it, and both nodes
-    start again as new flow runs on their queues, while restarts are left."""
+    """Node 0 still shows Running, but its host is gone (no heartbeat): it is marked crashed and
+    started again as a new flow run on its own queue, where its worker (back on the host) takes it
+    and its agent joins the others at the rendezvous. A node whose torchrun gave up fails the phase."""
     from prefect.client.orchestration import get_client
     from prefect.states import Failed, Running
 
-    import flows.train_node
+    import flows.followed_runs
 
-    monkeypatch.setattr(flows.train_node, "LOST_AFTER_S", 1.0)
+    monkeypatch.setattr(flows.followed_runs, "LOST_AFTER_BEATS", 0.02)  # 0.6 s of a 30 s interval
 
-    async def scenario() -> tuple[list[str], list[str], str, int, str]:
+    async def scenario() -> tuple[str, list[str], list[str | None], str, str | None]:
         await deploy(["node-a", "node-b"])
         runs = await NodeRuns.start(config(tmp_path, restarts=1), config(tmp_path).phases[0], 3)
-        first = list(runs.ids)
+        first = [run.flow_run_id for run in runs.runs]
         async with get_client() as client:
-            await client.set_flow_run_state(first[0], Running(), force=True)
-            await client.set_flow_run_state(first[1], Failed(message="Connection closed by peer"), force=True)
-        said = await runs.outcome()
-        await runs.restart()
-        async with get_client() as client:
-            old = [(await client.read_flow_run(i)).state for i in first]
-        names = list(runs.names)
+            for flow_run_id in first:
+                await client.set_flow_run_state(flow_run_id, Running(), force=True)
+            await asyncio.sleep(1.0)
+            said = await runs.outcome()  # both silent: both started again
+            lost = (await client.read_flow_run(first[0])).state
+            again = [await client.read_flow_run(run.flow_run_id) for run in runs.runs]
+            await client.set_flow_run_state(runs.runs[1].flow_run_id, Failed(message="torchrun gave up"), force=True)
+        failed = await runs.outcome()
         await runs.stop()
-        return [s.type.value for s in old], names, said, runs.restarts_left, old[0].message
+        return lost.type.value, [r.name for r in again], [r.work_queue_name for r in again], failed, said
 
-    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
-        old, names, said, left, message = asyncio.run(scenario())
-    assert said == "trainer node flow run rl-train-node1 ended FAILED: Connection closed by peer", said
-    assert old == ["CRASHED", "FAILED"] and "taken for lost with its host" in message, (old, message)
-    assert names == ["rl-train-node0-r1", "rl-train-node1-r1"] and left == 0
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url, "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": 30}):
+        lost, names, queues, failed, said = asyncio.run(scenario())
+    assert said is None and lost == "CRASHED"
+    assert names == ["rl-train-node0-r1", "rl-train-node1-r1"] and queues == ["node-a", "node-b"], (names, queues)
+    assert failed == "flow run rl-train-node1-r1 ended FAILED: torchrun gave up", failed

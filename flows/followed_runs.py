@@ -136,10 +136,9 @@ class FollowedRun:
 
 async def heartbeats_stopped(client, flow_run) -> float | None:
     """Seconds since the run's last heartbeat (or its start, before the first) when that is over
-    LOST_AFTER_BEATS of its intervals: the gap between its last two heartbeats, or this process's
-    PREFECT_FLOWS_HEARTBEAT_FREQUENCY before it sent two; None while it is alive."""
+    LOST_AFTER_BEATS of its intervals: the gap between its last two heartbeats, or, before it sent
+    two, the interval it was given (given_interval); None while it is alive."""
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
-    from prefect.settings import get_current_settings
 
     since = flow_run.start_time or flow_run.expected_start_time or datetime.now(UTC)
     page = await client.read_events(
@@ -152,9 +151,24 @@ async def heartbeats_stopped(client, flow_run) -> float | None:
     )
     beats = sorted((event.occurred for event in page.events), reverse=True)
     interval = (beats[0] - beats[1]).total_seconds() if len(beats) == 2 else None
-    interval = interval or float(get_current_settings().flows.heartbeat_frequency or 180)
+    interval = interval or await given_interval(client, flow_run)
     silent = (datetime.now(UTC) - (beats[0] if beats else since)).total_seconds()
     return silent if silent > LOST_AFTER_BEATS * interval else None
+
+
+async def given_interval(client, flow_run) -> float:
+    """The heartbeat interval a run's process was given: PREFECT_FLOWS_HEARTBEAT_FREQUENCY in the
+    env of its job variables (the run's own, else its deployment's: prefect.yaml sets 30), else this
+    process's setting (Prefect's default: 180); at least Prefect's minimum, 30."""
+    from prefect.settings import get_current_settings
+
+    sources = [flow_run.job_variables or {}]
+    if flow_run.deployment_id is not None:
+        sources.append((await client.read_deployment(flow_run.deployment_id)).job_variables or {})
+    for job_variables in sources:
+        if (value := (job_variables.get("env") or {}).get("PREFECT_FLOWS_HEARTBEAT_FREQUENCY")) is not None:
+            return max(float(value), 30.0)
+    return max(float(get_current_settings().flows.heartbeat_frequency or 180), 30.0)
 
 
 async def follow(run: FollowedRun, poll_s: float = 2.0) -> UUID:

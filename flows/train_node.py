@@ -129,7 +129,10 @@ def train_node(
             tethered(command),
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # Each rendezvous round's ranks meet at a store their rank 0 serves. With the agents'
+            # shared store (torch's default), an agent that is not rank 0 keeps the first round's
+            # address: after node 0's host was replaced its ranks wait at the dead one's (torch 2.13).
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
             cwd=REPO,
             start_new_session=True,
         )

@@ -17,18 +17,25 @@ from flows.followed_runs import FollowedRun, follow, heartbeats_stopped
 pytestmark = pytest.mark.integration
 
 
-async def deployment() -> str:
-    """A rollout deployment on a pool no worker polls: its runs change state only as a test says."""
+async def deployment(heartbeat_s: int | None = None) -> str:
+    """A rollout deployment on a pool no worker polls: its runs change state only as a test says.
+    `heartbeat_s`: the heartbeat interval its job variables give its runs (as prefect.yaml does)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
+    name = "followed" if heartbeat_s is None else f"followed-{heartbeat_s}"
+    job_variables = {} if heartbeat_s is None else {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(heartbeat_s)}}
     async with get_client() as client:
         await client.create_work_pool(WorkPoolCreate(name="followed-pool", type="process"), overwrite=True)
         flow_id = await client.create_flow_from_name("rollout")
         await client.create_deployment(
-            flow_id, "followed", work_pool_name="followed-pool", entrypoint="flows/rollout.py:rollout"
+            flow_id,
+            name,
+            work_pool_name="followed-pool",
+            entrypoint="flows/rollout.py:rollout",
+            job_variables=job_variables,
         )
-    return "rollout/followed"
+    return f"rollout/{name}"
 
 
 def test_a_run_whose_heartbeats_stopped_is_marked_crashed_and_started_again(prefect_server, monkeypatch):
@@ -125,3 +132,24 @@ def test_a_failed_run_fails_its_follower_with_its_message(prefect_server):
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         said = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert said.startswith("flow run failed-") and said.endswith("ended FAILED: the environment raised"), said
+
+
+def test_before_two_heartbeats_the_interval_is_the_one_the_deployment_gives(prefect_server):
+    """A run lost before its second heartbeat is judged by the interval its deployment's job
+    variables give its process (prefect.yaml: 30 s), not by Prefect's default of 180 s."""
+    from prefect.client.orchestration import get_client
+
+    from flows.followed_runs import given_interval
+
+    async def scenario() -> list[float]:
+        intervals = []
+        for deployed in (await deployment(45), await deployment()):
+            run = FollowedRun(deployed, {"run_url": "file:///nowhere/run"}, f"interval-{uuid.uuid4().hex[:8]}")
+            await run.start()
+            async with get_client() as client:
+                intervals.append(await given_interval(client, await client.read_flow_run(run.flow_run_id)))
+            await run.cancel()
+        return intervals
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
+        assert asyncio.run(scenario()) == [45.0, 180.0]

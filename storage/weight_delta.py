@@ -277,8 +277,8 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
     ]
     # Where else each tensor's bytes go: the offsets of the names that are the same tensor.
     copies: dict[str, list[int]] = {}
-    for name, source in aliases.items():
-        copies.setdefault(source, []).append(tensors[name]["data_offsets"][0] - tensors[source]["data_offsets"][0])
+    for name, first in aliases.items():
+        copies.setdefault(first, []).append(tensors[name]["data_offsets"][0] - tensors[first]["data_offsets"][0])
     source = os.open(base_file, os.O_RDONLY)
 
     def one(piece: tuple[str, int, slice]) -> None:

@@ -23,9 +23,10 @@ import random
 import shutil
 import socket
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from trainer.distributed import broadcast_object, gather_objects
 from trainer.state_store import StateStore, StateUpload
 
 log = logging.getLogger(__name__)
+Tied = TypeVar("Tied")
 
 KEEP_STATES = 2
 STATE_FORMAT = 1
@@ -102,7 +104,8 @@ def published_tensors(
     return with_tied_head(module, tensors)
 
 
-def with_tied_head(module: PreTrainedModel, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def with_tied_head(module: PreTrainedModel, tensors: dict[str, Tied]) -> dict[str, Tied]:
+    """`tensors` with `lm_head.weight` the embedding's entry where the model ties them."""
     if module.config.tie_word_embeddings:
         embedding = "model.embed_tokens.weight"
         if embedding not in tensors:
@@ -164,7 +167,7 @@ class DeltaPublisher:
         """The tensors to publish for `state_dict` in `dtype`, and the delta with the chain it
         extends (None when a full checkpoint is due). Until `published`, nothing is taken as
         published: a publish that fails midway leaves the next one full."""
-        base, chain, self.step = self.step, [*self.chain, self.step], None
+        base, self.step = self.step, None
         if self.full_every == 1:
             return published_tensors(module, state_dict, dtype), None
         kept = self.kept
@@ -174,15 +177,16 @@ class DeltaPublisher:
         ):
             self.kept = self.own_copy(published_tensors(module, state_dict, dtype), state_dict)
             return self.kept, None
-        due = base is not None and len(chain) < self.full_every
+        due = base is not None and len(self.chain) + 1 < self.full_every
         if due and self.skip:
             self.skip -= 1
             due = False
-        if not due:
+        if not due or base is None:
             for tensor, kept_tensor in unique_pairs(state_dict, kept):
                 kept_tensor.copy_(tensor)
             return kept, None
-        sources = {}  # by the source's data pointer: a tied tensor is one function
+        chain = [*self.chain, base]
+        sources: dict[int, Callable[[slice], np.ndarray]] = {}  # by data pointer: a tied tensor is one function
         for tensor in state_dict.values():
             sources.setdefault(tensor.data_ptr(), chunk_reader(tensor, target))
         current = {

@@ -82,7 +82,7 @@ async def bare(url: str, tokenizer: str, groups: int, concurrency: int, score: b
         async def one(item) -> int:
             async with limit:
                 if score:
-                    group = await env.collect_group(item)
+                    group = await env.sample_group(item)
                     return sum(s.num_trained_tokens for s in group.sequences)
                 # The framework's requests: the version it stamps, read alongside the sampling.
                 _, (prompt_ids, completions) = await asyncio.gather(
@@ -141,7 +141,7 @@ def task_latency(url: str, tokenizer: str, storage: str, tasks: int) -> dict[str
             env = Instant(spec.config, client=client, tokenizer=tokenizer)
             await env.setup()
             for _ in range(tasks):
-                await env.collect_group(await env.get_item())
+                await env.sample_group(await env.get_item())
 
     start = time.perf_counter()
     asyncio.run(direct())

@@ -27,7 +27,7 @@ async def main(environment: str, config: dict, server: str, tokenizer: str, grou
         for index in range(WARM_UP + groups):
             started = time.perf_counter()  # the item's round trip counts too
             item = await env.get_item()
-            result = await env.collect_group(item)
+            result = await env.sample_group(item)
             if isinstance(result, RolloutFailure):
                 raise RuntimeError(f"{environment}: {result.error}")
             if index >= WARM_UP:

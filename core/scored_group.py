@@ -106,14 +106,14 @@ class ScoredSequence(BaseModel):
     policy_versions: tuple[int, int] | None = Field(
         default=None,
         description="(first, last) policy version whose weights sampled its trained tokens: apart when "
-        "a reload swapped the weights mid-generation or between turns. Environment.collect_group "
+        "a reload swapped the weights mid-generation or between turns. Environment.sample_group "
         "fills it from what the server reported when the environment leaves it unset; None where "
         "unknown (shards older than schema version 5, a server that does not report versions).",
     )
     sampling: Sampling | None = Field(
         default=None,
         description="The sampling parameters and logprobs mode its trained tokens were drawn with, from "
-        "the requests the policy client sent (Completion.sampling); Environment.collect_group fills it "
+        "the requests the policy client sent (Completion.sampling); Environment.sample_group fills it "
         "when the environment leaves it unset. None: temperature 1, no truncation (shards older than "
         "schema version 6, demonstrations nobody sampled).",
     )

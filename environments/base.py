@@ -219,7 +219,7 @@ class Environment(ABC):
         return f"group_size {self.config.group_size}"
 
     # ---- what the framework calls ----------------------------------------------------------
-    async def collect_group(
+    async def sample_group(
         self, item: Item, trajectories: Callable[[Item], Awaitable[ScoredGroup]] | None = None
     ) -> ScoredGroup | RolloutFailure:
         """collect_trajectories (or `trajectories`), stamped with the policy versions and the sampling parameters that
@@ -292,7 +292,7 @@ class Environment(ABC):
             item = await twin.get_eval_item()
             if item is None:
                 break
-            result = await twin.collect_group(item, twin.answer_for_evaluation)
+            result = await twin.sample_group(item, twin.answer_for_evaluation)
             if isinstance(result, RolloutFailure):
                 failures[result.reason] = failures.get(result.reason, 0) + 1
             else:
@@ -401,7 +401,7 @@ class Environment(ABC):
         """Assembles a group (ScoredGroup validates it on creation); `objective` says how the
         trainer learns from it when not by its shape (ScoredGroup.objective). The checks against
         the run's vocabulary and group size, and the policy version, are the framework's
-        (collect_group), for every group however it was made."""
+        (sample_group), for every group however it was made."""
         if not sequences and not errors:
             raise InvalidGroupError(
                 f"env {self.name} item {item.id}: no sequences; a group needs at least one sequence", reason="empty"

@@ -75,7 +75,7 @@ class Conformance:
         if self.group is None:
             self.item = await self.env.get_item()
             require(self.item is not None, "get_item returned None before any item")
-            result = await self.env.collect_group(self.item)
+            result = await self.env.sample_group(self.item)
             if isinstance(result, RolloutFailure):
                 raise CheckFailed(
                     f"collect_trajectories failed on item {result.item_id}: {result.error}\n{result.traceback}"

@@ -4,7 +4,7 @@
 served environment, so a URL goes wherever a name or import path does (the rollout flow, a run's
 YAML, `clotho env check`). The service samples from the policy server itself (this side passes its
 URL, key and tokenizer path when it opens a session), stamps the policy version and records failed
-rollouts as data, exactly as collect_group does in process.
+rollouts as data, exactly as sample_group does in process.
 
 What this side adds: a service that cannot be reached, or dies mid-group, is tried again and then
 fails that group as a RolloutFailure with reason `infra` naming the URL (the flow keeps the groups
@@ -159,7 +159,7 @@ class RemoteEnvironment(Environment):
         item = (await self._call("/get_eval_item"))["item"]
         return None if item is None else RemoteItem.model_validate(item)
 
-    async def collect_group(self, item: Item) -> ScoredGroup | RolloutFailure:
+    async def sample_group(self, item: Item) -> ScoredGroup | RolloutFailure:
         try:
             async for attempt in async_infra_attempts(f"{self.url}/collect"):  # a service restarting: again
                 with attempt:
@@ -189,7 +189,7 @@ class RemoteEnvironment(Environment):
         return self._expected or super().group_sequences_expected()
 
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        result = await self.collect_group(item)
+        result = await self.sample_group(item)
         if isinstance(result, RolloutFailure):
             raise RemoteServiceError(result.error)
         return result

@@ -10,7 +10,7 @@ The API, JSON in and out, groups in ScoredGroup's own serialization (`PROTOCOL` 
     POST   /config         {config}       the config validated, defaults filled; 422 names the field
     POST   /sessions       {config, server_url, api_key, tokenizer}  -> {session}; runs setup()
     POST   /sessions/{id}/get_item        {item | null, metrics}  (get_eval_item: /get_eval_item)
-    POST   /sessions/{id}/collect {item}  {group or failure, metrics}: collect_group, failures as data
+    POST   /sessions/{id}/collect {item}  {group or failure, metrics}: sample_group, failures as data
     POST   /sessions/{id}/observe {group}  {metrics}: a stored group, for the curriculum
     POST   /sessions/{id}/reward {item, messages}   {reward}
     POST   /sessions/{id}/gold {item}     {completion | null}
@@ -122,7 +122,7 @@ class EnvironmentService:
 
     async def collect(self, request: Request) -> JSONResponse:
         env = self.env(request)
-        work = asyncio.ensure_future(env.collect_group(self.item(env, await request.json())))
+        work = asyncio.ensure_future(env.sample_group(self.item(env, await request.json())))
         while not work.done():  # a caller that hung up (a cancelled task) cancels the work
             await asyncio.wait([work], timeout=DISCONNECT_POLL_S)
             if not work.done() and await request.is_disconnected():

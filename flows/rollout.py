@@ -25,11 +25,11 @@ from tasks.api_key import resolve_api_key
 from tasks.rollout import (
     EnvSpec,
     check_servers,
-    collect_lane,
-    collect_one,
     ensure_server_limits,
     environment_for,
     hand_over_to,
+    sample_item,
+    sample_lane,
 )
 
 
@@ -149,7 +149,7 @@ class Lanes:
         while not self.items.exhausted:
             try:
                 if not self.distributed:
-                    await collect_lane(
+                    await sample_lane(
                         lane=index, items=self.items, store=self.store.store, seconds=self.task_run_s, **task
                     )
                 elif not await self.submit_one(task):
@@ -239,7 +239,7 @@ class WeightedItems:
 async def on_task_runner(task: dict[str, Any], handed_over: Results) -> ScoredGroup | RolloutFailure:
     """A task run submitted to the flow's task runner (e.g. Dask workers). Cancelled, it hands over
     the group of a run that already finished elsewhere; one still queued never starts."""
-    future = collect_one.submit(**task)
+    future = sample_item.submit(**task)
     try:
         await task_runner_done(future)
     except asyncio.CancelledError:

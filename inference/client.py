@@ -123,7 +123,7 @@ _recorded: contextvars.ContextVar[list[Completion | None] | None] = contextvars.
 @contextlib.contextmanager
 def recording_completions() -> Iterator[list[Completion | None]]:
     """Collects every completion this context (and the tasks it starts) samples through a
-    PolicyClient: what Environment.collect_group stamps a group's policy versions and sampling
+    PolicyClient: what Environment.sample_group stamps a group's policy versions and sampling
     parameters from, whatever its environment did with the tokens."""
     recorded: list[Completion | None] = []
     token = _recorded.set(recorded)

@@ -131,8 +131,8 @@ SAMPLING_TASK = dict(
 )
 
 
-@task(name="collect-lane", task_run_name=_lane_run_name, **SAMPLING_TASK)
-async def collect_lane(
+@task(name="sample-lane", task_run_name=_lane_run_name, **SAMPLING_TASK)
+async def sample_lane(
     lane: int,
     items: ItemSource,
     store: Store,
@@ -162,7 +162,7 @@ async def collect_lane(
         env = await environment_for(spec, server_url, tokenizer, api_key)
         try:
             async with concurrency(server_limit, occupy=1, strict=True) if server_limit else contextlib.nullcontext():
-                result = await env.collect_group(item)
+                result = await env.sample_group(item)
         except PolicyServerUnreachable as error:
             await store(spec, [RolloutFailure.of(env.name, item.id, error)])
             raise
@@ -171,8 +171,8 @@ async def collect_lane(
     return stored
 
 
-@task(name="collect-group", task_run_name="{spec.import_path}:{item.id}", **SAMPLING_TASK)
-async def collect_one(
+@task(name="sample-item", task_run_name="{spec.import_path}:{item.id}", **SAMPLING_TASK)
+async def sample_item(
     spec: EnvSpec,
     item: Item,
     server_url: str,
@@ -191,7 +191,7 @@ async def collect_one(
     """
     env = await environment_for(spec, server_url, tokenizer, api_key)
     async with concurrency(server_limit, occupy=1, strict=True) if server_limit else contextlib.nullcontext():
-        result = await env.collect_group(item)
+        result = await env.sample_group(item)
     if (receive := _receiver()) is not None:
         receive(result)
     return result

@@ -307,9 +307,7 @@ class Atropos(Environment):
             data, env=self.name, item_id=item.id, finish_reasons=[check.finish_reason for check in checks]
         )
         for sequence, check in zip(converted.sequences, checks, strict=True):
-            sequence.policy_versions = (
-                check.policy_versions
-            )  # None (not covered): collect_group gives the group's range
+            sequence.policy_versions = check.policy_versions  # None (not covered): sample_group gives the group's range
         extras = {
             **converted.extras,
             "token_exact": all(check.exact for check in checks),

@@ -169,7 +169,7 @@ async def test_a_group_holds_both_sides_each_sampled_from_its_own_prompt(policy_
         env = ChessMate({"samples_per_side": 2, "max_tokens": 4, "seed": 1}, client=client, tokenizer=policy_tokenizer)
         await env.setup()
         item = await env.get_item()
-        group = await env.collect_group(item)
+        group = await env.sample_group(item)
     assert isinstance(group, ScoredGroup), group
     assert [sequence.extras["side"] for sequence in group.sequences] == ["white", "white", "black", "black"]
     prompts = []

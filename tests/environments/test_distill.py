@@ -47,7 +47,7 @@ async def test_the_teacher_scores_exactly_the_sampled_tokens(policy_server, tiny
         env = Distill(config, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
         item = await env.get_item()
-        group = await env.collect_group(item)
+        group = await env.sample_group(item)
     assert group.objective == "distill" and group.env == "distill" and len(group.sequences) == 3
     for sequence in group.sequences:
         trained = [i for i, m in enumerate(sequence.mask) if m]
@@ -70,4 +70,4 @@ async def test_a_teacher_that_is_not_there_stops_the_run_as_an_unreachable_polic
         await env.setup()
         env.teacher.max_retries = 0
         with pytest.raises(PolicyServerUnreachable, match="127.0.0.1:9 unreachable"):
-            await env.collect_group(await env.get_item())
+            await env.sample_group(await env.get_item())

@@ -141,7 +141,7 @@ async def test_an_unreachable_judge_fails_the_group_as_infra_never_a_score(polic
         )
         await env.setup()
         item = await env.get_item()
-        result = await env.collect_group(item)
+        result = await env.sample_group(item)
     assert isinstance(result, RolloutFailure) and result.env == "llm_judge" and result.item_id == item.id
     assert result.reason == "infra"
     assert (

@@ -152,7 +152,7 @@ async def test_a_failing_rollout_is_recorded_not_raised(policy_server, tiny_mode
         assert len(group.sequences) == 2
         assert group.extras["rollout_errors"] == ["TimeoutError: tool timed out"]
         env.play = None  # every rollout now fails -> a recorded failure, not an exception
-        failure = await env.collect_group(await env.get_item())
+        failure = await env.sample_group(await env.get_item())
     assert failure.env == "guess_number" and "TypeError" in failure.error
 
 
@@ -185,7 +185,7 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
             {"group_size": 2, "max_tokens": 16, "min_tokens": 16}, client=client, tokenizer=str(tiny_model_dir)
         )
         await env.setup()
-        group = await env.collect_group(await env.get_item())
+        group = await env.sample_group(await env.get_item())
         (version_sent, version_back), (completion_sent, completion_back) = (
             client.spans["/weight_info"],
             client.spans["/inference/v1/generate"],
@@ -197,13 +197,13 @@ async def test_the_policy_version_is_read_alongside_sampling_not_before_it(polic
 
 
 async def test_an_unreachable_server_keeps_its_error_type_through_the_version_read(tiny_model_dir):
-    # collect_group passes PolicyServerUnreachable on (Prefect retries the task run); wrapped in an
+    # sample_group passes PolicyServerUnreachable on (Prefect retries the task run); wrapped in an
     # ExceptionGroup it would become a recorded failure instead.
     async with PolicyClient("http://127.0.0.1:9", max_retries=0) as client:
         env = Arithmetic({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
         with pytest.raises(PolicyServerUnreachable):
-            await env.collect_group(await env.get_item())
+            await env.sample_group(await env.get_item())
 
 
 async def test_the_framework_stamps_the_served_version_whatever_the_environment_says(policy_server, tiny_model_dir):
@@ -216,7 +216,7 @@ async def test_the_framework_stamps_the_served_version_whatever_the_environment_
     async with PolicyClient(policy_server.base_url) as client:
         env = SelfStamping({"group_size": 2, "max_tokens": 4}, client=client, tokenizer=str(tiny_model_dir))
         await env.setup()
-        group = await env.collect_group(await env.get_item())
+        group = await env.sample_group(await env.get_item())
         assert group.policy_version == await client.weight_version() != 99
 
 

@@ -71,10 +71,10 @@ def test_a_killed_service_fails_the_group_as_data_naming_it(policy_server, polic
             )
             await env.setup()
             item = await env.get_item()
-            first = await env.collect_group(item)
+            first = await env.sample_group(item)
             served.process.kill()
             served.process.wait()
-            second = await env.collect_group(item)
+            second = await env.sample_group(item)
             await env.aclose()
             return first, second
 

@@ -33,7 +33,7 @@ async def sft_group(server, tokenizer, config):
         env = SFT(config, client=client, tokenizer=tokenizer)
         await env.setup()
         item = await env.get_item()
-        return env, item, await env.collect_group(item)
+        return env, item, await env.sample_group(item)
 
 
 async def test_a_demonstration_trains_the_answer_and_the_end_of_turn(policy_server, tiny_model_dir):

@@ -168,8 +168,8 @@ def test_cancel_landing_as_prefect_completes_a_task_run_keeps_its_group(
 
     async def set_state(self, state, force=False):
         new_state = await original(self, state, force)
-        if new_state.is_completed() and self.task.name in ("collect-group", "collect-lane"):
-            if self.task.name == "collect-group":  # submitted: one item's group
+        if new_state.is_completed() and self.task.name in ("sample-item", "sample-lane"):
+            if self.task.name == "sample-item":  # submitted: one item's group
                 completed.append(self.parameters["item"].id)
             else:  # a lane's task run returns the ids of the items it stored
                 ids = new_state.result()
@@ -297,7 +297,7 @@ def test_a_lane_task_run_spans_many_groups(
     )
     # The server records task runs from their events in batches (pyproject.toml [tool.prefect]),
     # up to a second after the flow returns; a run's first event may carry its default name
-    # (collect-lane-xyz) until the next one, which names its lane, is recorded.
+    # (sample-lane-xyz) until the next one, which names its lane, is recorded.
     deadline = time.monotonic() + 30
     while True:
         names = sorted(

@@ -419,7 +419,7 @@ async def test_a_conversation_sampled_across_a_reload_is_one_sequence_with_its_v
             {"group_size": 1, "max_tokens": 5, "turns": 3, "high": 10**6}, client=client, tokenizer=str(old_weights)
         )
         await env.setup()
-        group = await env.collect_group(await env.get_item())
+        group = await env.sample_group(await env.get_item())
     [sequence] = group.sequences
     assert len(client.calls) == 3 and sequence.extras["turns"] == 3
     assert sequence.policy_versions == (old_version, step) and group.policy_version == old_version

@@ -185,7 +185,7 @@ def test_a_group_without_messages_gets_them_decoded_from_its_tokens(
         async with PolicyClient(policy_server.base_url, api_key=getattr(policy_server, "api_key", None)) as client:
             env = env_class(load_config(env_class, config), client=client, tokenizer=policy_tokenizer)
             await env.setup()
-            group = await env.collect_group(await env.get_item())
+            group = await env.sample_group(await env.get_item())
             await env.aclose()
             return group
 

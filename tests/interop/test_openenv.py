@@ -106,7 +106,7 @@ def collect(env_url: str, config: dict, policy_server, tokenizer: str) -> Scored
             env = env_class(load_config(env_class, config), client=client, tokenizer=tokenizer)
             try:
                 await env.setup()
-                result = await env.collect_group(await env.get_item())
+                result = await env.sample_group(await env.get_item())
             finally:
                 await env.aclose()
         assert isinstance(result, ScoredGroup), result

@@ -159,7 +159,7 @@ async def test_served_logprobs_equal_the_trainer_s_at_the_sampling_temperature(
         tokenizer=policy_tokenizer,
     )
     await environment.setup()
-    group = await environment.collect_group(await environment.get_item())
+    group = await environment.sample_group(await environment.get_item())
     await environment.client.aclose()
     assert all(s.sampling == processed(temperature) for s in group.sequences)
     model = load_policy(str(tiny_model_dir)).eval()

@@ -23,6 +23,7 @@ from prefect import get_run_logger
 
 HEARTBEAT = "prefect.flow-run.heartbeat"
 LOST_AFTER_BEATS = 3  # a run whose heartbeats stopped for this many intervals is lost with its host
+LOST_CHECK_S = 10.0  # how often a running run's heartbeats are read (a query of Prefect's events)
 STOP_TIMEOUT_S = 150.0  # a cancelled run's worker ends it within this (a trainer finishes its step first)
 
 
@@ -50,6 +51,8 @@ class FollowedRun:
     attempt: int = 0
     flow_run_id: UUID | None = None
     started: float = field(default_factory=time.monotonic)
+    checked: float = float("-inf")  # when its heartbeats were last read
+    interval: float | None = None  # the heartbeat interval its job variables give it (given_interval)
 
     @property
     def run_name(self) -> str:
@@ -65,7 +68,7 @@ class FollowedRun:
             work_queue_name=self.work_queue,
             timeout=0,
         )
-        self.flow_run_id, self.started = flow_run.id, time.monotonic()
+        self.flow_run_id, self.started, self.checked = flow_run.id, time.monotonic(), float("-inf")
 
     async def outcome(self) -> str | None:
         """None while it runs or waits for a worker (a run that crashed or was lost is started again
@@ -76,9 +79,13 @@ class FollowedRun:
         async with get_client() as client:
             flow_run = await client.read_flow_run(self.flow_run_id)
             state = flow_run.state
-            if state is not None and state.is_running() and (silent := await heartbeats_stopped(client, flow_run)):
-                state = Crashed(message=f"no heartbeat for {silent:.0f} s: taken for lost with its host")
-                await client.set_flow_run_state(self.flow_run_id, state, force=True)
+            if state is not None and state.is_running() and time.monotonic() - self.checked >= LOST_CHECK_S:
+                self.checked = time.monotonic()
+                if self.interval is None:
+                    self.interval = await given_interval(client, flow_run)
+                if silent := await heartbeats_stopped(client, flow_run, self.interval):
+                    state = Crashed(message=f"no heartbeat for {silent:.0f} s: taken for lost with its host")
+                    await client.set_flow_run_state(self.flow_run_id, state, force=True)
         if state is not None and state.is_completed():
             return ""
         if state is not None and state.is_crashed() and self.restarts_left > 0:
@@ -134,10 +141,10 @@ class FollowedRun:
                 await asyncio.sleep(1.0)
 
 
-async def heartbeats_stopped(client, flow_run) -> float | None:
+async def heartbeats_stopped(client, flow_run, given: float) -> float | None:
     """Seconds since the run's last heartbeat (or its start, before the first) when that is over
     LOST_AFTER_BEATS of its intervals: the gap between its last two heartbeats, or, before it sent
-    two, the interval it was given (given_interval); None while it is alive."""
+    two, `given` (given_interval); None while it is alive."""
     from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
     since = flow_run.start_time or flow_run.expected_start_time or datetime.now(UTC)
@@ -151,7 +158,7 @@ async def heartbeats_stopped(client, flow_run) -> float | None:
     )
     beats = sorted((event.occurred for event in page.events), reverse=True)
     interval = (beats[0] - beats[1]).total_seconds() if len(beats) == 2 else None
-    interval = interval or await given_interval(client, flow_run)
+    interval = interval or given
     silent = (datetime.now(UTC) - (beats[0] if beats else since)).total_seconds()
     return silent if silent > LOST_AFTER_BEATS * interval else None
 

@@ -196,9 +196,8 @@ class DeltaPublisher:
         current = with_tied_head(module, current)
         previous = {name: raw_bytes(tensor) for name, tensor in kept.items()}
         delta = weight_delta.encode(current, previous, base, in_place=True)
-        full = sum(
-            data.nbytes for name, data in previous.items() if name not in weight_delta.same_memory(current, previous)
-        )
+        aliases = weight_delta.same_memory(current, previous)
+        full = sum(data.nbytes for name, data in previous.items() if name not in aliases)
         if len(delta) > full / 2:
             self.skip = self.full_every - 1
             log.info(

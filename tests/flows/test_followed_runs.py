@@ -43,6 +43,7 @@ def test_a_run_whose_heartbeats_stopped_is_marked_crashed_and_started_again(pref
     from prefect.states import Running
 
     monkeypatch.setattr(flows.followed_runs, "LOST_AFTER_BEATS", 0.02)  # 0.6 s of Prefect's 30 s interval
+    monkeypatch.setattr(flows.followed_runs, "LOST_CHECK_S", 0.0)
 
     async def scenario() -> tuple[list[str], str, str]:
         run = FollowedRun(await deployment(), {"run_url": "file:///nowhere/run"}, f"lost-{uuid.uuid4().hex[:8]}", 1)
@@ -94,10 +95,10 @@ def test_a_run_is_alive_while_its_heartbeats_come_and_lost_after_intervals_witho
             while len((await client.read_events(filter=heartbeats_of(run), limit=2)).events) < 2:
                 await asyncio.sleep(0.2)  # the server stores events a few seconds after they come
             flow_run = await client.read_flow_run(run.flow_run_id)
-            alive = await heartbeats_stopped(client, flow_run)
+            alive = await heartbeats_stopped(client, flow_run, 180.0)
             last = max(e.occurred for e in (await client.read_events(filter=heartbeats_of(run), limit=2)).events)
             await asyncio.sleep(max(0.0, 8.3 - (datetime.now(UTC) - last).total_seconds()))
-            silent = await heartbeats_stopped(client, flow_run)
+            silent = await heartbeats_stopped(client, flow_run, 180.0)
         await run.cancel()
         return alive, silent, (datetime.now(UTC) - last).total_seconds()
 

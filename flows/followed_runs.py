@@ -56,19 +56,24 @@ class FollowedRun:
 
     @property
     def run_name(self) -> str:
-        return self.name + (f"-r{self.attempt}" if self.attempt else "")
+        return self.name_of(self.attempt)
 
-    async def start(self) -> None:
+    def name_of(self, attempt: int) -> str:
+        return self.name + (f"-r{attempt}" if attempt else "")
+
+    async def start(self, attempt: int = 0) -> None:
+        """A new run as attempt `attempt` (NAME-rN); its id and attempt are set together, once it exists."""
         from prefect.deployments import arun_deployment
 
         flow_run = await arun_deployment(
             self.deployment,
             parameters=self.parameters,
-            flow_run_name=self.run_name,
+            flow_run_name=self.name_of(attempt),
             work_queue_name=self.work_queue,
             timeout=0,
         )
-        self.flow_run_id, self.started, self.checked = flow_run.id, time.monotonic(), float("-inf")
+        self.attempt, self.flow_run_id = attempt, flow_run.id
+        self.started, self.checked = time.monotonic(), float("-inf")
 
     async def outcome(self) -> str | None:
         """None while it runs or waits for a worker (a run that crashed or was lost is started again
@@ -97,9 +102,8 @@ class FollowedRun:
                 self.attempt + 1,
                 self.restarts_left - 1,
             )
+            await self.start(self.attempt + 1)
             self.restarts_left -= 1
-            self.attempt += 1
-            await self.start()
             return None
         if state is not None and state.is_final():
             return f"flow run {self.run_name} ended {state.type.value}: {state.message}"

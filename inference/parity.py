@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # A checkpoint's own logprobs of fixed token sequences, written beside its weights by the trainer
-# that computed them (trainer.checkpointing.publish_step): a server that loaded those weights must
+# that computed them (trainer.publishing.publish_step): a server that loaded those weights must
 # give the same, so checking it needs no second copy of the model (ParityGuard.measure).
 PARITY_REFERENCE = "parity.json"
 PARITY_REFERENCE_FORMAT = 1

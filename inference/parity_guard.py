@@ -57,7 +57,7 @@ class ParityReport:
 
 def default_prompt_ids(tokenizer) -> list[list[int]]:
     """DEFAULT_PROMPTS as token ids: the guard's prompts, and the sequences a trainer stores its
-    parity reference for (trainer.checkpointing)."""
+    parity reference for (trainer.publishing)."""
     return [tokenizer.encode(text, add_special_tokens=False) for text in DEFAULT_PROMPTS]
 
 

@@ -225,7 +225,7 @@ def kill_trainer(loop: Loop, trial: Trial, rng: random.Random) -> float:
 
 
 def staging_now(loop: Loop) -> bool:
-    """Whether the running trainer is staging a checkpoint (trainer.checkpointing.publish_step)."""
+    """Whether the running trainer is staging a checkpoint (trainer.publishing.publish_step)."""
     for path in loop.staging_dir.glob("clotho-checkpoint-*"):
         try:
             if path.stat().st_mtime >= loop.trainer.started_wall:  # not one a killed trainer left

@@ -3,7 +3,7 @@ checksum of the tensor it gives.
 
 A step of a run trained at a small learning rate in bf16 changes a few percent of the weights' bytes
 (the rest round to the value they had), so the XOR against the previous publish is mostly zeros and
-compresses to a few percent of the full file. The trainer (trainer.checkpointing) writes a full
+compresses to a few percent of the full file. The trainer (trainer.publishing) writes a full
 checkpoint every `full_every` publishes and deltas between them; a reader (storage.checkpoints.
 fetch_checkpoint) rebuilds step N from the last full one and the deltas up to N, tensor by tensor,
 and checks each rebuilt tensor against the CRC-32 the trainer computed from its own bytes. A delta

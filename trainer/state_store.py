@@ -11,7 +11,7 @@ The local state dir stays where DeepSpeed saves and loads; this copies it out af
 a thread beside the steps that follow (StateUpload: the trainer commits it once every rank's copy
 is up), and, on resume, into each host's state dir when that host lacks it. The state in storage is the one a
 trainer resumes from: a newer local one (saved, not yet complete in storage when the trainer died)
-is trained again, to the checkpoints already published (trainer.checkpointing.replay_difference).
+is trained again, to the checkpoints already published (trainer.publishing.replay_difference).
 """
 
 from __future__ import annotations

@@ -27,15 +27,6 @@ from storage.layout import run_url
 from storage.ledger import Ledger
 from storage.progress import TrainerPosition, write_step_metrics, write_trainer_position
 from storage.reader import ShardReader
-from trainer.checkpointing import (
-    DeltaPublisher,
-    clear_staging,
-    commit_resume_state,
-    load_resume_state,
-    publish_step,
-    rng_state,
-    save_resume_state,
-)
 from trainer.config import TrainerConfig
 from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, build_engine, gather_objects, init_distributed
@@ -47,6 +38,8 @@ from trainer.model import (
     micro_batch_loss,
     rank_micro_batches,
 )
+from trainer.publishing import DeltaPublisher, clear_staging, publish_step
+from trainer.resume_state import commit_resume_state, load_resume_state, rng_state, save_resume_state
 from trainer.state_store import StateStore, StateUpload
 from trainer.step import StepBatch, build_step
 from trainer.stopping import StopRequested, step_in_progress, stop_if_asked

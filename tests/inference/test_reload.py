@@ -434,7 +434,7 @@ def publish_as_delta(checkpoint, previous, root: str, step: int, chain: list[int
     `previous` (the step before it, whose chain is `chain`)."""
     from safetensors.torch import load_file
 
-    from trainer.checkpointing import raw_bytes
+    from trainer.publishing import raw_bytes
 
     now, before = load_file(checkpoint / WEIGHTS_FILE), load_file(previous / WEIGHTS_FILE)
     tensors = {name: (str(t.dtype), tuple(t.shape), raw_bytes(t.contiguous())) for name, t in now.items()}

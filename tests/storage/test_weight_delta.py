@@ -25,7 +25,7 @@ from storage.checkpoints import (
     read_checkpoint,
 )
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, DeltaError, apply, encode
-from trainer.checkpointing import raw_bytes
+from trainer.publishing import raw_bytes
 
 
 def weights_at(step: int) -> dict[str, torch.Tensor]:
@@ -171,7 +171,7 @@ def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch, t
     from types import SimpleNamespace
 
     from storage import weight_delta
-    from trainer.checkpointing import DeltaPublisher
+    from trainer.publishing import DeltaPublisher
 
     tried = []
     monkeypatch.setattr(weight_delta, "encode", lambda *args, **kw: tried.append(args[2]) or encode(*args, **kw))
@@ -221,7 +221,7 @@ def test_tensors_of_many_chunks_rebuild_and_a_wrong_chunk_is_named(tmp_path, mon
 
 def test_a_streamed_safetensors_file_loads_as_safetensors_own_with_tied_tensors(tmp_path) -> None:
     from storage.weight_delta import safetensors_header, write_safetensors
-    from trainer.checkpointing import SAFETENSORS_DTYPES
+    from trainer.publishing import SAFETENSORS_DTYPES
 
     tensors = {
         **weights_at(1),
@@ -251,7 +251,7 @@ def test_a_tensor_named_twice_is_encoded_once_and_rebuilt_under_both_names(tmp_p
     whose deltas tie other names together gives no weights."""
     from storage import weight_delta
     from storage.weight_delta import write_safetensors
-    from trainer.checkpointing import SAFETENSORS_DTYPES
+    from trainer.publishing import SAFETENSORS_DTYPES
 
     monkeypatch.setattr(weight_delta, "CHUNK", 1000)  # several chunks: each is written at both places
 

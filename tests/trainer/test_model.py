@@ -7,7 +7,6 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import cached_tiny_model
-from trainer.checkpointing import published_tensors, save_hf_checkpoint
 from trainer.config import LossConfig
 from trainer.model import (
     NO_LOGITS,
@@ -22,6 +21,7 @@ from trainer.model import (
     token_logprobs,
 )
 from trainer.packing import TrainingSequence, pack_micro_batches
+from trainer.publishing import published_tensors, save_hf_checkpoint
 from trainer.step import ObjectiveShare
 
 
@@ -203,7 +203,7 @@ def test_a_publish_casts_into_the_one_copy_the_publisher_keeps_and_its_delta_reb
     the delta XORs them (the tied head cast once, `same_as` in the delta): one copy kept, no new GB
     faulted in per publish at the 0.5B shape, and the deltas rebuild each step byte for byte."""
     from storage import weight_delta
-    from trainer.checkpointing import SAFETENSORS_DTYPES, DeltaPublisher, raw_bytes
+    from trainer.publishing import SAFETENSORS_DTYPES, DeltaPublisher, raw_bytes
 
     model = load_policy(str(cached_tiny_model(tie_embeddings=True)))
     publisher = DeltaPublisher(full_every=10)

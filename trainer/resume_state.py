@@ -1,0 +1,182 @@
+"""The resume state: DeepSpeed's model, optimizer and scheduler state plus the trainer's own (step,
+shard ledger, RNG of every rank), for an exact resume.
+
+`{work_dir}/state/step-{N:08d}/` on local disk, the last KEEP_STATES kept. With `state_in_storage`
+(by default when the run's storage is remote) it is also copied to `{root}/{run}/trainer-state/`
+(trainer.state_store), the copy every rank on any host resumes from. The state goes with every
+`state_every`-th step or every `state_every_minutes`, after the step's publish: a trainer killed
+later resumes from the newest state and trains the steps since again (trainer.publishing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from storage.checkpoints import step_name
+from trainer.distributed import broadcast_object, gather_objects
+from trainer.state_store import StateStore, StateUpload
+
+log = logging.getLogger(__name__)
+
+KEEP_STATES = 2
+STATE_FORMAT = 1
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's random number generator states (python, numpy, torch, CUDA)."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_resume_state(
+    engine,
+    state_dir: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    rng_states: list[Any],
+    store: StateStore | None = None,
+) -> StateUpload | None:
+    """DeepSpeed checkpoint of step N with `trainer_state` and every rank's RNG (call on every
+    rank), then all but the newest KEEP_STATES dropped on rank 0. With a `store`, returns this
+    rank's upload of its files, under way on a thread (commit_resume_state makes it count); the
+    caller settles an earlier one first."""
+    client_state = {"format": STATE_FORMAT, "trainer": trainer_state, "rng": rng_states}
+    engine.save_checkpoint(str(state_dir), tag=step_name(step), client_state=client_state)
+    if torch.distributed.get_rank() == 0:
+        tags = sorted(p for p in state_dir.glob("step-*") if p.is_dir())
+        for old in tags[:-KEEP_STATES]:
+            shutil.rmtree(old, ignore_errors=True)
+    torch.distributed.barrier()
+    return (
+        StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step)
+        if store is not None
+        else None
+    )
+
+
+def commit_resume_state(upload: StateUpload, wait: bool) -> bool:
+    """Once every rank's upload of a resume state is done, rank 0 marks it complete in the store
+    (call on every rank, at the same point of the same step). Returns whether it was committed;
+    without `wait`, False while any rank's is still under way. An upload's error is raised here."""
+    world_size = torch.distributed.get_world_size()
+    if not wait and not all(gather_objects(upload.done(), world_size)):  # every rank passes the same `wait`
+        return False
+    try:
+        files, error = upload.result(), None
+    except Exception as raised:  # noqa: BLE001 - every rank hears of it, or the others would wait for this one
+        files, error = {}, raised
+    uploaded = gather_objects((files, None if error is None else str(error)), world_size)
+    if error is not None:
+        raise error
+    if failed := [f"rank {rank}: {why}" for rank, (_, why) in enumerate(uploaded) if why is not None]:
+        raise RuntimeError(
+            f"resume state {step_name(upload.step)} not uploaded to {upload.store.url}: {'; '.join(failed)}"
+        )
+    if torch.distributed.get_rank() == 0:
+        upload.store.commit(
+            step_name(upload.step),
+            {name: size for files, _ in uploaded for name, size in files.items()},
+            keep=KEEP_STATES,
+        )
+    torch.distributed.barrier()
+    return True
+
+
+def fetch_resume_state(state_dir: Path, store: StateStore) -> str | None:
+    """The newest resume state in `store` into `state_dir` on every host that lacks it (one rank per
+    host fetches; call on every rank), and DeepSpeed's `latest` pointed at it: the state every rank
+    resumes from, even where a newer one was saved locally and never completed in storage. Returns
+    its tag; None (and nothing changed) when the store has none."""
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    stored = broadcast_object(store.latest() if torch.distributed.get_rank() == 0 else None, world_size)
+    if stored is None:
+        return None
+    tag, files = stored
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        store.fetch(tag, files, state_dir)
+    torch.distributed.barrier()
+    return tag
+
+
+def resume_state_agreed(state_dir: Path) -> bool:
+    """Whether every rank resumes from rank 0's newest resume state (True) or none has one (False).
+
+    Rank 0 alone writes DeepSpeed's `latest` and, at ZeRO 0, the model and optimizer files every
+    rank loads. Ranks on hosts that do not share the work dir would otherwise part ways: rank 0
+    resuming at step N, a rank on another host starting afresh from the base weights, the replicas
+    apart and the loops soon waiting on each other. That is an error naming the ranks and hosts."""
+    latest = state_dir / "latest"
+    tag = latest.read_text().strip() if latest.exists() else None
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    if world_size == 1:
+        return tag is not None
+    readable = tag is not None and any((state_dir / tag).glob("*model_states.pt"))
+    held = gather_objects((socket.gethostname(), tag, readable), world_size)
+    _, authority, _ = held[0]
+    if authority is None:
+        return False
+    missing = [
+        f"rank {rank} on {host}" for rank, (host, theirs, has) in enumerate(held) if not has or theirs != authority
+    ]
+    if missing:
+        raise RuntimeError(
+            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority}, which {', '.join(missing)} cannot read there: "
+            "ranks on several hosts resume only from a work dir they share (--work-dir on a shared file system); "
+            "or move the work dirs away to start the run afresh"
+        )
+    return True
+
+
+def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | None = None) -> dict[str, Any] | None:
+    """Restore the newest resume state into `engine` and this rank's RNG, with learning rate `lr`
+    (the config's, not the saved one); returns the trainer state saved with it, or None when
+    `state_dir` (and `store`, when given: the state there first fetched into it) has none (a fresh run)."""
+    if store is not None:
+        fetch_resume_state(state_dir, store)
+    if not resume_state_agreed(state_dir):
+        return None
+    path, client_state = engine.load_checkpoint(str(state_dir))
+    if path is None or client_state.get("format") != STATE_FORMAT:
+        raise RuntimeError(
+            f"{state_dir}: resume state unreadable (format {client_state.get('format')!r}, "
+            f"expected {STATE_FORMAT}); move the directory away to start the run afresh"
+        )
+    # The optimizer's saved state carries the learning rate it ran with; the config's is the one to
+    # use now (a pipeline phase or a resumed run may set another one).
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rng_states = client_state["rng"]
+    if len(rng_states) == world_size:
+        set_rng_state(rng_states[rank])
+    else:
+        log.warning(
+            "resume state saved by %d ranks, running %d: random generators start fresh",
+            len(rng_states),
+            world_size,
+        )
+    return client_state["trainer"]

@@ -23,7 +23,7 @@ import torch
 
 from storage.checkpoints import step_name
 from trainer.distributed import broadcast_object, gather_objects
-from trainer.state_store import StateStore, StateUpload
+from trainer.state_store import StateStore, StateUpload, point_latest
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +64,20 @@ def save_resume_state(
     rank's upload of its files, under way on a thread (commit_resume_state makes it count); the
     caller settles an earlier one first."""
     client_state = {"format": STATE_FORMAT, "trainer": trainer_state, "rng": rng_states}
-    engine.save_checkpoint(str(state_dir), tag=step_name(step), client_state=client_state)
+    tag = step_name(step)
+    # DeepSpeed's own `latest` is written by truncating and writing the file: a trainer killed in
+    # between left an empty one, which no trainer could resume from. Every rank's files first, then
+    # rank 0 points `latest` at them in one rename.
+    engine.save_checkpoint(str(state_dir), tag=tag, client_state=client_state, save_latest=False)
+    torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
-        tags = sorted(p for p in state_dir.glob("step-*") if p.is_dir())
-        for old in tags[:-KEEP_STATES]:
-            shutil.rmtree(old, ignore_errors=True)
+        point_latest(state_dir, tag)
+        # The newest KEEP_STATES up to this one stay; a newer one is what a save cut short left.
+        tags = sorted(p.name for p in state_dir.glob("step-*") if p.is_dir())
+        older = [name for name in tags if name < tag]
+        dropped = older[: max(0, len(older) - (KEEP_STATES - 1))] + [name for name in tags if name > tag]
+        for name in dropped:
+            shutil.rmtree(state_dir / name, ignore_errors=True)
     torch.distributed.barrier()
     return (
         StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step)
@@ -122,33 +131,39 @@ def fetch_resume_state(state_dir: Path, store: StateStore) -> str | None:
     return tag
 
 
-def resume_state_agreed(state_dir: Path) -> bool:
-    """Whether every rank resumes from rank 0's newest resume state (True) or none has one (False).
+def agreed_resume_tag(state_dir: Path) -> str | None:
+    """The resume state every rank resumes from (`latest`'s tag, rank 0's), or None when rank 0
+    has none (a fresh run). Call on every rank.
 
-    Rank 0 alone writes DeepSpeed's `latest` and, at ZeRO 0, the model and optimizer files every
-    rank loads. Ranks on hosts that do not share the work dir would otherwise part ways: rank 0
-    resuming at step N, a rank on another host starting afresh from the base weights, the replicas
-    apart and the loops soon waiting on each other. That is an error naming the ranks and hosts."""
+    Rank 0 alone writes `latest` and, at ZeRO 0, the model and optimizer files every rank loads.
+    Ranks on hosts that do not share the work dir would otherwise part ways: rank 0 resuming at step
+    N, a rank on another host starting afresh from the base weights, the replicas apart and the
+    loops soon waiting on each other. A rank that cannot read the state `latest` names is an error
+    naming the ranks and hosts."""
     latest = state_dir / "latest"
     tag = latest.read_text().strip() if latest.exists() else None
     world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    if world_size == 1:
-        return tag is not None
-    readable = tag is not None and any((state_dir / tag).glob("*model_states.pt"))
-    held = gather_objects((socket.gethostname(), tag, readable), world_size)
+    readable = bool(tag) and any((state_dir / str(tag)).glob("*model_states.pt"))
+    held = [(socket.gethostname(), tag, readable)]
+    if world_size > 1:
+        held = gather_objects(held[0], world_size)
     _, authority, _ = held[0]
     if authority is None:
-        return False
+        return None
     missing = [
         f"rank {rank} on {host}" for rank, (host, theirs, has) in enumerate(held) if not has or theirs != authority
     ]
     if missing:
-        raise RuntimeError(
-            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority}, which {', '.join(missing)} cannot read there: "
+        shared = (
             "ranks on several hosts resume only from a work dir they share (--work-dir on a shared file system); "
-            "or move the work dirs away to start the run afresh"
+            if world_size > 1
+            else ""
         )
-    return True
+        raise RuntimeError(
+            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority!r} (its `latest`), which "
+            f"{', '.join(missing)} cannot read there: {shared}or move the work dirs away to start the run afresh"
+        )
+    return authority
 
 
 def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | None = None) -> dict[str, Any] | None:
@@ -157,9 +172,15 @@ def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | No
     `state_dir` (and `store`, when given: the state there first fetched into it) has none (a fresh run)."""
     if store is not None:
         fetch_resume_state(state_dir, store)
-    if not resume_state_agreed(state_dir):
+    tag = agreed_resume_tag(state_dir)
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and state_dir.is_dir():
+        # A state newer than the one resumed from is a save cut short before `latest` named it.
+        for cut_short in (p for p in state_dir.glob("step-*") if p.is_dir() and (tag is None or p.name > tag)):
+            log.info("removing %s: a resume state whose save was cut short", cut_short)
+            shutil.rmtree(cut_short, ignore_errors=True)
+    if tag is None:
         return None
-    path, client_state = engine.load_checkpoint(str(state_dir))
+    path, client_state = engine.load_checkpoint(str(state_dir), tag=tag)
     if path is None or client_state.get("format") != STATE_FORMAT:
         raise RuntimeError(
             f"{state_dir}: resume state unreadable (format {client_state.get('format')!r}, "

@@ -45,6 +45,14 @@ def writer_rank(name: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def point_latest(state_dir: Path, tag: str) -> None:
+    """Point `state_dir/latest` (DeepSpeed's name) at `tag` in one rename: a reader, or a trainer
+    killed while writing it, sees the old tag or the new one, never an empty file."""
+    temporary = state_dir / f".latest-{os.getpid()}"
+    temporary.write_text(tag)
+    os.replace(temporary, state_dir / "latest")
+
+
 @dataclass(frozen=True)
 class StateStore:
     """The run's resume states in storage (see the module's docstring)."""
@@ -120,23 +128,17 @@ class StateStore:
         shared dir: each downloads aside and renames, and keeps the first copy."""
         target = state_dir / tag
         if all((target / name).is_file() and (target / name).stat().st_size == size for name, size in files.items()):
-            self._point_latest(state_dir, tag)
+            point_latest(state_dir, tag)
             return False
         fs, root = resolve(self.url, self.storage_options)
         started = time.monotonic()
         shutil.rmtree(target, ignore_errors=True)  # a partial copy (a save cut short)
         download_whole(self.url, fs, join(root, tag), files, target)
-        self._point_latest(state_dir, tag)
+        point_latest(state_dir, tag)
         log.info(
             "resume state %s fetched from %s (%d files, %.1f s)", tag, self.url, len(files), time.monotonic() - started
         )
         return True
-
-    @staticmethod
-    def _point_latest(state_dir: Path, tag: str) -> None:
-        temporary = state_dir / f".latest-{os.getpid()}"
-        temporary.write_text(tag)
-        os.replace(temporary, state_dir / "latest")
 
 
 class StateUpload:

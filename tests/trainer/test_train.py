@@ -176,6 +176,26 @@ def test_a_resumed_run_takes_the_learning_rate_of_its_config(tmp_path, tiny_mode
     assert [(row["step"], row["lr"]) for row in history] == [(1, 1e-3), (2, 1e-3), (3, 2e-4), (4, 2e-4)]
 
 
+def test_latest_is_replaced_whole_and_a_save_cut_short_is_never_resumed_from(tmp_path, tiny_model_dir):
+    """The soak once killed a trainer while DeepSpeed wrote `latest` in place (truncate, then write):
+    the empty file left no state to resume from. `latest` is now a new file renamed over the old
+    one, written after every rank's files; a newer state dir it does not name (a save cut short
+    before that rename) is not resumed from and is removed."""
+    root = str(tmp_path)
+    state = tmp_path / "run" / "trainer" / "state"
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=3), groups_per_shard=2)
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_staleness=100"))
+    first = (state / "latest").stat().st_ino
+    assert (state / "latest").read_text() == "step-00000002"
+    cut_short = state / "step-00000003"
+    cut_short.mkdir()
+    (cut_short / "mp_rank_00_model_states.pt").write_bytes(b"a save cut short")
+    output = run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_staleness=100"))
+    assert "resuming from step 2" in output
+    assert (state / "latest").read_text() == "step-00000004" and (state / "latest").stat().st_ino != first
+    assert sorted(p.name for p in state.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+
+
 @pytest.mark.slow
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir):
     """6 steps in one go vs 3 steps, SIGKILL, resume to 6: same shards consumed, same weights.

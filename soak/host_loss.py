@@ -17,6 +17,7 @@ import json
 import os
 import random
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -120,6 +121,14 @@ def trial(c: Cluster, index: int, rng: random.Random) -> dict:
     )
     if not row["ok"]:
         row["log_tail"] = ran[-3000:]
+        # The whole logs beside the results: the pipeline's, and each node's trainer log and workers'.
+        kept = Path("soak-results") / f"host-loss-{run}"
+        kept.mkdir(parents=True, exist_ok=True)
+        (kept / "pipeline.log").write_text(ran)
+        for host in ("c", "d"):
+            for log in [*(c.root / host / "tmp").glob("*.log"), *(c.root / host / "tmp").glob(f"train-{run}/*.log")]:
+                shutil.copy(log, kept / f"{host}-{log.name}")
+        row["logs"] = str(kept)
     return row
 
 

@@ -166,18 +166,30 @@ def agreed_resume_tag(state_dir: Path) -> str | None:
     return authority
 
 
+def drop_states_after(state_dir: Path, tag: str | None) -> None:
+    """Remove this host's resume states newer than `tag` (all of them and `latest` when None): saves
+    cut short, or states that never became complete in the store (once on each host)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0 or not state_dir.is_dir():
+        return
+    for newer in (p for p in state_dir.glob("step-*") if p.is_dir() and (tag is None or p.name > tag)):
+        log.info("removing %s: a resume state that never became the one to resume from", newer)
+        shutil.rmtree(newer, ignore_errors=True)
+    if tag is None:
+        (state_dir / "latest").unlink(missing_ok=True)
+
+
 def load_resume_state(engine, state_dir: Path, lr: float, store: StateStore | None = None) -> dict[str, Any] | None:
     """Restore the newest resume state into `engine` and this rank's RNG, with learning rate `lr`
-    (the config's, not the saved one); returns the trainer state saved with it, or None when
-    `state_dir` (and `store`, when given: the state there first fetched into it) has none (a fresh run)."""
-    if store is not None:
-        fetch_resume_state(state_dir, store)
+    (the config's, not the saved one); returns the trainer state saved with it, or None for a fresh
+    run: `state_dir` has none or, with a `store`, the store has none complete. The store is the
+    authority where there is one: its state is fetched into `state_dir` first, and a host's local
+    state newer than it (or any, when it has none) was never complete for every rank."""
+    if store is not None and fetch_resume_state(state_dir, store) is None:
+        drop_states_after(state_dir, None)
+        torch.distributed.barrier()  # every rank has dropped its host's before any starts afresh
+        return None
     tag = agreed_resume_tag(state_dir)
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and state_dir.is_dir():
-        # A state newer than the one resumed from is a save cut short before `latest` named it.
-        for cut_short in (p for p in state_dir.glob("step-*") if p.is_dir() and (tag is None or p.name > tag)):
-            log.info("removing %s: a resume state whose save was cut short", cut_short)
-            shutil.rmtree(cut_short, ignore_errors=True)
+    drop_states_after(state_dir, tag)
     if tag is None:
         return None
     path, client_state = engine.load_checkpoint(str(state_dir), tag=tag)

@@ -196,6 +196,24 @@ def test_latest_is_replaced_whole_and_a_save_cut_short_is_never_resumed_from(tmp
     assert sorted(p.name for p in state.iterdir()) == ["latest", "step-00000002", "step-00000004"]
 
 
+def test_with_the_state_in_storage_a_local_state_the_store_lacks_is_not_resumed_from(tmp_path, tiny_model_dir):
+    """The store is the authority: a state saved on this host whose upload never completed (the
+    cluster trials killed node 0's host right after a local save, and node 1, with nothing on its
+    disk, could not agree with rank 0 resuming from it) is dropped and the run starts afresh."""
+    root = str(tmp_path)
+    state = tmp_path / "host-c" / "state"
+    write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=5), groups_per_shard=2)
+    settings = ("state_in_storage=true", "max_staleness=100")
+    run_trainer([*trainer_args(root, "run", tiny_model_dir, 2, *settings), "--work-dir", str(tmp_path / "host-c")])
+    assert (state / "latest").read_text() == "step-00000002"
+    shutil.rmtree(tmp_path / "run" / "trainer-state")  # its upload never completed
+    output = run_trainer(
+        [*trainer_args(root, "run", tiny_model_dir, 3, *settings), "--work-dir", str(tmp_path / "host-c")]
+    )
+    assert "starting from step 0" in output and "resuming" not in output, output[-3000:]
+    assert (tmp_path / "run" / "trainer-state" / "LATEST").read_text() == "step-00000003"
+
+
 @pytest.mark.slow
 def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir):
     """6 steps in one go vs 3 steps, SIGKILL, resume to 6: same shards consumed, same weights.

@@ -160,7 +160,7 @@ def agreed_resume_tag(state_dir: Path) -> str | None:
             else ""
         )
         raise RuntimeError(
-            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority!r} (its `latest`), which "
+            f"{state_dir}: rank 0 on {held[0][0]} resumes from {authority}, which "
             f"{', '.join(missing)} cannot read there: {shared}or move the work dirs away to start the run afresh"
         )
     return authority

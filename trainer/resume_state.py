@@ -72,18 +72,11 @@ def save_resume_state(
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         point_latest(state_dir, tag)
-        # The newest KEEP_STATES up to this one stay; a newer one is what a save cut short left.
-        tags = sorted(p.name for p in state_dir.glob("step-*") if p.is_dir())
-        older = [name for name in tags if name < tag]
-        dropped = older[: max(0, len(older) - (KEEP_STATES - 1))] + [name for name in tags if name > tag]
-        for name in dropped:
-            shutil.rmtree(state_dir / name, ignore_errors=True)
+        # None is newer than this one: load_resume_state dropped what a save cut short left.
+        for old in sorted(p for p in state_dir.glob("step-*") if p.is_dir())[:-KEEP_STATES]:
+            shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
-    return (
-        StateUpload(store, state_dir / step_name(step), torch.distributed.get_rank(), step)
-        if store is not None
-        else None
-    )
+    return StateUpload(store, state_dir / tag, torch.distributed.get_rank(), step) if store is not None else None
 
 
 def commit_resume_state(upload: StateUpload, wait: bool) -> bool:

@@ -363,10 +363,12 @@ def test_groups_in_flight_stay_at_the_limit(prefect_server, policy_server, tiny_
     from flows.rollout import rollout
     from tasks.rollout import EnvSpec
 
-    # A task run per group pays Prefect's per-task-run latency (~30 ms here, more beside another
-    # test worker) between a lane's groups: groups of ~0.4 s keep that a small share of a slot's time.
+    # A task run per group pays Prefect's per-task-run latency between a lane's groups: ~30 ms
+    # alone, 100-150 ms beside another test worker on two cores (CI measured 2.98 of 4 with groups of
+    # ~0.37 s). Groups of ~0.9 s keep it a small share of a slot's time; a lane that waited a poll
+    # interval or a shard's flush before its next group would still fall far below the bound.
     Timed.sampling, Timed.most, Timed.changes = 0, 0, []
-    Timed.base_s = {10.0: 0.06, 0.0: 0.3}[task_run_s]
+    Timed.base_s = {10.0: 0.06, 0.0: 0.8}[task_run_s]
     storage = f"file://{tmp_path}/store"
     with temporary_settings({PREFECT_API_URL: prefect_server.api_url}):
         summary = asyncio.run(

@@ -1,6 +1,6 @@
 """The loop at each model size: where a step's time and memory go, with TRL's GRPOTrainer beside it.
 
-    python bench/bench_scale.py [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 8] [--sides clotho,trl]
+    python bench/bench_scale.py [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 8] [--sides clotho,clotho-lag1,trl]
 
 Each size is a model `clotho model tiny --size` builds (random weights; the real shapes with their
 vocabulary, in bf16). The workload is the same at every size: the repeat task (rows of 16 digits),
@@ -20,7 +20,11 @@ TRL runs bench/peer_trl.py in .venv-trl on the same task (transformers generate,
 checkpointing at the real shapes as on clotho's side), its saves taken out of its time as in
 bench_peer.py; the ratio is of wall seconds per step on both sides. Either side is killed past --max-rss-gib of its processes' RSS together (the
 machine's memory is the session's): a side that does not fit is reported so. The ratio is clotho /
-TRL wall seconds per step (step end to step end, medians) where both ran. Before both, the parity guard's noise at the size: the served
+TRL wall seconds per step (step end to step end, medians) where both ran; `ratio_lag1` is the same
+for the side clotho-lag1, `clotho run` at the pipeline's default max_lag 1 (a step's groups sampled
+while the step before trains; only its wall seconds per step are read). Before the sides, where
+clotho runs, the step's sampling without the loop (sampling_floor: a vLLM server alone and
+transformers' generate). Before both, the parity guard's noise at the size: the served
 logprobs in bf16 against the fp32 reference, of the same weights and of another seed's (parity_noise).
 Written to bench/results/scale.json; bench/report.py renders docs/benchmarks.md's table from it.
 """
@@ -60,6 +64,9 @@ TASK = {"env": "repeat", "env_config": {"digits": 16, "group_size": 8, "max_toke
 PROMPTS_PER_STEP = 4
 LR = 1e-6
 PARTS = ("sampling_s", "update_s", "publish_s", "save_state_s", "reload_s")
+# clotho's sides: the synchronous loop (max_lag 0, every part measured) and the pipeline's default
+# (max_lag 1: a step's groups sampled while the step before trains).
+SIDES_LAG = {"clotho": 0, "clotho-lag1": 1}
 STATE_EVERY_MINUTES = 10  # the trainer's resume state (trainer.state_every_minutes), here and in the cost model
 
 
@@ -141,12 +148,12 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = None) -> dict:
+def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = None, max_lag: int = 0) -> dict:
     real = size in REAL
     return {
         "run": run_url,
         "model": str(model_dir(size)),
-        "max_lag": 0,
+        "max_lag": max_lag,
         "servers": {"dtype": "bfloat16" if real else "float32"},
         # A checkpoint every step (deltas between full ones every trainer.full_every), the resume
         # state every 10 minutes (and at the last step), as a run of real size would set them.
@@ -172,13 +179,21 @@ def clotho_config(run_url: str, size: str, steps: int, trainer: dict | None = No
 
 
 def run_clotho(
-    workdir: Path, size: str, steps: int, max_rss: float, limit_s: float, trainer: dict | None = None
+    workdir: Path,
+    size: str,
+    steps: int,
+    max_rss: float,
+    limit_s: float,
+    trainer: dict | None = None,
+    max_lag: int = 0,
 ) -> dict:
-    """One `clotho run` at `size`: its per-step parts, bytes and peak RSS, or why it did not finish."""
+    """One `clotho run` at `size`: its per-step parts, bytes and peak RSS, or why it did not finish.
+    With `max_lag` above 0 (sampling overlaps the update: the pipeline's default is 1) the parts
+    cannot be told apart, and only wall seconds per step, the reward and the peak RSS are read."""
     workdir.mkdir(parents=True)
     run_url = f"file://{workdir}/store/run"
     config = workdir / "run.yaml"
-    settings = clotho_config(run_url, size, steps, trainer)
+    settings = clotho_config(run_url, size, steps, trainer, max_lag)
     config.write_text(yaml.safe_dump(settings))
     started = time.time()
     error = run_watched([CLOTHO, "run", str(config)], workdir / "run.log", max_rss, limit_s)
@@ -187,6 +202,17 @@ def run_clotho(
     storage, run = split_run_url(run_url)
     work = default_work_dir(storage, run)
     rows = read_jsonl(work / "metrics.jsonl")
+    # Wall seconds per step as TRL's are counted (from one step's end to the next's), medians.
+    wall_step_s = round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3)
+    if max_lag:
+        return {
+            "max_lag": max_lag,
+            "wall_step_s": wall_step_s,
+            "trainer_peak_rss_gib": round(max(r.get("peak_rss_gib", 0.0) for r in rows), 2),
+            "steps_measured": len(rows) - 1,
+            "startup_s": round(rows[0]["time"] - started, 1),
+            "reward": [round(r.get("score_mean", 0.0), 4) for r in rows],
+        }
     events = read_jsonl(work / "pipeline.jsonl")
     # When each version began to be served (its reload announced; version 0: the loop's start), and
     # when the last group sampled on it was made: with max_lag 0 that span is the step's sampling.
@@ -241,9 +267,8 @@ def run_clotho(
     return {
         "parts_s": parts,
         "step_s": round(step_s, 3),
-        # Wall seconds per step as TRL's are counted (from one step's end to the next's): the parts
-        # above can overlap (a reload runs while the trainer saves its state).
-        "wall_step_s": round(statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:])), 3),
+        # The parts above can overlap (a reload runs while the trainer saves its state).
+        "wall_step_s": wall_step_s,
         "shares": {name: round(v / step_s, 3) for name, v in parts.items()},
         "reload_parts_s": reload_parts,
         "full_and_delta_s": cycle,
@@ -348,6 +373,71 @@ def parity_noise(size: str, dtype: str) -> dict:
     return result
 
 
+def sampling_floor(size: str, dtype: str, repeats: int = 5) -> dict:
+    """What sampling a step's groups costs at `size` without the loop around it: the step's requests
+    (its prompts x group_size samples of exactly max_tokens tokens, from the repeat task's prompts)
+    sent straight to a vLLM server in `dtype` (the loop's), and the same batch through transformers'
+    `generate` in this process in fp32 (how TRL samples here). Medians of `repeats` after a warm-up.
+    Where clotho's sampling part is near the server's figure, the loop adds little to it; where the
+    server's figure alone is above TRL's whole step, clotho / TRL <= 1 cannot be met at that size
+    while a vLLM server samples."""
+    import asyncio
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from inference.client import PolicyClient
+    from inference.server import PolicyServer
+
+    config = TASK["env_config"]
+    model = model_dir(size)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rng = random.Random(config["seed"])
+    rows = [" ".join(str(rng.randrange(10)) for _ in range(config["digits"])) for _ in range(PROMPTS_PER_STEP)]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"Repeat these digits: {row}"}], tokenize=False, add_generation_prompt=True
+            ),
+            add_special_tokens=False,
+        )
+        for row in rows
+    ]
+    n, tokens = config["group_size"], config["max_tokens"]
+
+    def timed(sample) -> float:
+        sample()
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            sample()
+            seconds.append(time.perf_counter() - start)
+        return round(statistics.median(seconds), 3)
+
+    with PolicyServer(model, dtype=dtype, log_path=MODELS / f"floor-{size}-{dtype}.log") as server:
+
+        async def step() -> None:
+            async with PolicyClient(server.base_url) as client:
+                options = dict(n=n, max_tokens=tokens, min_tokens=tokens, temperature=config["temperature"])
+                await asyncio.gather(*(client.complete(ids, **options) for ids in prompts))
+
+        served_s = timed(lambda: asyncio.run(step()))
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    tokenizer.padding_side = "left"
+    batch = tokenizer.pad({"input_ids": [ids for ids in prompts for _ in range(n)]}, return_tensors="pt")
+    generation = dict(do_sample=True, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=tokenizer.pad_token_id)
+    with torch.inference_mode():
+        generate_s = timed(lambda: hf.generate(**batch, **generation))
+    return {
+        "served_s": served_s,
+        "generate_s": generate_s,
+        "dtype": dtype,
+        "sequences": len(prompts) * n,
+        "tokens": tokens,
+    }
+
+
 # Qwen2.5-7B (its config.json), at runs/gpu-qwen2.5-0.5b.yaml's step: 64 prompts x 16 samples,
 # sequences of ~450 tokens of which ~300 sampled (its max_tokens is 512; an assumed mean).
 QWEN25_7B = {"parameters": 7_615_616_512, "vocab": 152_064, "sequences": 64 * 16, "tokens": 450, "sampled": 300}
@@ -435,7 +525,7 @@ def cost_model(entry: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=",".join(SIZES))
-    parser.add_argument("--sides", default="clotho,trl")
+    parser.add_argument("--sides", default="clotho,clotho-lag1,trl")
     parser.add_argument(
         "--steps",
         type=int,
@@ -456,6 +546,12 @@ def main() -> None:
         "--parity-dtype", default="bfloat16", help="Served dtype of the parity noise measure (none: skip)."
     )
     parser.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Time the step's sampling straight on a vLLM server and with transformers' generate (sampling_floor).",
+    )
+    parser.add_argument(
         "--cost-model-only",
         action="store_true",
         help="Recompute the 7B cost model from the stored result's measurements (a changed model, no new run).",
@@ -472,6 +568,8 @@ def main() -> None:
         path.write_text(json.dumps(record, indent=1) + "\n")
         return
     sides = args.sides.split(",")
+    if "trl" in sides and not TRL_PYTHON.exists():
+        sys.exit(f"bench_scale: {TRL_PYTHON} is missing: make .venv-trl/.installed (make bench builds it)")
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-scale-", dir=REPO / ".clotho") as temporary:
         for size in args.sizes.split(","):
@@ -480,18 +578,21 @@ def main() -> None:
             if args.parity_dtype != "none":
                 entry["parity"] = parity_noise(size, args.parity_dtype)
                 print(f"{size} parity: {json.dumps(entry['parity'])}", flush=True)
+            if args.floor and "clotho" in sides:
+                entry["floor"] = sampling_floor(size, clotho_config("", size, 1)["servers"]["dtype"])
+                print(f"{size} sampling floor: {json.dumps(entry['floor'])}", flush=True)
             for side in sides:
                 started = time.monotonic()
                 where, bounds = Path(temporary) / f"{size}-{side}", (args.max_rss_gib * 2**30, args.limit_s)
-                entry[side] = (
-                    run_clotho(where, size, args.steps, *bounds, args.trainer)
-                    if side == "clotho"
-                    else run_trl(where, size, args.steps, *bounds)
-                )
+                if side == "trl":
+                    entry[side] = run_trl(where, size, args.steps, *bounds)
+                else:
+                    entry[side] = run_clotho(where, size, args.steps, *bounds, args.trainer, SIDES_LAG[side])
                 entry[side]["wall_s"] = round(time.monotonic() - started, 1)
                 print(f"{size} {side}: {json.dumps(entry[side])[:600]}", flush=True)
-            if "wall_step_s" in entry.get("clotho", {}) and "step_s" in entry.get("trl", {}):
-                entry["ratio"] = round(entry["clotho"]["wall_step_s"] / entry["trl"]["step_s"], 3)
+            for side, ratio in (("clotho", "ratio"), ("clotho-lag1", "ratio_lag1")):
+                if "wall_step_s" in entry.get(side, {}) and "step_s" in entry.get("trl", {}):
+                    entry[ratio] = round(entry[side]["wall_step_s"] / entry["trl"]["step_s"], 3)
             results.append(entry)
     measured = [entry for entry in results if "step_s" in entry.get("clotho", {})]
     model = cost_model(measured[-1]) if measured else None

@@ -433,11 +433,14 @@ def scale_loop_text() -> str:
         "and clotho's parts, whose sum is in brackets (a reload may overlap the resume state's save); shares are of that sum. "
         "clotho publishes every step (in full every trainer.full_every, 10, and as deltas between: delta / full bytes) "
         "and saves its resume state every 10 minutes and at the last step: its seconds are those of one save; "
-        "publish + state + reload counts one save spread over the steps of 10 minutes.",
+        "publish + state + reload counts one save spread over the steps of 10 minutes. "
+        "The loop runs at max_lag 0 (on-policy, as TRL's step; its parts one after another); the last column is "
+        "`clotho run` at the pipeline's default max_lag 1, a step's groups sampled while the step before trains.",
         "",
         "| size | vocab | clotho s / step (parts) | sampling | update | publish s (MB) | delta / full bytes | resume "
-        "state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "state s (MB) | reload s | publish + state + reload | trainer peak RSS GiB | TRL s / step | clotho / TRL | "
+        "clotho at max_lag 1: s / step (/ TRL) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for entry in r["sizes"]:
         clotho, trl = entry.get("clotho", {}), entry.get("trl", {})
@@ -460,7 +463,33 @@ def scale_loop_text() -> str:
             cells = [clotho.get("error", "not run")[:60]] + ["-"] * 8
         cells.append(f"{trl['step_s']:.2f}" if "step_s" in trl else trl.get("error", "not run")[:60])
         cells.append(f"{entry['ratio']:.3f}" if "ratio" in entry else "-")
+        lag1 = entry.get("clotho-lag1", {})
+        cells.append(
+            f"{lag1['wall_step_s']:.2f} ({entry['ratio_lag1']:.3f})"
+            if "ratio_lag1" in entry
+            else lag1.get("error", "-")[:60]
+        )
         lines.append(f"| {entry['size']} | {entry['vocab']:,} | " + " | ".join(cells) + " |")
+    floors = [entry for entry in r["sizes"] if "floor" in entry]
+    if floors:
+        lines += [
+            "",
+            "Sampling a step's groups without the loop (bench_scale.sampling_floor): the step's requests straight to a "
+            "vLLM server in the loop's dtype, and the same batch through transformers' `generate` in fp32 as TRL samples "
+            "here, every sample exactly max_tokens long; beside them the loop's sampling part and TRL's whole step. Where "
+            "the server alone takes longer than TRL's whole step, clotho / TRL <= 1 cannot be met at that size while a "
+            "vLLM server samples.",
+            "",
+            "| size | loop's sampling s | vLLM server alone s | transformers generate s | TRL s / step |",
+            "|---|---|---|---|---|",
+        ]
+        for entry in floors:
+            floor, clotho, trl = entry["floor"], entry.get("clotho", {}), entry.get("trl", {})
+            sampling = f"{clotho['parts_s']['sampling_s']:.2f}" if "parts_s" in clotho else "-"
+            trl_s = f"{trl['step_s']:.2f}" if "step_s" in trl else "-"
+            lines.append(
+                f"| {entry['size']} | {sampling} | {floor['served_s']:.2f} ({floor['dtype']}) | {floor['generate_s']:.2f} | {trl_s} |"
+            )
     return "\n".join(lines)
 
 

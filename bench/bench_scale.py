@@ -375,34 +375,31 @@ def parity_noise(size: str, dtype: str) -> dict:
 
 def sampling_floor(size: str, dtype: str, repeats: int = 5) -> dict:
     """What sampling a step's groups costs at `size` without the loop around it: the step's requests
-    (its prompts x group_size samples of exactly max_tokens tokens, from the repeat task's prompts)
+    (its prompts x group_size samples of exactly max_tokens tokens, the task's first step's prompts)
     sent straight to a vLLM server in `dtype` (the loop's), and the same batch through transformers'
     `generate` in this process in fp32 (how TRL samples here). Medians of `repeats` after a warm-up.
     Where clotho's sampling part is near the server's figure, the loop adds little to it; where the
     server's figure alone is above TRL's whole step, clotho / TRL <= 1 cannot be met at that size
     while a vLLM server samples."""
     import asyncio
-    import random
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from environments.loading import environment_items
     from inference.client import PolicyClient
     from inference.server import PolicyServer
 
     config = TASK["env_config"]
     model = model_dir(size)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    rng = random.Random(config["seed"])
-    rows = [" ".join(str(rng.randrange(10)) for _ in range(config["digits"])) for _ in range(PROMPTS_PER_STEP)]
+    _, items = environment_items(TASK["env"], config, str(model), PROMPTS_PER_STEP)  # the loop's first step's
     prompts = [
         tokenizer.encode(
-            tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"Repeat these digits: {row}"}], tokenize=False, add_generation_prompt=True
-            ),
+            tokenizer.apply_chat_template(item.prompt, tokenize=False, add_generation_prompt=True),
             add_special_tokens=False,
         )
-        for row in rows
+        for item in items
     ]
     n, tokens = config["group_size"], config["max_tokens"]
 

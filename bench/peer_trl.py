@@ -20,7 +20,6 @@ OUT/checkpoint-N/ every --save-every steps and at the last.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 import time
@@ -32,19 +31,7 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from environments.base import Item  # noqa: E402
-from environments.loading import load_environment_class  # noqa: E402
-
-
-def environment_items(env_name: str, env_config: dict, tokenizer_dir: str, count: int):
-    """The environment and its first `count` items, in get_item's order."""
-    env = load_environment_class(env_name)(env_config, client=None, tokenizer=tokenizer_dir)
-
-    async def draw() -> list[Item]:
-        await env.setup()
-        return [await env.get_item() for _ in range(count)]
-
-    return env, asyncio.run(draw())
+from environments.loading import environment_items  # noqa: E402
 
 
 class StepLog(TrainerCallback):

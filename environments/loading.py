@@ -3,6 +3,7 @@ them in the `clotho.environments` entry-point group; checked when loaded, before
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import importlib.util
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from core.imports import load_attribute
-from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError
+from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item
 from environments.failures import fetch_failed
 from storage.layout import check_env_name
 
@@ -117,3 +118,18 @@ def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConf
         if (message := fetch_failed(f"environment {cls.name} config", error)) is not None:
             raise EnvironmentLoadError(message) from error
         raise
+
+
+def environment_items(
+    name_or_path: str, config: dict[str, Any], tokenizer: str, count: int
+) -> tuple[Environment, list[Item]]:
+    """The environment `name_or_path` built offline (no policy client), set up, and its first `count`
+    items in get_item's order: the prompts a run of it starts with, for what samples them elsewhere
+    (TRL in the peer bench, a vLLM server alone in the scale bench)."""
+    env = load_environment_class(name_or_path)(config, client=None, tokenizer=tokenizer)
+
+    async def draw() -> list[Item]:
+        await env.setup()
+        return [await env.get_item() for _ in range(count)]
+
+    return env, asyncio.run(draw())

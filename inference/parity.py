@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def max_abs_difference(a: list[float], b: list[float]) -> float:
 
 
 @contextmanager
-def running_on(model, weights: dict | None):
+def running_on(model, weights: Mapping | None):
     """`model`'s forward passes run on `weights` (name -> tensor, the state dict's names: the weights
     as published, e.g. rounded to bf16) instead of its own parameters, upcast to their dtype. Each
     submodule's own parameters are swapped while that submodule runs and restored after it, so the
@@ -99,7 +100,7 @@ def running_on(model, weights: dict | None):
             handle.remove()
 
 
-def model_logprobs(model, sequences: list[list[int]], weights: dict | None = None) -> list[list[float]]:
+def model_logprobs(model, sequences: list[list[int]], weights: Mapping | None = None) -> list[list[float]]:
     """`model`'s logprob of every token of each sequence after its first, teacher-forced in one
     forward pass of them all, in eval mode, on `weights` where given (running_on). Raises
     ValueError when a parameter was read outside its module's forward, so the weights given were
@@ -129,7 +130,9 @@ def model_logprobs(model, sequences: list[list[int]], weights: dict | None = Non
     return logprobs
 
 
-def write_parity_reference(model, sequences: list[list[int]], out_dir: str | Path, weights: dict | None = None) -> None:
+def write_parity_reference(
+    model, sequences: list[list[int]], out_dir: str | Path, weights: Mapping | None = None
+) -> None:
     """`model_logprobs` of each sequence (float32 weights: the reference is float32) to
     out_dir/PARITY_REFERENCE. `weights`: the tensors published, when they are not the model's own
     parameters (rounded to the served dtype): a server must give the logprobs of what it loaded,

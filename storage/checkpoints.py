@@ -436,6 +436,7 @@ def drop_cached_copy(directory: Path) -> None:
 def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, Any] | None, directory: Path) -> None:
     """The weights of delta step `info` into `directory`: from the newest step of its chain already
     in `cache_dir` (else its full step, fetched), with the deltas after it applied."""
+    started = time.perf_counter()
     siblings = info.url.rstrip("/").rsplit("/", 1)[0]
     chain = info.chain
     try:
@@ -454,7 +455,19 @@ def _rebuild(info: CheckpointInfo, cache_dir: Path, storage_options: dict[str, A
         fs, path = resolve(step_info.url, storage_options)
         with storage_errors(step_info.url):
             bodies.append((step_info.step, retrying(fs, join(path, DELTA_FILE), fs.cat_file, join(path, DELTA_FILE))))
+    read = time.perf_counter()
+    spare = (cache_dir / SPARE_WEIGHTS).exists()
     try:
         apply(base_dir / WEIGHTS_FILE, bodies, directory / WEIGHTS_FILE, reuse=cache_dir / SPARE_WEIGHTS)
     except DeltaError as error:
         raise CheckpointError(f"{info.url}: {error}") from None
+    log.info(
+        "step %d rebuilt from step %d and %d delta(s) in %.2f s (reading them %.2f s, applying %.2f s%s)",
+        info.step,
+        base.step,
+        len(bodies),
+        time.perf_counter() - started,
+        read - started,
+        time.perf_counter() - read,
+        ", over the spare weights file" if spare else ", into a new file",
+    )

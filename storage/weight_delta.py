@@ -34,9 +34,11 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -83,7 +85,7 @@ class _Scratch(threading.local):
         return self.buffer[:size]
 
 
-_scratch = _Scratch()
+_scratch, _kept_chunk = _Scratch(), _Scratch()
 
 
 def _each(function, items):
@@ -92,41 +94,76 @@ def _each(function, items):
         return list(pool.map(function, items))
 
 
-def _chunks(size: int) -> list[slice]:
+def chunk_slices(size: int) -> list[slice]:
     return [slice(start, min(start + CHUNK, size)) for start in range(0, size, CHUNK)] or [slice(0, 0)]
 
 
-Bytes = np.ndarray | Callable[[slice], np.ndarray]  # the bytes, or a function giving bytes start:stop
+class Chunked(Protocol):
+    """A tensor's `nbytes` bytes given a slice at a time (a cast done a chunk at a time)."""
+
+    nbytes: int
+
+    def __call__(self, part: slice) -> np.ndarray: ...
+
+
+Bytes = np.ndarray | Chunked
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes offset:offset + nbytes of an open local file (descriptor `file`), read and written a
+    chunk at a time: a copy of weights kept in the page cache, which the kernel may write out and
+    drop, instead of in a process's own memory."""
+
+    file: int
+    offset: int
+    nbytes: int
+
+    def read(self, part: slice, into: np.ndarray) -> np.ndarray:
+        if os.preadv(self.file, [into.data], self.offset + part.start) != into.size:
+            raise DeltaError(f"the kept weights' file ends before byte {self.offset + part.stop}")
+        return into
+
+    def write(self, part: slice, data: np.ndarray) -> None:
+        if os.pwrite(self.file, data.data, self.offset + part.start) != data.nbytes:
+            raise OSError(f"a short write of the kept weights' file at byte {self.offset + part.start}")
+
+
+Kept = np.ndarray | Region  # a tensor's bytes in memory, or in a file
 
 
 def encode(
     tensors: Mapping[str, tuple[str, Sequence[int], Bytes]],
-    previous: Mapping[str, np.ndarray],
+    previous: Mapping[str, Kept],
     base: int,
     in_place: bool = False,
 ) -> bytes:
-    """The delta of `tensors` (name -> (dtype, shape, raw bytes as uint8, or a function giving a
-    slice of them: a cast done a chunk at a time)) against `previous` (name -> raw bytes of the
-    publish `base`): raises DeltaError unless both hold the same tensors of the same byte sizes (a
+    """The delta of `tensors` (name -> (dtype, shape, raw bytes as uint8, or a Chunked giving a
+    slice of them)) against `previous` (name -> raw bytes of the publish `base`, in memory or a
+    Region of a file): raises DeltaError unless both hold the same tensors of the same byte sizes (a
     full checkpoint is then due). `in_place`: each chunk of `previous` becomes the tensors' bytes
     once XORed, so a publisher keeps one copy of the weights, not two."""
     if tensors.keys() != previous.keys():
         raise DeltaError(f"tensors differ from step {base}'s: {sorted(tensors.keys() ^ previous.keys())[:5]}")
     for name, (_, _, data) in tensors.items():
-        if isinstance(data, np.ndarray) and data.nbytes != previous[name].nbytes:
+        if data.nbytes != previous[name].nbytes:
             raise DeltaError(f"{name} has {data.nbytes} bytes, {previous[name].nbytes} at step {base}")
     aliases = same_memory(tensors, previous)
-    pieces = [(name, part) for name in tensors if name not in aliases for part in _chunks(previous[name].nbytes)]
+    pieces = [(name, part) for name in tensors if name not in aliases for part in chunk_slices(previous[name].nbytes)]
 
     def one(piece: tuple[str, slice]) -> tuple[bytes, int]:
         name, part = piece
-        source, before = tensors[name][2], previous[name][part]
+        source, kept = tensors[name][2], previous[name]
         data = source[part] if isinstance(source, np.ndarray) else source(part)
-        if data.nbytes != before.nbytes:
-            raise DeltaError(f"{name} gives {data.nbytes} bytes for {part.start}:{part.stop}, not {before.nbytes}")
-        difference = _scratch.take(data.nbytes)
+        size = part.stop - part.start
+        if data.nbytes != size:
+            raise DeltaError(f"{name} gives {data.nbytes} bytes for {part.start}:{part.stop}, not {size}")
+        before = kept.read(part, _kept_chunk.take(size)) if isinstance(kept, Region) else kept[part]
+        difference = _scratch.take(size)
         np.bitwise_xor(_words(data), _words(before), out=_words(difference))
-        if in_place:
+        if in_place and isinstance(kept, Region):
+            kept.write(part, data)
+        elif in_place:
             before[:] = data
         return _codec().compress(difference, asbytes=True), checksum(data)
 
@@ -138,7 +175,7 @@ def encode(
         if name in aliases:
             header[name] = {"dtype": dtype, "shape": list(shape), "size": size, "same_as": aliases[name]}
             continue
-        chunks = [next(blobs) for _ in _chunks(size)]
+        chunks = [next(blobs) for _ in chunk_slices(size)]
         header[name] = {
             "dtype": dtype,
             "shape": list(shape),
@@ -154,16 +191,29 @@ def encode(
     return b"".join([struct.pack("<Q", len(head)), head, *written])
 
 
+def fill(tensors: Mapping[str, tuple[str, Sequence[int], Bytes]], kept: Mapping[str, Region]) -> None:
+    """Write each tensor's bytes into its Region of `kept`, a chunk at a time (a tensor named twice,
+    once)."""
+    aliases = same_memory(tensors, kept)
+
+    def one(piece: tuple[str, slice]) -> None:
+        name, part = piece
+        source = tensors[name][2]
+        kept[name].write(part, source[part] if isinstance(source, np.ndarray) else source(part))
+
+    _each(one, [(name, part) for name in tensors if name not in aliases for part in chunk_slices(kept[name].nbytes)])
+
+
 def same_memory(
-    tensors: Mapping[str, tuple[str, Sequence[int], Bytes]], previous: Mapping[str, np.ndarray]
+    tensors: Mapping[str, tuple[str, Sequence[int], Bytes]], previous: Mapping[str, Kept]
 ) -> dict[str, str]:
     """name -> the first name of `tensors` that is the very same tensor: its bytes the same memory
-    (or the same function), and so are the previous publish's."""
+    (or the same Chunked), and so are the previous publish's (or the same Region)."""
 
-    def place(data) -> tuple[int, int]:
-        return (
-            (data.__array_interface__["data"][0], int(data.nbytes)) if isinstance(data, np.ndarray) else (id(data), 0)
-        )
+    def place(data) -> object:
+        if isinstance(data, np.ndarray):
+            return data.__array_interface__["data"][0], int(data.nbytes)
+        return data if isinstance(data, Region) else id(data)
 
     first: dict[tuple, str] = {}
     aliases = {}
@@ -207,12 +257,12 @@ def safetensors_header(path: Path, error: type[Exception] = DeltaError) -> tuple
 
 
 def write_safetensors(
-    tensors: Mapping[str, tuple[str, Sequence[int], np.ndarray]], path: Path, metadata: dict[str, str] | None = None
+    tensors: Mapping[str, tuple[str, Sequence[int], Bytes]], path: Path, metadata: dict[str, str] | None = None
 ) -> None:
-    """`tensors` (name -> (safetensors dtype: F32, BF16, ...; shape; raw bytes as uint8)) as a
-    safetensors file at `path`, each tensor's bytes written from where they lie. safetensors' own
-    save_file builds the whole file in memory first: a GB more for a 0.5B model in bf16, faulted in
-    at every full publish (seconds a GB on a VM)."""
+    """`tensors` (name -> (safetensors dtype: F32, BF16, ...; shape; raw bytes as uint8, or a
+    Chunked giving them a slice at a time)) as a safetensors file at `path`, each tensor's bytes
+    written from where they lie. safetensors' own save_file builds the whole file in memory first: a
+    GB more for a 0.5B model in bf16, faulted in at every full publish (seconds a GB on a VM)."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape, data) in tensors.items():
@@ -223,7 +273,11 @@ def write_safetensors(
     with open(path, "wb") as file:
         file.write(struct.pack("<Q", len(head)) + head)
         for _, _, data in tensors.values():
-            file.write(data.data)
+            if isinstance(data, np.ndarray):
+                file.write(data.data)
+            else:
+                for part in chunk_slices(data.nbytes):
+                    file.write(data(part).data)
 
 
 def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse: Path | None = None) -> None:
@@ -255,7 +309,7 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
                 ok = aliases[name] in tensors and aliases[name] not in aliases and spec["size"] == size
                 if not ok or header["tensors"][aliases[name]]["size"] != size:
                     raise DeltaError(f"the delta of step {step} has {name} the same as {aliases[name]}, which differs")
-            elif spec["size"] != size or len(spec["chunks"]) != len(_chunks(size)):
+            elif spec["size"] != size or len(spec["chunks"]) != len(chunk_slices(size)):
                 raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {size}")
     end = len(raw_header) + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
     if base_file.stat().st_size < end:
@@ -273,7 +327,7 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
         (name, index, part)
         for name, entry in tensors.items()
         if name not in aliases
-        for index, part in enumerate(_chunks(entry["data_offsets"][1] - entry["data_offsets"][0]))
+        for index, part in enumerate(chunk_slices(entry["data_offsets"][1] - entry["data_offsets"][0]))
     ]
     # Where else each tensor's bytes go: the offsets of the names that are the same tensor.
     copies: dict[str, list[int]] = {}

@@ -10,14 +10,15 @@ same weights.
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -71,21 +72,77 @@ def parity_sequences(tokenizer_source: str) -> list[list[int]]:
     return default_prompt_ids(base_tokenizer(tokenizer_source))
 
 
+class Cast:
+    """A tensor's bytes in `dtype`, cast a slice at a time as they are read (weight_delta.Chunked):
+    nothing holds the whole tensor cast."""
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype):
+        self.flat, self.dtype, self.shape = tensor.detach().reshape(-1), dtype, tuple(tensor.shape)
+        self.item_size = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = self.flat.numel() * self.item_size
+
+    def __call__(self, part: slice) -> np.ndarray:
+        chunk = self.flat[part.start // self.item_size : part.stop // self.item_size]
+        return chunk.to(self.dtype).contiguous().view(torch.uint8).numpy()
+
+    def rounded(self) -> torch.Tensor:
+        """The tensor rounded to `dtype` and back to its own: one allocation, filled a slice at a
+        time (a whole tensor cast to bf16 and back would allocate half as much again)."""
+        out = torch.empty_like(self.flat)
+        step = weight_delta.CHUNK // self.item_size
+        for start in range(0, self.flat.numel(), step):
+            out[start : start + step] = self.flat[start : start + step].to(self.dtype)
+        return out.view(self.shape)
+
+    def entry(self) -> tuple[str, tuple[int, ...], Cast]:
+        """As weight_delta's functions take a tensor: (safetensors dtype, shape, bytes)."""
+        return SAFETENSORS_DTYPES[self.dtype], self.shape, self
+
+
+class Rounded(Mapping[str, torch.Tensor]):
+    """Published tensors (name -> Cast) as whole tensors rounded to the published dtype, in their
+    own, each made when asked for: what a parity reference runs on (inference.parity.running_on asks
+    for one module's at a time). A tensor named twice (a tied head: the embedding's table) is made
+    once. (Reading a DeltaPublisher's file instead costs as much at the 0.5B shape: 1 GB read from
+    the page cache against the rounding.)"""
+
+    def __init__(self, tensors: dict[str, Cast]):
+        self.tensors = tensors
+        counts = collections.Counter(id(cast) for cast in tensors.values())
+        self.shared = {id(cast) for cast in tensors.values() if counts[id(cast)] > 1}
+        self.made: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        cast = self.tensors[name]
+        if id(cast) in self.made:
+            return self.made[id(cast)]
+        tensor = cast.rounded()
+        if id(cast) in self.shared:
+            self.made[id(cast)] = tensor
+        return tensor
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 def published_tensors(
     module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
-) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), contiguous;
-    a tensor the state dict names twice (a tied head) is cast once and named twice.
+) -> dict[str, Cast]:
+    """The tensors a checkpoint of `state_dict` holds, in `dtype` (None: as they are), cast when
+    read; a tensor the state dict names twice (a tied head) is one Cast named twice.
 
     With tied embeddings they include `lm_head.weight`, the tensor of `model.embed_tokens.weight`:
     transformers ties it again on load (and save_pretrained would leave it out), but vLLM's in-place
     reload only copies the tensors it is given, so without it the served head would keep the old
     weights."""
-    cast: dict[int, torch.Tensor] = {}  # by the source's data pointer
+    cast: dict[int, Cast] = {}  # by the source's data pointer
     tensors = {}
     for name, tensor in state_dict.items():
         if tensor.data_ptr() not in cast:
-            cast[tensor.data_ptr()] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
+            cast[tensor.data_ptr()] = Cast(tensor, dtype or tensor.dtype)
         tensors[name] = cast[tensor.data_ptr()]
     return with_tied_head(module, tensors)
 
@@ -105,7 +162,7 @@ def with_tied_head(module: PreTrainedModel, tensors: dict[str, Tied]) -> dict[st
 
 def save_hf_checkpoint(
     module: PreTrainedModel,
-    tensors: dict[str, torch.Tensor] | None,
+    tensors: dict[str, Cast] | None,
     tokenizer_source: str,
     out: Path,
     dtype: torch.dtype | None = None,
@@ -124,66 +181,56 @@ def save_hf_checkpoint(
     if getattr(module, "generation_config", None) is not None:
         module.generation_config.save_pretrained(out)
     if tensors is not None:
-        weights = {name: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for name, t in tensors.items()}
-        weight_delta.write_safetensors(weights, out / WEIGHTS_FILE, metadata={"format": "pt"})
+        entries = {name: cast.entry() for name, cast in tensors.items()}
+        weight_delta.write_safetensors(entries, out / WEIGHTS_FILE, metadata={"format": "pt"})
     base_tokenizer(tokenizer_source).save_pretrained(out)
 
 
 @dataclass
 class DeltaPublisher:
-    """The tensors each publish writes, and what the next one's delta is taken against: one copy of
-    the previous publish's tensors (on rank 0, in the published dtype) and the chain it was built
-    from. A full checkpoint every `full_every` publishes, the ones between as deltas
-    (storage.weight_delta); a delta that would not save half the bytes of a full checkpoint (weights
-    that all move, in fp32) is published full instead.
+    """What the next publish's delta is taken against: a copy of the previous publish's tensors (on
+    rank 0, in the published dtype) and the chain it was built from. A full checkpoint every
+    `full_every` publishes, the ones between as deltas (storage.weight_delta); a delta that would not
+    save half the bytes of a full checkpoint (weights that all move, in fp32) is published full
+    instead.
 
-    A publish casts the weights into that copy, a chunk at a time as the delta XORs them
-    (weight_delta.encode's in_place): the trainer holds one copy of the published weights, and no new
-    one is faulted in per publish (1.2 GB at the 0.5B shape; on a VM, seconds a GB)."""
+    The copy is a file in `directory` (a local disk; None: the system's temporary directory),
+    unlinked, read and written a chunk at a time: a publish casts the weights into it as the delta
+    XORs them (weight_delta.encode's in_place). So the trainer's own memory holds no second copy of
+    the weights (0.99 GB at the 0.5B shape in bf16: its peak over weights, gradients and optimizer
+    state went from +23% to +36% with it), and the page cache holding it is the kernel's to write out
+    and drop."""
 
     full_every: int
-    step: int | None = None  # the publish `kept` holds; None: none (the next publish is full)
+    directory: Path | None = None
+    step: int | None = None  # the publish the file holds; None: none (the next publish is full)
     chain: list[int] = field(default_factory=list)  # of the previous publish
-    kept: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     skip: int = 0  # publishes left that go full without trying a delta, after one that was too big
+    kept: dict[str, weight_delta.Region] = field(default_factory=dict, repr=False)
+    layout: dict[str, tuple] = field(default_factory=dict, repr=False)  # name -> (dtype, shape) in the file
+    file: IO[bytes] | None = field(default=None, repr=False)
 
-    def publishing(
-        self, module: PreTrainedModel, state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
-    ) -> tuple[dict[str, torch.Tensor], tuple[bytes, list[int]] | None]:
-        """The tensors to publish for `state_dict` in `dtype`, and the delta with the chain it
-        extends (None when a full checkpoint is due). Until `published`, nothing is taken as
-        published: a publish that fails midway leaves the next one full."""
+    def publishing(self, tensors: dict[str, Cast]) -> tuple[bytes, list[int]] | None:
+        """The delta of `tensors` (published_tensors) with the chain it extends, None when a full
+        checkpoint is due. Until `published`, nothing is taken as published: a publish that fails
+        midway leaves the next one full."""
         base, self.step = self.step, None
         if self.full_every == 1:
-            return published_tensors(module, state_dict, dtype), None
-        kept = self.kept
-        target = dtype or next(iter(state_dict.values())).dtype
-        if kept.keys() != with_tied_head(module, dict(state_dict)).keys() or any(
-            kept[name].shape != tensor.shape or kept[name].dtype != target for name, tensor in state_dict.items()
-        ):
-            self.kept = self.own_copy(published_tensors(module, state_dict, dtype), state_dict)
-            return self.kept, None
+            return None
+        entries = {name: cast.entry() for name, cast in tensors.items()}
+        if self.layout != {name: (dtype, shape) for name, (dtype, shape, _) in entries.items()}:
+            self.keep(tensors)
+            base = None
         due = base is not None and len(self.chain) + 1 < self.full_every
         if due and self.skip:
             self.skip -= 1
             due = False
         if not due or base is None:
-            for tensor, kept_tensor in unique_pairs(state_dict, kept):
-                kept_tensor.copy_(tensor)
-            return kept, None
-        chain = [*self.chain, base]
-        sources: dict[int, Callable[[slice], np.ndarray]] = {}  # by data pointer: a tied tensor is one function
-        for tensor in state_dict.values():
-            sources.setdefault(tensor.data_ptr(), chunk_reader(tensor, target))
-        current = {
-            name: (str(target).removeprefix("torch."), tuple(kept[name].shape), sources[state_dict[name].data_ptr()])
-            for name in state_dict
-        }
-        current = with_tied_head(module, current)
-        previous = {name: raw_bytes(tensor) for name, tensor in kept.items()}
-        delta = weight_delta.encode(current, previous, base, in_place=True)
-        aliases = weight_delta.same_memory(current, previous)
-        full = sum(data.nbytes for name, data in previous.items() if name not in aliases)
+            weight_delta.fill(entries, self.kept)
+            return None
+        delta = weight_delta.encode(entries, self.kept, base, in_place=True)
+        aliases = weight_delta.same_memory(entries, self.kept)
+        full = sum(region.nbytes for name, region in self.kept.items() if name not in aliases)
         if len(delta) > full / 2:
             self.skip = self.full_every - 1
             log.info(
@@ -191,48 +238,30 @@ class DeltaPublisher:
                 100 * len(delta) / full,
                 self.skip,
             )
-            return kept, None
-        return kept, (delta, chain)
+            return None
+        return delta, [*self.chain, base]
 
-    @staticmethod
-    def own_copy(tensors: dict[str, torch.Tensor], state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """`tensors` with those that are the engine's own parameters (published in their own dtype)
-        copied: the next optimizer step would change them under the next delta."""
-        own = {tensor.data_ptr() for tensor in state_dict.values()}
-        copies: dict[int, torch.Tensor] = {}  # by data pointer: tied tensors are copied once
-        for tensor in tensors.values():
-            if tensor.data_ptr() in own and tensor.data_ptr() not in copies:
-                copies[tensor.data_ptr()] = tensor.clone()
-        return {name: copies.get(tensor.data_ptr(), tensor) for name, tensor in tensors.items()}
+    def keep(self, tensors: dict[str, Cast]) -> None:
+        """A new file laid out for `tensors`, one region per distinct tensor (a tied head shares
+        the embedding's)."""
+        self.file = tempfile.TemporaryFile(prefix="clotho-published-", dir=self.directory)
+        regions: dict[int, weight_delta.Region] = {}  # by Cast
+        offset = 0
+        for cast in tensors.values():
+            if id(cast) not in regions:
+                regions[id(cast)] = weight_delta.Region(self.file.fileno(), offset, cast.nbytes)
+                offset += cast.nbytes
+        self.kept = {name: regions[id(cast)] for name, cast in tensors.items()}
+        self.layout = {name: (SAFETENSORS_DTYPES[cast.dtype], cast.shape) for name, cast in tensors.items()}
 
     def published(self, step: int, chain: list[int]) -> None:
-        """The tensors `publishing` gave are step `step`'s, built from `chain` (empty: in full)."""
+        """The tensors `publishing` was given are step `step`'s, built from `chain` (empty: in full)."""
         if self.full_every > 1:
             self.step, self.chain = step, chain
 
     def forget(self) -> None:
         """After a step it did not publish itself: the next publish is full."""
         self.step, self.chain = None, []
-
-
-def unique_pairs(state_dict: dict[str, torch.Tensor], kept: dict[str, torch.Tensor]):
-    """(source, kept copy) once per distinct source tensor."""
-    seen = set()
-    for name, tensor in state_dict.items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            yield tensor, kept[name]
-
-
-def chunk_reader(tensor: torch.Tensor, dtype: torch.dtype):
-    """A function giving bytes start:stop of `tensor` cast to `dtype` (weight_delta.encode's chunk
-    at a time), casting only those."""
-    flat, size = tensor.detach().reshape(-1), torch.empty((), dtype=dtype).element_size()
-
-    def read(part: slice):
-        return flat[part.start // size : part.stop // size].to(dtype).contiguous().view(torch.uint8).numpy()
-
-    return read
 
 
 SAFETENSORS_DTYPES = {
@@ -288,16 +317,13 @@ def publish_step(
         already = True
     except CheckpointError:
         already = False
-    if deltas is not None:
-        if already:
-            deltas.forget()
-        tensors, encoded = deltas.publishing(engine.module, state_dict, torch_dtype)
-    else:
-        tensors, encoded = published_tensors(engine.module, state_dict, torch_dtype), None
+    tensors = published_tensors(engine.module, state_dict, torch_dtype)
     # What a parity reference is computed on: the weights as published where they are not the
     # parameters themselves (rounded to the served dtype).
-    rounded = tensors if torch_dtype not in (None, torch.float32) else None
+    rounded = Rounded(tensors) if torch_dtype not in (None, torch.float32) else None
     if already:
+        if deltas is not None:
+            deltas.forget()
         difference = replay_difference(engine.module, url, zero_stage, storage_options, rounded)
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
@@ -316,6 +342,7 @@ def publish_step(
                 difference,
             )
         return url
+    encoded = deltas.publishing(tensors) if deltas is not None else None
     with tempfile.TemporaryDirectory(prefix="clotho-checkpoint-", dir=staging_dir) as temporary:
         save_hf_checkpoint(engine.module, None if encoded else tensors, base_model, Path(temporary), torch_dtype)
         if encoded:
@@ -336,7 +363,7 @@ def replay_difference(
     url: str,
     zero_stage: int,
     storage_options: dict[str, Any] | None,
-    weights: dict | None = None,
+    weights: Mapping | None = None,
 ) -> float | None:
     """The largest |logprob difference| between `module` (run on `weights`, the tensors it would
     publish, where given) and the published checkpoint at `url` on the sequences its parity

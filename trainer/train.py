@@ -119,7 +119,7 @@ class TrainingRun:
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
-        self.deltas = DeltaPublisher(config.full_every)  # a fresh trainer's first publish is full
+        self.deltas = DeltaPublisher(config.full_every, self.staging_dir)  # a fresh trainer's first publish is full
         self.upload: StateUpload | None = None  # the newest resume state, on its way to the run's storage
         # Set by start(): the policy, its DeepSpeed engine, the resume state's store, the last step taken.
         self.model: PreTrainedModel

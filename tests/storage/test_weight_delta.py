@@ -167,36 +167,42 @@ def test_after_a_delta_too_big_the_next_publishes_go_full_untried(monkeypatch, t
     """Weights that all move (fp32 at a large learning rate) make a delta as big as the weights: the
     trainer publishes that step full and does not spend an XOR and a compression on the next
     full_every - 1 either; then it tries again, and its delta rebuilds the step from the one before.
-    Every publish's tensors are the one copy the publisher keeps, written over in place."""
+    Every publish is cast into the one file the publisher keeps, written over in place."""
+    import os
     from types import SimpleNamespace
 
     from storage import weight_delta
-    from trainer.publishing import DeltaPublisher
+    from trainer.publishing import DeltaPublisher, published_tensors
 
     tried = []
     monkeypatch.setattr(weight_delta, "encode", lambda *args, **kw: tried.append(args[2]) or encode(*args, **kw))
     module = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=False))
-    publisher = DeltaPublisher(full_every=4)
-    first, encoded = publisher.publishing(module, weights_at(1), None)
-    assert encoded is None  # nothing to take a delta against
+    publisher = DeltaPublisher(full_every=4, directory=tmp_path)
+
+    def publishing(weights):
+        return publisher.publishing(published_tensors(module, weights, None))
+
+    def kept() -> dict[str, bytes]:
+        return {name: os.pread(region.file, region.nbytes, region.offset) for name, region in publisher.kept.items()}
+
+    assert publishing(weights_at(1)) is None  # nothing to take a delta against
     publisher.published(1, [])
     noisy = {
         name: torch.randn(t.shape, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
         for name, t in weights_at(2).items()
     }
-    tensors, encoded = publisher.publishing(module, noisy, None)
-    assert encoded is None and tried == [1]  # too big: step 2 goes full
-    assert all(torch.equal(tensors[name], noisy[name]) for name in noisy)
+    assert publishing(noisy) is None and tried == [1]  # too big: step 2 goes full
+    assert kept() == {name: raw_bytes(t).tobytes() for name, t in noisy.items()}
     publisher.published(2, [])
     for step in (3, 4, 5):
-        tensors, encoded = publisher.publishing(module, weights_at(step), None)
-        assert encoded is None  # full, untried
+        assert publishing(weights_at(step)) is None  # full, untried
         publisher.published(step, [])
     assert tried == [1]
     full_file(5, tmp_path / "five.safetensors")
-    tensors, (delta, chain) = publisher.publishing(module, weights_at(6), None)  # tried again: a delta
-    assert tried == [1, 5] and chain == [5]
-    assert all(tensors[name] is first[name] and torch.equal(tensors[name], t) for name, t in weights_at(6).items())
+    first = publisher.file
+    delta, chain = publishing(weights_at(6))  # tried again: a delta
+    assert tried == [1, 5] and chain == [5] and publisher.file is first
+    assert kept() == {name: raw_bytes(t).tobytes() for name, t in weights_at(6).items()}
     apply(tmp_path / "five.safetensors", [(6, delta)], tmp_path / "six.safetensors")
     assert (tmp_path / "six.safetensors").read_bytes() == full_file(6, tmp_path / "expected.safetensors")
 

@@ -21,7 +21,7 @@ from trainer.model import (
     token_logprobs,
 )
 from trainer.packing import TrainingSequence, pack_micro_batches
-from trainer.publishing import published_tensors, save_hf_checkpoint
+from trainer.publishing import Rounded, published_tensors, save_hf_checkpoint
 from trainer.step import ObjectiveShare
 
 
@@ -198,30 +198,38 @@ def test_a_checkpoint_published_in_bf16_holds_bf16_weights_and_says_so(tmp_path)
     assert loaded.dtype == torch.bfloat16
 
 
-def test_a_publish_casts_into_the_one_copy_the_publisher_keeps_and_its_delta_rebuilds_it(tmp_path):
-    """Each publish's bf16 weights go into the memory of the previous publish's, a chunk at a time as
-    the delta XORs them (the tied head cast once, `same_as` in the delta): one copy kept, no new GB
-    faulted in per publish at the 0.5B shape, and the deltas rebuild each step byte for byte."""
+def test_a_publish_casts_into_the_one_copy_the_publisher_keeps_on_disk_and_its_delta_rebuilds_it(tmp_path):
+    """Each publish's bf16 weights are cast a chunk at a time into the file that holds the previous
+    publish's, as the delta XORs them (the tied head cast once, `same_as` in the delta): one copy
+    kept, outside the trainer's own memory and unlinked, and the deltas rebuild each step byte for
+    byte."""
+    import os
+
     from storage import weight_delta
-    from trainer.publishing import SAFETENSORS_DTYPES, DeltaPublisher, raw_bytes
+    from trainer.publishing import DeltaPublisher
 
     model = load_policy(str(cached_tiny_model(tie_embeddings=True)))
-    publisher = DeltaPublisher(full_every=10)
+    publisher = DeltaPublisher(full_every=10, directory=tmp_path / "staging")
+    (tmp_path / "staging").mkdir()
 
     def write(tensors, path) -> None:
-        entries = {n: (SAFETENSORS_DTYPES[t.dtype], tuple(t.shape), raw_bytes(t)) for n, t in tensors.items()}
-        weight_delta.write_safetensors(entries, path)
+        weight_delta.write_safetensors({name: cast.entry() for name, cast in tensors.items()}, path)
 
-    addresses, deltas = set(), []
+    files, deltas = set(), []
     for step in range(1, 5):
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(parameter.abs() * 2**-6)  # past bf16's spacing: the bytes change
-        tensors, encoded = publisher.publishing(model, model.state_dict(), torch.bfloat16)
+        tensors = published_tensors(model, model.state_dict(), torch.bfloat16)
         assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+        encoded = publisher.publishing(tensors)
+        kept = publisher.kept
+        assert kept["lm_head.weight"] == kept["model.embed_tokens.weight"]
         for name, tensor in model.state_dict().items():
-            assert torch.equal(tensors[name], tensor.to(torch.bfloat16)), name
-        addresses.add(tensors["model.embed_tokens.weight"].data_ptr())
+            region = kept[name]
+            stored = os.pread(region.file, region.nbytes, region.offset)
+            assert stored == tensor.to(torch.bfloat16).reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        files.add(os.fstat(publisher.file.fileno()).st_ino)
         if step == 1:
             assert encoded is None
             write(tensors, tmp_path / "base.safetensors")
@@ -229,7 +237,7 @@ def test_a_publish_casts_into_the_one_copy_the_publisher_keeps_and_its_delta_reb
             assert encoded is not None and encoded[1] == list(range(1, step))
             deltas.append((step, encoded[0]))
         publisher.published(step, encoded[1] if encoded else [])
-    assert len(addresses) == 1
+    assert len(files) == 1 and list((tmp_path / "staging").iterdir()) == []  # one file, in no directory
     header = weight_delta.read_delta(deltas[0][1], "delta")[0]
     assert header["tensors"]["lm_head.weight"]["same_as"] == "model.embed_tokens.weight"
     write(tensors, tmp_path / "expected.safetensors")
@@ -283,7 +291,11 @@ def test_a_bf16_publish_parity_reference_is_of_the_rounded_weights(tmp_path):
     tensors = published_tensors(model, model.state_dict(), torch.bfloat16)
     save_hf_checkpoint(model, tensors, str(source), tmp_path, torch.bfloat16)
     sequences = [[5, 9, 17, 33, 2, 8], [7, 7, 100, 3]]
-    write_parity_reference(model, sequences, tmp_path, tensors)
+    rounded = Rounded(tensors)
+    head = rounded["lm_head.weight"]  # the tied table, rounded once for both names, in fp32
+    assert head is rounded["model.embed_tokens.weight"] and head.dtype == torch.float32
+    assert torch.equal(head, model.state_dict()["model.embed_tokens.weight"].to(torch.bfloat16).float())
+    write_parity_reference(model, sequences, tmp_path, rounded)
 
     loaded = load_policy(str(tmp_path))  # the published bf16 weights, upcast as a server's fp32 reference
     loaded_fp32 = loaded.float()

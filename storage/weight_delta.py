@@ -144,8 +144,11 @@ def encode(
     """The delta of `tensors` (name -> (dtype, shape, raw bytes as uint8, or a Chunked giving a
     slice of them)) against `previous` (name -> raw bytes of the publish `base`, in memory or a
     Region of a file): raises DeltaError unless both hold the same tensors of the same byte sizes (a
-    full checkpoint is then due). `in_place`: each chunk of `previous` becomes the tensors' bytes
-    once XORed, so a publisher keeps one copy of the weights, not two."""
+    full checkpoint is then due). `in_place` (`previous` all Regions): each chunk of `previous` is
+    written over with the tensors' bytes once XORed, so a publisher keeps one copy of the weights,
+    not two."""
+    if in_place and not all(isinstance(kept, Region) for kept in previous.values()):
+        raise TypeError("encode(in_place=True) writes the tensors' bytes into Regions of a file: give Regions")
     if tensors.keys() != previous.keys():
         raise DeltaError(f"tensors differ from step {base}'s: {sorted(tensors.keys() ^ previous.keys())[:5]}")
     for name, (_, _, data) in tensors.items():
@@ -164,10 +167,8 @@ def encode(
         before = kept.read(part, _kept_chunk.take(size)) if isinstance(kept, Region) else kept[part]
         difference = _scratch.take(size)
         np.bitwise_xor(_words(data), _words(before), out=_words(difference))
-        if in_place and isinstance(kept, Region):
+        if in_place and isinstance(kept, Region):  # every one is, when in_place (checked above)
             kept.write(part, data)
-        elif in_place:
-            before[:] = data
         return _codec().compress(difference, asbytes=True), checksum(data)
 
     blobs = iter(_each(one, pieces))

@@ -300,3 +300,11 @@ def test_a_local_publish_links_the_staged_files_instead_of_copying_them(tmp_path
     assert info.manifest["files"][WEIGHTS_FILE] == published.stat().st_size
     shutil.rmtree(tmp_path / "staging")  # the trainer drops its staging copy: the published file stays
     assert load_file(published).keys() == weights_at(1).keys()
+
+
+def test_an_in_place_delta_writes_into_regions_only() -> None:
+    """`in_place` writes each chunk back into the publisher's file; given tensors in memory it says
+    so instead of leaving them as they were."""
+    now = {name: ("bfloat16", tuple(t.shape), raw_bytes(t)) for name, t in weights_at(2).items()}
+    with pytest.raises(TypeError, match="Regions"):
+        encode(now, {name: raw_bytes(t) for name, t in weights_at(1).items()}, 1, in_place=True)

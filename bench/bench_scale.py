@@ -25,7 +25,8 @@ for the side clotho-lag1, `clotho run` at the pipeline's default max_lag 1 (a st
 while the step before trains; only its wall seconds per step are read). Before the sides, where
 clotho runs, the step's sampling without the loop (sampling_floor: a vLLM server alone and
 transformers' generate). Before both, the parity guard's noise at the size: the served
-logprobs in bf16 against the fp32 reference, of the same weights and of another seed's (parity_noise).
+logprobs in bf16 against the reference a trainer stores (computed in bf16), of the same weights and
+of another seed's, and against an fp32 forward of the same weights (parity_noise).
 Written to bench/results/scale.json; bench/report.py renders docs/benchmarks.md's table from it.
 """
 
@@ -328,16 +329,20 @@ def run_trl(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float
 
 
 def parity_noise(size: str, dtype: str) -> dict:
-    """The parity guard's measure (inference.parity_guard: the served logprobs of its prompts against
-    an fp32 transformers forward) with the server in `dtype`: against the same weights (the
-    precision's noise, what its tolerance must pass) and against the same shape built from another
-    seed (wrong weights, what it must catch). Max and mean |difference| over the tokens."""
+    """The parity guard's measure with the server in `dtype`: its served logprobs of the guard's
+    prompts against the reference a trainer stores with a checkpoint published in `dtype`
+    (inference.parity.model_logprobs: the weights computed as published), of the same weights (the
+    precision's noise, what its tolerance must pass) and of the same shape built from another seed
+    (wrong weights, what it must catch); and against an fp32 transformers forward of the same
+    weights (the guard's reference for a checkpoint that stores none: an outside model). Max and
+    mean |difference| over the tokens."""
     import asyncio
 
+    import torch
     from transformers import AutoTokenizer
 
     from inference.client import PolicyClient
-    from inference.parity import load_reference_model, reference_logprobs
+    from inference.parity import load_reference_model, model_logprobs
     from inference.parity_guard import TOLERANCE, default_prompt_ids
     from inference.server import PolicyServer
 
@@ -347,8 +352,9 @@ def parity_noise(size: str, dtype: str) -> dict:
         build_tiny_model(other, size=size, seed=1)
     sequences = default_prompt_ids(AutoTokenizer.from_pretrained(model))
     references = {
-        name: [reference_logprobs(load_reference_model(path), s[:1], s[1:]) for s in sequences]
-        for name, path in (("same", model), ("other", other))
+        "same": model_logprobs(load_reference_model(model), sequences, getattr(torch, dtype)),
+        "other": model_logprobs(load_reference_model(other), sequences, getattr(torch, dtype)),
+        "same_fp32": model_logprobs(load_reference_model(model), sequences),
     }
     with PolicyServer(model, dtype=dtype, log_path=MODELS / f"parity-{size}-{dtype}.log") as server:
 

@@ -10,12 +10,10 @@ same weights.
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import shutil
 import tempfile
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypeVar
@@ -85,47 +83,9 @@ class Cast:
         chunk = self.flat[part.start // self.item_size : part.stop // self.item_size]
         return chunk.to(self.dtype).contiguous().view(torch.uint8).numpy()
 
-    def rounded(self) -> torch.Tensor:
-        """The tensor rounded to `dtype` and back to its own: one allocation, filled a slice at a
-        time (a whole tensor cast to bf16 and back would allocate half as much again)."""
-        out = torch.empty_like(self.flat)
-        step = weight_delta.CHUNK // self.item_size
-        for start in range(0, self.flat.numel(), step):
-            out[start : start + step] = self.flat[start : start + step].to(self.dtype)
-        return out.view(self.shape)
-
     def entry(self) -> tuple[str, tuple[int, ...], Cast]:
         """As weight_delta's functions take a tensor: (safetensors dtype, shape, bytes)."""
         return SAFETENSORS_DTYPES[self.dtype], self.shape, self
-
-
-class Rounded(Mapping[str, torch.Tensor]):
-    """Published tensors (name -> Cast) as whole tensors rounded to the published dtype, in their
-    own, each made when asked for: what a parity reference runs on (inference.parity.running_on asks
-    for one module's at a time). A tensor named twice (a tied head: the embedding's table) is made
-    once. (Reading a DeltaPublisher's file instead costs as much at the 0.5B shape: 1 GB read from
-    the page cache against the rounding.)"""
-
-    def __init__(self, tensors: dict[str, Cast]):
-        self.tensors = tensors
-        counts = collections.Counter(id(cast) for cast in tensors.values())
-        self.shared = {id(cast) for cast in tensors.values() if counts[id(cast)] > 1}
-        self.made: dict[int, torch.Tensor] = {}
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        cast = self.tensors[name]
-        if id(cast) in self.made:
-            return self.made[id(cast)]
-        tensor = cast.rounded()
-        if id(cast) in self.shared:
-            self.made[id(cast)] = tensor
-        return tensor
-
-    def __iter__(self):
-        return iter(self.tensors)
-
-    def __len__(self) -> int:
-        return len(self.tensors)
 
 
 def published_tensors(
@@ -318,13 +278,10 @@ def publish_step(
     except CheckpointError:
         already = False
     tensors = published_tensors(engine.module, state_dict, torch_dtype)
-    # What a parity reference is computed on: the weights as published where they are not the
-    # parameters themselves (rounded to the served dtype).
-    rounded = Rounded(tensors) if torch_dtype not in (None, torch.float32) else None
     if already:
         if deltas is not None:
             deltas.forget()
-        difference = replay_difference(engine.module, url, zero_stage, storage_options, rounded)
+        difference = replay_difference(engine.module, url, zero_stage, storage_options, torch_dtype)
         if difference is None:
             log.warning("%s is already published (by a run that died before saving its state)", url)
         elif difference <= REPLAY_TOLERANCE:
@@ -351,7 +308,7 @@ def publish_step(
         if zero_stage < 3 and all(p.dtype == torch.float32 for p in engine.module.parameters()):
             # The weights' own logprobs, which servers that load them must give (inference.parity):
             # one short forward here spares every reload a load and forward of the whole model.
-            write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary), rounded)
+            write_parity_reference(engine.module, parity_sequences(base_model), Path(temporary), torch_dtype)
         publish_checkpoint(temporary, storage, run, step, extra=extra, storage_options=storage_options)
     if deltas is not None:
         deltas.published(step, encoded[1] if encoded else [])
@@ -363,11 +320,10 @@ def replay_difference(
     url: str,
     zero_stage: int,
     storage_options: dict[str, Any] | None,
-    weights: Mapping | None = None,
+    dtype: torch.dtype | None = None,
 ) -> float | None:
-    """The largest |logprob difference| between `module` (run on `weights`, the tensors it would
-    publish, where given) and the published checkpoint at `url` on the sequences its parity
-    reference stores; None when it stores none or the module is sharded (ZeRO-3).
+    """The largest |logprob difference| between `module` (computed as published in `dtype`) and the
+    published checkpoint at `url` on the sequences its parity reference stores; None when it stores none or the module is sharded (ZeRO-3).
     A trainer resumed from an older state trains the steps since again: this says whether it got the
     same weights, for one forward of a few short sequences instead of reading the checkpoint back."""
     if zero_stage == 3:
@@ -378,7 +334,7 @@ def replay_difference(
     except FileNotFoundError:
         return None
     sequences, stored = parse_parity_reference(text, f"{url}/{PARITY_REFERENCE}")
-    return worst_difference(zip(model_logprobs(module, sequences, weights), stored))
+    return worst_difference(zip(model_logprobs(module, sequences, dtype), stored))
 
 
 def clear_staging(staging_dir: Path) -> None:

@@ -15,6 +15,8 @@ import os
 import random
 import shutil
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +70,8 @@ def save_resume_state(
     # DeepSpeed's own `latest` is written by truncating and writing the file: a trainer killed in
     # between left an empty one, which no trainer could resume from. Every rank's files first, then
     # rank 0 points `latest` at them in one rename.
-    engine.save_checkpoint(str(state_dir), tag=tag, client_state=client_state, save_latest=False)
+    with without_zip_checksums():
+        engine.save_checkpoint(str(state_dir), tag=tag, client_state=client_state, save_latest=False)
     torch.distributed.barrier()
     if torch.distributed.get_rank() == 0:
         point_latest(state_dir, tag)
@@ -77,6 +80,19 @@ def save_resume_state(
             shutil.rmtree(old, ignore_errors=True)
     torch.distributed.barrier()
     return StateUpload(store, state_dir / tag, torch.distributed.get_rank(), step) if store is not None else None
+
+
+@contextmanager
+def without_zip_checksums() -> Iterator[None]:
+    """torch.save without the CRC-32 of each record of its zip file, which torch.load never checks:
+    2-3 s a GB here (a 0.5B model's state is 5.9 GB, 8.6 s a save with them). A torn or partial
+    state is told by `latest`, moved only once every file is written, not by these."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
 
 
 def commit_resume_state(upload: StateUpload, wait: bool) -> bool:

@@ -21,7 +21,7 @@ from trainer.model import (
     token_logprobs,
 )
 from trainer.packing import TrainingSequence, pack_micro_batches
-from trainer.publishing import Rounded, published_tensors, save_hf_checkpoint
+from trainer.publishing import published_tensors, save_hf_checkpoint
 from trainer.step import ObjectiveShare
 
 
@@ -276,9 +276,10 @@ def test_rows_shared_by_sequences_attend_by_their_bounds_without_a_mask(tiny_mod
 
 def test_a_bf16_publish_parity_reference_is_of_the_rounded_weights(tmp_path):
     """The reference a server is checked against is the logprobs of what it loads (the weights
-    rounded to bf16), computed without a second model, and leaves the trainer's model as it was:
-    its fp32 parameters, and its decoder layers' training flag (gradient checkpointing)."""
-    from inference.parity import model_logprobs, read_parity_reference, reference_logprobs, write_parity_reference
+    rounded to bf16, computed in bf16), computed without a second model, and leaves the trainer's
+    model as it was: its fp32 parameters, and its decoder layers' training flag (gradient
+    checkpointing)."""
+    from inference.parity import model_logprobs, read_parity_reference, write_parity_reference
 
     source = cached_tiny_model(tie_embeddings=True)
     model = load_policy(str(source))
@@ -291,20 +292,19 @@ def test_a_bf16_publish_parity_reference_is_of_the_rounded_weights(tmp_path):
     tensors = published_tensors(model, model.state_dict(), torch.bfloat16)
     save_hf_checkpoint(model, tensors, str(source), tmp_path, torch.bfloat16)
     sequences = [[5, 9, 17, 33, 2, 8], [7, 7, 100, 3]]
-    rounded = Rounded(tensors)
-    head = rounded["lm_head.weight"]  # the tied table, rounded once for both names, in fp32
-    assert head is rounded["model.embed_tokens.weight"] and head.dtype == torch.float32
-    assert torch.equal(head, model.state_dict()["model.embed_tokens.weight"].to(torch.bfloat16).float())
-    write_parity_reference(model, sequences, tmp_path, rounded)
+    write_parity_reference(model, sequences, tmp_path, torch.bfloat16)
 
-    loaded = load_policy(str(tmp_path))  # the published bf16 weights, upcast as a server's fp32 reference
-    loaded_fp32 = loaded.float()
+    # The published bf16 weights, upcast: every parameter already a bf16 value, the norms' included.
+    loaded = load_policy(str(tmp_path)).float()
     _, stored = read_parity_reference(tmp_path)
-    for sequence, logprobs in zip(sequences, stored):
-        expected = reference_logprobs(loaded_fp32, sequence[:1], sequence[1:])
-        torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(expected), atol=1e-5, rtol=0)
-    unrounded = model_logprobs(model, sequences)
-    assert max(abs(a - b) for s, r in zip(unrounded, stored) for a, b in zip(s, r)) > 1e-4  # the shift is seen in fp32
+    assert model_logprobs(loaded, sequences, torch.bfloat16) == stored
+    assert model_logprobs(model, sequences, torch.bfloat16) == stored  # computing it again changes nothing
+    with torch.no_grad():  # weights moved by more than the rounding give other logprobs
+        for parameter in loaded.parameters():
+            parameter.add_(parameter.abs() * 2**-6)
+    assert model_logprobs(loaded, sequences, torch.bfloat16) != stored
+    fp32 = model_logprobs(model, sequences)
+    assert max(abs(a - b) for s, r in zip(fp32, stored) for a, b in zip(s, r)) > 1e-4  # the shift is seen in fp32
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.float32 and torch.equal(parameter, before[name]), name
     assert not model.training and model.model.layers[0].training and not model.model.layers[0].self_attn.training

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,19 @@ def test_latest_is_replaced_whole_and_a_save_cut_short_is_never_resumed_from(tmp
     assert "resuming from step 2" in output
     assert (state / "latest").read_text() == "step-00000004" and (state / "latest").stat().st_ino != first
     assert sorted(p.name for p in state.iterdir()) == ["latest", "step-00000002", "step-00000004"]
+    # Written without the zip records' CRC-32s (torch.load never checks them; 2-3 s a GB to compute).
+    records = [info for saved in (state / "step-00000004").glob("*.pt") for info in zipfile.ZipFile(saved).infolist()]
+    assert records and all(info.CRC == 0 for info in records)
+
+
+def test_zip_checksums_are_off_only_while_a_state_is_saved():
+    from trainer.resume_state import without_zip_checksums
+
+    assert torch.serialization.get_crc32_options()
+    with pytest.raises(RuntimeError), without_zip_checksums():
+        assert not torch.serialization.get_crc32_options()
+        raise RuntimeError("a save that fails")
+    assert torch.serialization.get_crc32_options()  # what else the process saves keeps them
 
 
 def test_with_the_state_in_storage_a_local_state_the_store_lacks_is_not_resumed_from(tmp_path, tiny_model_dir):

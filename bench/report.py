@@ -490,6 +490,25 @@ def scale_loop_text() -> str:
             lines.append(
                 f"| {entry['size']} | {sampling} | {floor['served_s']:.2f} ({floor['dtype']}) | {floor['generate_s']:.2f} | {trl_s} |"
             )
+    parities = [entry for entry in r["sizes"] if "same_fp32" in entry.get("parity", {})]
+    if parities:
+        lines += [
+            "",
+            "The parity guard's noise (bench_scale.parity_noise): |served - reference| logprobs of its prompts, max "
+            "(mean), with the server in the loop's dtype, against the reference a trainer stores with a checkpoint "
+            "(computed as published: in bf16), against an fp32 forward of the same weights (the guard's reference for "
+            "an outside model), and against the stored reference of the same shape built from another seed (wrong "
+            "weights, which the tolerance must catch).",
+            "",
+            "| size | dtype | same weights, stored reference | same weights, fp32 forward | another seed's | tolerance |",
+            "|---|---|---|---|---|---|",
+        ]
+        for entry in parities:
+            parity = entry["parity"]
+            cells = [f"{parity[key]['max']:.3f} ({parity[key]['mean']:.4f})" for key in ("same", "same_fp32", "other")]
+            lines.append(
+                f"| {entry['size']} | {parity['dtype']} | " + " | ".join(cells) + f" | {parity['tolerance']} |"
+            )
     return "\n".join(lines)
 
 

@@ -351,11 +351,13 @@ def parity_noise(size: str, dtype: str) -> dict:
     if not (other / "config.json").exists():
         build_tiny_model(other, size=size, seed=1)
     sequences = default_prompt_ids(AutoTokenizer.from_pretrained(model))
+    same = load_reference_model(model)
     references = {
-        "same": model_logprobs(load_reference_model(model), sequences, getattr(torch, dtype)),
+        "same": model_logprobs(same, sequences, getattr(torch, dtype)),
         "other": model_logprobs(load_reference_model(other), sequences, getattr(torch, dtype)),
-        "same_fp32": model_logprobs(load_reference_model(model), sequences),
+        "same_fp32": model_logprobs(same, sequences),
     }
+    del same
     with PolicyServer(model, dtype=dtype, log_path=MODELS / f"parity-{size}-{dtype}.log") as server:
 
         async def served() -> list[list[float]]:

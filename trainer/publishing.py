@@ -323,7 +323,8 @@ def replay_difference(
     dtype: torch.dtype | None = None,
 ) -> float | None:
     """The largest |logprob difference| between `module` (computed as published in `dtype`) and the
-    published checkpoint at `url` on the sequences its parity reference stores; None when it stores none or the module is sharded (ZeRO-3).
+    published checkpoint at `url` on the sequences its parity reference stores; None when it stores
+    none or the module is sharded (ZeRO-3).
     A trainer resumed from an older state trains the steps since again: this says whether it got the
     same weights, for one forward of a few short sequences instead of reading the checkpoint back."""
     if zero_stage == 3:

@@ -28,11 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results import RESULTS, current_commit, write_result  # noqa: E402  (bench/, the script's own folder)
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository's packages
+sys.path.insert(0, str(ROOT / "bench"))  # results: a script has its folder on the path, a module loaded by path not
+
+from results import RESULTS, current_commit, write_result  # noqa: E402
+
 MODELS = ROOT / ".clotho" / "bench" / "models"
 SEQUENCE = 512
 PROMPT = 128

@@ -63,7 +63,8 @@ app = typer.Typer(help="clotho: RL for language models through environments.", n
 # the options' defaults were cut; a terminal keeps its own width. Typer reads TERMINAL_WIDTH when it
 # first renders help.
 os.environ.setdefault("TERMINAL_WIDTH", str(shutil.get_terminal_size((120, 24)).columns))
-model_app = typer.Typer(help="Build or inspect policy models.", no_args_is_help=True)
+from clotho.model_cli import model_app  # noqa: E402  (imports nothing heavy until it runs)
+
 app.add_typer(model_app, name="model")
 
 try:  # storage ships the shard commands; mounted here so `clotho shards ...` works
@@ -81,32 +82,6 @@ app.command("train")(train_command)
 from clotho.env_cli import env_app  # noqa: E402  (imports nothing heavy until it runs)
 
 app.add_typer(env_app, name="env")
-
-
-@model_app.command("tiny")
-def model_tiny(
-    out_dir: Path = typer.Argument(..., help="Directory to write the model and tokenizer to."),
-    tie_embeddings: bool | None = typer.Option(
-        None,
-        "--tie-embeddings/--no-tie-embeddings",
-        help="Share input and output embeddings (default: the shape's own; the real shapes tie).",
-    ),
-    seed: int = typer.Option(0, help="Seed for the tokenizer corpus and the weights (deterministic)."),
-    size: str = typer.Option(
-        "tiny",
-        help="tiny (2 layers, hidden 128: tests), small (4 layers, hidden 256: the demo), or a real model's shape "
-        "with random weights: smollm2-135m, qwen2.5-0.5b.",
-    ),
-) -> None:
-    """Build a model of a known shape and a byte-level BPE tokenizer, offline (random weights)."""
-    from inference.tiny_model import build_tiny_model
-
-    started = time.monotonic()
-    try:
-        out = build_tiny_model(out_dir, seed=seed, tie_embeddings=tie_embeddings, size=size)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--size") from None
-    typer.echo(f"{size} model written to {out} in {time.monotonic() - started:.1f}s")
 
 
 def _interrupt(*_) -> None:

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import random
-import re
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer
+from environments.answers import AnswerConfig, Reader, parse_number, read_answer
+from environments.base import Environment, Item, final_answer
 
-_NUMBER = re.compile(r"-?\d+")
 
-
-class ArithmeticConfig(EnvironmentConfig):
+class ArithmeticConfig(AnswerConfig):
     max_operand: int = Field(default=20, ge=1, description="Operands are drawn from 0..max_operand.")
     operations: str = Field(
         default="+-", pattern=r"^[+\-*]+$", description="Operators to draw from, a subset of '+-*'."
@@ -30,10 +28,13 @@ class ArithmeticConfig(EnvironmentConfig):
 
 
 class Arithmetic(Environment):
-    """'What is 7 + 5?' -> reward 1.0 if the first integer in the answer is right, else 0.0."""
+    """'What is 7 + 5?' -> reward 1.0 if the answer read is right, else 0.0: the whole answer when it
+    is a number, else a boxed or tagged one, what follows "the answer is", the number after the last
+    "=" ("7 + 5 = 12"), else the last number (environments.answers)."""
 
     name = "arithmetic"
     config_class = ArithmeticConfig
+    readers: ClassVar[tuple[Reader, ...]] = ("only", "boxed", "answer_tag", "answer_is", "after_equals", "last_number")
 
     async def setup(self) -> None:
         self.problems = [self.problem(self.rng) for _ in range(self.config.pool or 0)]
@@ -50,13 +51,16 @@ class Arithmetic(Environment):
         )
 
     def reward(self, item: Item, messages: list[dict]) -> float:
-        match = _NUMBER.search(final_answer(messages))
-        if not match:
-            return 0.0
-        distance = abs(int(match.group()) - item.answer)
+        readers = self.config.readers or self.readers
+        reading = read_answer(final_answer(messages), readers)
+        formatted = self.config.format_reward if reading.formatted(readers) else 0.0
+        value = parse_number(reading.text) if reading.text is not None else None
+        if value is None:
+            return formatted
+        distance = float(abs(value - item.answer))
         if distance == 0 or not self.config.partial_credit:
-            return float(distance == 0)
-        return 0.5 * max(0.0, 1.0 - distance / (self.config.max_operand + 1))
+            return float(distance == 0) + formatted
+        return 0.5 * max(0.0, 1.0 - distance / (self.config.max_operand + 1)) + formatted
 
     def gold_completion(self, item: Item) -> str:
         return f"{item.answer}"

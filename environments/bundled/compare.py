@@ -8,19 +8,18 @@ warm start on this environment's gold answers ever sees an evaluation problem.""
 from __future__ import annotations
 
 import random
-import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from environments.base import Environment, EnvironmentConfig, Item, final_answer
+from environments.answers import AnswerConfig, Reader, graded, number_matches
+from environments.base import Environment, Item, final_answer
 
-_NUMBER = re.compile(r"-?\d+")
 # The split's own seed: not the item stream's, so instances with different seeds agree on it.
 _SPLIT_SEED = 20261203
 
 
-class CompareConfig(EnvironmentConfig):
+class CompareConfig(AnswerConfig):
     max_value: int = Field(default=9, ge=1, description="Numbers are drawn from 0..max_value, two different ones.")
     which: Literal["larger", "smaller"] = Field(
         default="larger", description="Ask for the larger or the smaller number."
@@ -52,11 +51,13 @@ def split_pairs(max_value: int, held_out: float) -> tuple[list[tuple[int, int]],
 
 
 class Compare(Environment):
-    """'Which is larger, 3 or 7? Give only the number.' -> 1.0 if the first integer of the answer
-    is the right one, else 0.0."""
+    """'Which is larger, 3 or 7? Give only the number.' -> 1.0 if the answer read is the right number,
+    else 0.0: the whole answer when it is a number, else a boxed or tagged one, what follows "the
+    answer is", else the first number ("7 is larger than 3"; environments.answers)."""
 
     name = "compare"
     config_class = CompareConfig
+    readers: ClassVar[tuple[Reader, ...]] = ("only", "boxed", "answer_tag", "answer_is", "first_number")
 
     async def setup(self) -> None:
         self.training, self.held_out = split_pairs(self.config.max_value, self.config.held_out)
@@ -99,8 +100,8 @@ class Compare(Environment):
         )
 
     def reward(self, item: Item, messages: list[dict]) -> float:
-        match = _NUMBER.search(final_answer(messages))
-        return float(match is not None and int(match.group()) == item.answer)
+        readers = self.config.readers or self.readers
+        return graded(final_answer(messages), readers, number_matches(item.answer), self.config.format_reward)
 
     def gold_completion(self, item: Item) -> str:
         return f"{item.answer}"

@@ -143,7 +143,16 @@ async def start_services(
     if config.evaluation is not None:
         evaluating = asyncio.ensure_future(
             evaluate_versions(
-                config, urls[0], api_key, model, view.curve, view.measured, view.started, log, stop_rule_met
+                config,
+                urls[0],
+                api_key,
+                model,
+                view.curve,
+                view.measured,
+                view.started,
+                log,
+                stop_rule_met,
+                hold=watcher.hold if watcher is not None else None,
             )
         )
         stack.push_async_callback(cancel_and_wait, [evaluating])
@@ -396,12 +405,17 @@ async def evaluate_versions(
     started: float,
     log,
     stop_rule_met: asyncio.Future[int],
+    hold: asyncio.Lock | None = None,
 ) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
     at the last step: the curve, the same measure in every phase. Resolves `stop_rule_met` with
     the version at which the last phase's stop rule holds, and ends there. Each evaluated checkpoint
-    that beats the best so far is marked best (checkpoints/BEST, kept by retention; curve.best)."""
+    that beats the best so far is marked best (checkpoints/BEST, kept by retention; curve.best).
+
+    One version answers a whole evaluation: `hold` (the reload watcher's) keeps the servers from
+    reloading while it answers, and an evaluation whose answers several versions sampled anyway (a
+    server that reloads itself) is not recorded but made again at the newer version."""
     storage, run = split_run_url(config.run)
     best = await asyncio.to_thread(read_best, storage, run)  # a resumed run's, from before
     if best is not None:
@@ -414,11 +428,21 @@ async def evaluate_versions(
         while evaluated != last_step:
             version = await client.weight_version()
             if evaluated is None or version >= min(evaluated + evaluation.every, last_step):
-                # Pinned while it is evaluated: the server may reload past it meanwhile, and retention
-                # would then delete the checkpoint this evaluation may find best.
-                await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, {version})
-                report = await env.evaluate(num_items=evaluation.items)
-                # A reload may land while it evaluates: record the version it started on.
+                async with hold or contextlib.nullcontext():
+                    version = await client.weight_version()  # held: what answers the whole evaluation
+                    # Pinned while it is evaluated: retention would otherwise delete, once the trainer
+                    # moves on, the checkpoint this evaluation may find best.
+                    await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, {version})
+                    report = await env.evaluate(num_items=evaluation.items)
+                sampled_by = {report.get("policy_version_first", version), report.get("policy_version_last", version)}
+                if sampled_by != {version}:
+                    log.warning(
+                        "evaluation at version %d: its answers were sampled by versions %s (a server reloaded "
+                        "under it); evaluating again",
+                        version,
+                        sorted(int(v) for v in sampled_by),
+                    )
+                    continue
                 row = curve.add(
                     config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60
                 )

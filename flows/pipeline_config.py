@@ -183,8 +183,13 @@ class TrainerNodesConfig(Strict):
 class EvaluationConfig(Strict):
     env: str = Field(description="The environment whose `evaluate` (greedy, held-out items) gives the curve.")
     config: dict[str, Any] = Field(default_factory=dict)
-    items: int = Field(default=32, gt=0)
-    every: int = Field(default=5, gt=0, description="Evaluate each served version divisible by this (and the last).")
+    items: int = Field(default=32, gt=0, description="Held-out items per evaluation, answered all at once.")
+    every: int = Field(
+        default=5,
+        gt=0,
+        description="Evaluate the served version once it is this many versions past the last one evaluated "
+        "(version 0 first, and the last step).",
+    )
 
 
 class PipelineConfig(Strict):

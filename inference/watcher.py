@@ -109,6 +109,9 @@ class ReloadWatcher:
         self.latest: int | None = None  # the run's newest checkpoint at the last poll
         self._retry: dict[str, tuple[int, float]] = {}  # unhealthy server -> (failures, next try)
         self._pins: dict[str, tuple[frozenset[int], float]] = {}  # server -> (pinned steps, when)
+        # Held by an evaluator while it answers (flows.pipeline.evaluate_versions): no server reloads
+        # under an evaluation, so one version answers all of it; a poll waits for it, never the reverse.
+        self.hold = asyncio.Lock()
 
     def pin(self, target: ServedPolicy, *loading: int) -> None:
         """Pin the server's served step and `loading`; renewed well within the pins' lifetime."""
@@ -171,7 +174,12 @@ class ReloadWatcher:
             await self._adopt(target, version=announced)
 
     async def poll_once(self) -> list[ReloadOutcome]:
-        """One look at the run: every server behind the newest checkpoint is reloaded, concurrently."""
+        """One look at the run: every server behind the newest checkpoint is reloaded, concurrently
+        (once no evaluation holds the servers at their version: `hold`)."""
+        async with self.hold:
+            return await self._poll()
+
+    async def _poll(self) -> list[ReloadOutcome]:
         options = self.storage_options
         info = await asyncio.to_thread(latest_checkpoint, self.root, self.run_name, storage_options=options)
         self.latest = info.step if info is not None else None

@@ -19,6 +19,7 @@ from inference.watcher import ReloadWatcher
 from inference.weights import prepare_reload_dir
 from storage.checkpoints import publish_checkpoint
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, encode
+from tests.conftest import cached_tiny_model
 from tests.inference.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
 
 pytestmark = pytest.mark.integration
@@ -472,3 +473,31 @@ async def test_a_delta_step_is_rebuilt_and_reloaded_and_a_torn_one_never_reaches
     assert outcome.status == "failed" and "checksum" in outcome.detail, outcome.detail
     assert await announced(policy) == step + 1 and await served_matches(policy, after) < 1e-4
     assert not list((tmp_path / "cache").rglob(f"step-{step + 2:08d}"))
+
+
+async def test_an_evaluation_holding_the_watcher_is_answered_by_one_version(untied_policy, guard, tmp_path):
+    """The pipeline's evaluator holds the watcher (watcher.hold) while its answers are sampled, all at
+    once: the checkpoint published meanwhile is reloaded only after, and every answer has the version
+    the evaluation started on."""
+    from environments.bundled.arithmetic import Arithmetic
+    from inference.client import PolicyClient
+
+    policy, root = untied_policy, f"file://{tmp_path}/store"
+    before = await announced(policy)
+    step = next_step(policy)
+    publish_checkpoint(perturbed_checkpoint(policy.weights_dir, tmp_path / "new", seed=13), root, "run", step)
+    watcher = watcher_for(root, [policy], guard, tmp_path)
+    async with PolicyClient(policy.base_url) as client:
+        env = Arithmetic({"max_tokens": 12}, client=client, tokenizer=str(cached_tiny_model()))
+        await env.setup()
+        async with watcher.hold:
+            polling = asyncio.ensure_future(watcher.poll_once())
+            report = await env.evaluate(num_items=24)
+            await asyncio.sleep(0.5)
+            assert not polling.done(), "a reload landed under the evaluation"
+        [outcome] = await polling
+        after = await env.evaluate(num_items=24)
+    assert report["items"] == 24 and report["failures"] == 0
+    assert report["policy_version_first"] == report["policy_version_last"] == before
+    assert outcome.status == "reloaded" and await announced(policy) == step
+    assert after["policy_version_first"] == after["policy_version_last"] == step

@@ -43,6 +43,7 @@ from inference.reload import ServedPolicy
 from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import checkpoint_url, mark_best, pin_steps, read_best
+from storage.footprint import run_footprint
 from storage.layout import split_run_url
 from storage.models import local_model
 from storage.progress import clear_run_end, groups_committed, read_trainer_position, write_run_end
@@ -233,6 +234,7 @@ def run_summary(
         summary["best"] = view.curve.best
     if view.curve.rows:
         summary["curve"] = with_training_reward(view.curve.rows, view.steps.rows)
+    summary["storage"] = run_footprint(storage, run)
     return summary
 
 

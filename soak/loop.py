@@ -58,7 +58,14 @@ class Settings:
 
     def trainer_settings(self) -> dict[str, object]:
         # No staleness bound: every committed group must be trained, so the counts are exact.
-        return {"groups_per_step": self.groups_per_step, "save_every": 1, "max_staleness": 10**6, "lr": self.lr}
+        # Every step kept (keep_last null): the replay compares each step's weights with the run's.
+        return {
+            "groups_per_step": self.groups_per_step,
+            "save_every": 1,
+            "max_staleness": 10**6,
+            "lr": self.lr,
+            "keep_last": None,
+        }
 
 
 @dataclass

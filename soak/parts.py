@@ -13,6 +13,7 @@ the processes it started) and a Ctrl-C of the soak reaches none of them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -234,7 +235,7 @@ def trainer_part(
     if work_dir is not None:
         args += ["--work-dir", str(work_dir)]
     for key, value in settings.items():
-        args += ["--set", f"{key}={value}"]
+        args += ["--set", f"{key}={json.dumps(value)}"]  # YAML values: None is null
     if ranks == 1:
         command = [sys.executable, "-m", "trainer.cli", *args]
     else:  # torchrun reads --run as its own --run-path without the `--`

@@ -314,12 +314,11 @@ def apply_retention(
     *,
     keep_last: int,
     keep_every: int | None = None,
-    keep_after: int | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> list[int]:
     """Delete the published steps retention does not keep (see the module's doc); returns them.
-    `keep_after`: keep every step after this one too (the trainer's newest resume state: a trainer
-    resumed there trains those steps again and finds them published)."""
+    A trainer resumed from an older state trains deleted steps again without publishing them
+    (trainer.publishing.publish_step: LATEST never goes back), so none is kept for it."""
     if keep_last < 1:
         raise ValueError(f"keep_last is {keep_last}; keep at least the newest step (1)")
     base = checkpoints_url(root, run)
@@ -331,8 +330,6 @@ def apply_retention(
     with storage_errors(base):
         pointer = _latest_pointer(fs, path)
     keep = retained(published, keep_last, keep_every) | {published[-1]}
-    if keep_after is not None:
-        keep.update(step for step in published if step > keep_after)
     if match := _STEP.fullmatch(pointer):
         keep.add(int(match.group(1)))
     keep |= _chains(fs, path, keep)

@@ -281,11 +281,12 @@ class TrainerConfig(BaseModel):
     dtype: Literal["float32", "bfloat16"] = Field(
         default="float32", description="Training precision; bfloat16 on GPUs, float32 on CPU."
     )
-    gradient_checkpointing: bool = Field(
-        default=False,
+    gradient_checkpointing: bool | None = Field(
+        default=None,
         description="Keep only each decoder layer's input through the forward pass and recompute the layer in "
         "the backward: activation memory no longer grows with layers x micro_batch_tokens, for about a third "
-        "more compute. For models of real sizes at large micro_batch_tokens.",
+        "more compute. None: on when a micro-batch's activations would pass 2 GiB (trainer.model."
+        "activation_bytes: a real model at thousands of tokens), off for the small ones.",
     )
     save_every: int = Field(default=10, gt=0, description="Publish a checkpoint every this many steps.")
     publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
@@ -293,13 +294,15 @@ class TrainerConfig(BaseModel):
         description="The dtype of the published weights: the one the servers serve (clotho run sets it from "
         "servers.dtype), half the bytes to write and reload in bf16; None: the training dtype.",
     )
-    full_every: int = Field(
-        default=10,
+    full_every: int | None = Field(
+        default=None,
         ge=1,
         description="Publish the weights in full every this many checkpoints and, between, as deltas on the one "
         "before (the changed bytes, XOR'd and compressed: a few percent of the full weights for a bf16 publish "
         "at a small learning rate); 1: always in full. Rank 0 keeps the previous publish's bytes in memory "
-        "(2 bytes a parameter in bf16) and publishes in full where a delta would not halve the bytes.",
+        "(2 bytes a parameter in bf16) and publishes in full where a delta would not halve the bytes. None: 10 "
+        "for a publish in 16 bits, 1 in float32 (an update moves most fp32 mantissa bits: a delta is ~40% of "
+        "the full weights, and retention keeps a kept delta's chain).",
     )
     state_every: int | None = Field(
         default=None,
@@ -324,10 +327,11 @@ class TrainerConfig(BaseModel):
         "is not a local disk (a local run keeps its work dir in its storage already).",
     )
     keep_last: int | None = Field(
-        default=None,
+        default=3,
         ge=1,
-        description="Keep only the last this many published checkpoints (plus every keep_every-th, the "
-        "one LATEST names and any a server still serves or loads); None keeps every one.",
+        description="Keep only the last this many published checkpoints (plus every keep_every-th, BEST, the "
+        "one LATEST names, any a server still serves or loads, and the steps a kept delta is built from); "
+        "None keeps every one.",
     )
     keep_every: int | None = Field(
         default=None, gt=0, description="With keep_last: also keep every step divisible by this."
@@ -367,6 +371,13 @@ class TrainerConfig(BaseModel):
                 f"state is saved with a published checkpoint; set state_every to {self.save_every * max(1, self.state_every // self.save_every)}"
             )
         return self
+
+    @property
+    def publish_full_every(self) -> int:
+        """full_every, or its default for the published dtype (None: 10 in 16 bits, 1 in float32)."""
+        if self.full_every is not None:
+            return self.full_every
+        return 1 if (self.publish_dtype or self.dtype) == "float32" else 10
 
     def state_due(self, step: int, minutes_since_state: float) -> bool:
         """Whether the checkpoint published at `step` takes a resume state with it: at the last step,

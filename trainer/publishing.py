@@ -4,8 +4,8 @@ The published checkpoint `{root}/{run}/checkpoints/step-{N:08d}/` (storage.check
 safetensors in the servers' dtype, config, generation config, tokenizer and the parity reference;
 every `full_every`-th publish in full, the ones between as deltas on the one before
 (DeltaPublisher). A trainer resumed from an older state (trainer.resume_state) trains the steps
-since again and finds their checkpoints already published: replay_difference checks it got the
-same weights.
+since again and finds their checkpoints already published (replay_difference checks it got the
+same weights), or deleted by retention (then they are not published again: LATEST never goes back).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from storage import weight_delta
 from storage.checkpoints import (
     CheckpointError,
     checkpoint_url,
+    latest_checkpoint,
     publish_checkpoint,
     read_checkpoint,
 )
@@ -277,6 +278,14 @@ def publish_step(
         already = True
     except CheckpointError:
         already = False
+    newest = None if already else latest_checkpoint(storage, run, storage_options=storage_options)
+    if newest is not None and newest.step > step:
+        # Published by an earlier run of these steps and deleted by retention since: the servers are
+        # past it, and publishing it again would take LATEST back. The next step publishes in full.
+        if deltas is not None:
+            deltas.forget()
+        log.info("%s was published and retention deleted it: not published again (LATEST: %d)", url, newest.step)
+        return url
     tensors = published_tensors(engine.module, state_dict, torch_dtype)
     if already:
         if deltas is not None:

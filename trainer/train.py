@@ -32,11 +32,13 @@ from trainer.data import next_step_groups
 from trainer.distributed import broadcast_object, build_engine, gather_objects, init_distributed
 from trainer.metrics import MetricsLog, merge_objective_metrics
 from trainer.model import (
+    activation_bytes,
     enable_gradient_checkpointing,
     gradient_norm,
     load_policy,
     micro_batch_loss,
     rank_micro_batches,
+    wants_gradient_checkpointing,
 )
 from trainer.publishing import DeltaPublisher, clear_staging, publish_step
 from trainer.resume_state import commit_resume_state, load_resume_state, rng_state, save_resume_state
@@ -119,7 +121,9 @@ class TrainingRun:
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
-        self.deltas = DeltaPublisher(config.full_every, self.staging_dir)  # a fresh trainer's first publish is full
+        self.deltas = DeltaPublisher(
+            config.publish_full_every, self.staging_dir
+        )  # a fresh trainer's first publish is full
         self.upload: StateUpload | None = None  # the newest resume state, on its way to the run's storage
         # Set by start(): the policy, its DeepSpeed engine, the resume state's store, the last step taken.
         self.model: PreTrainedModel
@@ -149,7 +153,16 @@ class TrainingRun:
         # from_pretrained returns the model in eval mode and it stays there: with dropout off, the
         # trainer's logprobs of a sequence are the sampler's whenever the weights are the same.
         self.model = load_policy(config.model, config.dtype)
-        if config.gradient_checkpointing:
+        checkpointing = config.gradient_checkpointing
+        if checkpointing is None:
+            checkpointing = wants_gradient_checkpointing(self.model.config, config.micro_batch_tokens)
+            log.info(
+                "gradient checkpointing %s: a micro-batch of %d tokens keeps about %.1f GiB of activations without it",
+                "on" if checkpointing else "off",
+                config.micro_batch_tokens,
+                activation_bytes(self.model.config, config.micro_batch_tokens) / 2**30,
+            )
+        if checkpointing:
             enable_gradient_checkpointing(self.model)
         self.engine = build_engine(self.model, config, self.world_size)
         if config.loss.kl_coef > 0:
@@ -316,7 +329,6 @@ class TrainingRun:
                     self.run,
                     keep_last=config.keep_last,
                     keep_every=config.keep_every,
-                    keep_after=self.state_step,
                     storage_options=self.storage_options,
                 )
         return costs

@@ -154,9 +154,12 @@ def test_a_short_pipeline_trains_reloads_and_stops_clean(stopped_run, prefect_se
 
     root = tmp_path / "store"
     checkpoints = sorted(p.name for p in (root / "run" / "checkpoints").iterdir() if p.name.startswith("step-"))
-    assert len(checkpoints) == steps and all(
+    # Retention's default (keep_last 3): the last three steps and the best evaluated one, all STABLE.
+    kept = {f"step-{step:08d}" for step in (steps - 2, steps - 1, steps, summary["best"]["step"])}
+    assert set(checkpoints) == kept and all(
         (root / "run" / "checkpoints" / s / "STABLE").exists() for s in checkpoints
     ), checkpoints
+    assert summary["storage"]["checkpoints"] == len(kept) and summary["storage"]["shard_bytes"] > 0
     groups = list(ShardReader(f"file://{root}", "run").groups())
     versions = [g.policy_version for g in groups]
     assert max(versions) >= 2, f"the servers never served a new checkpoint: {versions}"  # reloaded

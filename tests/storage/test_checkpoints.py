@@ -73,11 +73,12 @@ def test_retention_keeps_the_last_k_every_nth_latest_and_pinned(root: str, model
         apply_retention(root, "run", keep_last=0)
 
 
-def test_retention_keeps_every_step_after_the_trainers_resume_state(root: str, model_dir) -> None:
-    # A trainer resumed from its state at step 5 trains 6-9 again and must find them published.
+def test_retention_keeps_the_last_steps_whatever_the_resume_state(root: str, model_dir) -> None:
+    # A trainer resumed from an older state trains deleted steps again without publishing them
+    # (tests/trainer/test_train.py: a resumed trainer never takes LATEST back).
     publish(root, model_dir, range(1, 11))
-    assert apply_retention(root, "run", keep_last=2, keep_after=5) == [1, 2, 3, 4, 5]
-    assert published_steps(root, "run") == [6, 7, 8, 9, 10]
+    assert apply_retention(root, "run", keep_last=2) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert published_steps(root, "run") == [9, 10]
 
 
 def test_a_step_pinned_during_its_deletion_is_put_back(root: str, model_dir, monkeypatch) -> None:

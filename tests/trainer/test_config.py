@@ -123,3 +123,14 @@ def test_the_resume_state_goes_with_a_published_checkpoint():
     assert both.state_due(10, 0.0) and both.state_due(6, 6.0) and not both.state_due(8, 1.0)
     with pytest.raises(ValidationError, match="state_every=5 is not a multiple of save_every=2.*set state_every to 4"):
         TrainerConfig(model="m", save_every=2, state_every=5)
+
+
+def test_the_defaults_bound_a_real_runs_disk():
+    """keep_last 3 by default; deltas only where they pay: a float32 publish is full every time
+    (a delta of fp32 weights was 40% of them), one in 16 bits a delta between fulls every 10."""
+    config = TrainerConfig(model="m")
+    assert config.keep_last == 3 and config.full_every is None and config.gradient_checkpointing is None
+    assert config.publish_full_every == 1
+    assert TrainerConfig(model="m", publish_dtype="bfloat16").publish_full_every == 10
+    assert TrainerConfig(model="m", dtype="bfloat16").publish_full_every == 10
+    assert TrainerConfig(model="m", publish_dtype="bfloat16", full_every=4).publish_full_every == 4

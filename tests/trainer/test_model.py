@@ -308,3 +308,20 @@ def test_a_bf16_publish_parity_reference_is_of_the_rounded_weights(tmp_path):
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.float32 and torch.equal(parameter, before[name]), name
     assert not model.training and model.model.layers[0].training and not model.model.layers[0].self_attn.training
+
+
+def test_gradient_checkpointing_is_on_by_default_for_real_models_only(tiny_tokenizer):
+    """The default (gradient_checkpointing None) from the model's shape and micro_batch_tokens: the
+    real shapes at 4,096 tokens would keep gigabytes of activations, the small ones megabytes."""
+    from inference.tiny_model import model_config
+    from trainer.model import ACTIVATION_BUDGET_BYTES, activation_bytes, wants_gradient_checkpointing
+
+    wanted = {
+        size: wants_gradient_checkpointing(model_config(size, tiny_tokenizer)[0], 4096)
+        for size in ("tiny", "small", "smollm2-135m", "qwen2.5-0.5b")
+    }
+    assert wanted == {"tiny": False, "small": False, "smollm2-135m": True, "qwen2.5-0.5b": True}
+    half_b = model_config("qwen2.5-0.5b", tiny_tokenizer)[0]
+    assert activation_bytes(half_b, 8192) > 15 * 2**30  # past what the first run without it reached
+    assert not wants_gradient_checkpointing(model_config("smollm2-135m", tiny_tokenizer)[0], 256)
+    assert activation_bytes(half_b, 1) * 4096 == activation_bytes(half_b, 4096) > ACTIVATION_BUDGET_BYTES

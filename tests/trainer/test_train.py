@@ -65,7 +65,14 @@ def test_deltas_between_full_checkpoints_publish_the_same_weights_in_a_few_perce
     byte, what a run publishing in full wrote, and a delta is under 10% of a full step's weights."""
     root = str(tmp_path)
     groups = sampled_groups(tiny_model_dir, 8, seed=31)
-    settings = ("save_every=1", "lr=1e-6", "publish_dtype=bfloat16", "state_every=4", "max_staleness=8")
+    settings = (
+        "save_every=1",
+        "lr=1e-6",
+        "publish_dtype=bfloat16",
+        "state_every=4",
+        "max_staleness=8",
+        "keep_last=null",
+    )
     for run, full_every in (("deltas", 3), ("full", 1)):
         write_shards(root, run, groups, groups_per_shard=2)
         run_trainer(trainer_args(root, run, tiny_model_dir, 4, *settings, f"full_every={full_every}"))
@@ -293,11 +300,13 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir
 def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_published_weights(
     tmp_path, tiny_model_dir
 ):
-    """Checkpoints every step, resume state every 3: killed waiting in step 6 (steps 4-5 published,
-    state at 3), it resumes at 3, trains 4-5 again from the same groups to their published weights
-    (checked against their stored logprobs) and ends where an uninterrupted run ends."""
+    """Checkpoints every step, the last one kept, resume state every 3: killed waiting in step 6
+    (step 5 published, 1-4 deleted by retention, state at 3), it resumes at 3 and trains 4-5 again
+    from the same groups: 4, deleted, is not published again (LATEST never goes back), 5 gives its
+    published weights (checked against their stored logprobs), and it ends where an uninterrupted
+    run ends."""
     root = str(tmp_path)
-    settings = ("save_every=1", "state_every=3", "max_staleness=8")
+    settings = ("save_every=1", "state_every=3", "max_staleness=8", "keep_last=1")
     write_shards(root, "killed", sampled_groups(tiny_model_dir, 10, seed=12), groups_per_shard=2)
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:
@@ -315,7 +324,7 @@ def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_pub
             assert time.monotonic() < deadline, f"no step 6 wait:\n{log_path.read_text()[-4000:]}"
             time.sleep(0.2)
         state = tmp_path / "killed" / "trainer" / "state"
-        assert published_steps(root, "killed") == [1, 2, 3, 4, 5]
+        assert published_steps(root, "killed") == [5]
         assert (state / "latest").read_text() == "step-00000003"
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=30)
@@ -328,8 +337,9 @@ def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_pub
     run_trainer(trainer_args(root, "whole", tiny_model_dir, 6, *settings))
     output = run_trainer(trainer_args(root, "killed", tiny_model_dir, 6, *settings))
     assert "resuming from step 3" in output
-    assert output.count("the step trained again gives its stored logprobs") == 2, output[-4000:]
-    assert published_steps(root, "killed") == [1, 2, 3, 4, 5, 6]
+    assert output.count("step-00000004 was published and retention deleted it: not published again") == 1
+    assert output.count("the step trained again gives its stored logprobs") == 1, output[-4000:]
+    assert published_steps(root, "killed") == [6]
     assert sorted(p.name for p in state.glob("step-*")) == ["step-00000003", "step-00000006"]
     expected, actual = weights(latest_checkpoint(root, "whole").url), weights(latest_checkpoint(root, "killed").url)
     assert max((expected[k] - actual[k]).abs().max().item() for k in expected) <= 1e-6

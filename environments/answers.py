@@ -52,21 +52,18 @@ def _normalize(text: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text, braces balanced; None if there is none."""
-    start = text.rfind("\\boxed")
+    """The content of the last \\boxed{...} in text, braces matched; None when there is none."""
+    start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    index = text.find("{", start)
-    if index < 0:
-        return None
-    depth = 0
-    for position in range(index, len(text)):
-        if text[position] == "{":
+    depth, begin = 0, start + len("\\boxed{")
+    for index in range(begin, len(text)):
+        if text[index] == "{":
             depth += 1
-        elif text[position] == "}":
-            depth -= 1
+        elif text[index] == "}":
             if depth == 0:
-                return text[index + 1 : position]
+                return text[begin:index]
+            depth -= 1
     return None
 
 

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from environments.answers import last_boxed
 from environments.base import Environment, EnvironmentConfig, Item, final_answer
 
 log = logging.getLogger(__name__)
@@ -75,22 +76,6 @@ class DatasetConfig(EnvironmentConfig):
         if "{prompt}" not in template:
             raise ValueError("prompt_template has no {prompt}; put {prompt} where the question goes")
         return template
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} in text, braces matched; None when there is none."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for index in range(begin, len(text)):
-        if text[index] == "{":
-            depth += 1
-        elif text[index] == "}":
-            if depth == 0:
-                return text[begin:index]
-            depth -= 1
-    return None
 
 
 def _parsed(text: str, gold: bool) -> list:

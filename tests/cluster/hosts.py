@@ -206,7 +206,7 @@ model: {model}
 max_lag: 1
 servers: {{count: 0, urls: [{server}], reload_urls: false}}
 rollout: {{flows: 2, deployment: rollout/rollout-pipeline, max_concurrent_groups: 4, task_run_s: 2.0}}
-trainer: {{lr: 0.0001, save_every: 1, state_every: 2}}
+trainer: {{lr: 0.0001, save_every: 1, state_every: 2, keep_last: null}}  # the tally reads every step
 trainer_nodes: {{work_queues: [node-c, node-d], rendezvous: "{a}:29400", work_dir: /tmp/train-{name}}}
 phases:
   - name: rl

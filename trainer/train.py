@@ -121,9 +121,8 @@ class TrainingRun:
         self.metrics_log: MetricsLog | None = None
         self.reference: torch.nn.Module | None = None
         self.state_saved_at = time.monotonic()  # state_every_minutes counts from the start or the last state
-        self.deltas = DeltaPublisher(
-            config.publish_full_every, self.staging_dir
-        )  # a fresh trainer's first publish is full
+        # A fresh trainer's first publish is full.
+        self.deltas = DeltaPublisher(config.publish_full_every, self.staging_dir)
         self.upload: StateUpload | None = None  # the newest resume state, on its way to the run's storage
         # Set by start(): the policy, its DeepSpeed engine, the resume state's store, the last step taken.
         self.model: PreTrainedModel
@@ -169,7 +168,7 @@ class TrainingRun:
             self.reference = load_policy(config.model, config.dtype).to(self.engine.device).requires_grad_(False)
         self.state_store = StateStore.for_run(storage, run, config.state_in_storage, storage_options)
         saved = load_resume_state(self.engine, self.state_dir, config.lr, self.state_store)
-        self.step = self.state_step = saved["step"] if saved else 0  # state_step: of the newest resume state
+        self.step = saved["step"] if saved else 0
         self.policy_version = saved["policy_version"] if saved else 0  # the newest published step
         self.totals |= (saved or {}).get("totals", {})
         if self.rank == 0:
@@ -319,8 +318,6 @@ class TrainingRun:
             )
             costs["save_state_s"] = time.monotonic() - state_started
             self.state_saved_at = time.monotonic()
-            if self.upload is None:
-                self.state_step = step
         if url is not None:
             log.info("step %d: published %s", step, url)
             if config.keep_last is not None:
@@ -340,7 +337,6 @@ class TrainingRun:
         if self.upload is None or not commit_resume_state(self.upload, wait):
             return {}
         upload, self.upload = self.upload, None
-        self.state_step = upload.step
         log.info(
             "resume state of step %d in %s (%.1f s beside the steps)", upload.step, upload.store.url, upload.seconds
         )

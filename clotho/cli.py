@@ -345,7 +345,13 @@ def run_pipeline(
             f"clotho run: stopped by {stopped}; every finished group is stored under {pipeline_config.run}", err=True
         )
         raise typer.Exit(128 + stopped.signum) from None
-    typer.echo(json.dumps({key: value for key, value in summary.items() if key != "curve"}, indent=1))
+    typer.echo(
+        json.dumps({key: value for key, value in summary.items() if key not in ("curve", "completions")}, indent=1)
+    )
+    if completions := summary.get("completions"):
+        from flows.completions import completions_text
+
+        typer.echo(completions_text(completions), err=True)  # stdout: the summary's JSON alone
 
 
 def check_pipeline(path: Path, overrides: list[str]) -> Any:

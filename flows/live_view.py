@@ -4,7 +4,8 @@ evaluation and phase as an event, and the live card: one markdown artifact per r
 at most every LIVE_INTERVAL_S while steps land, and once more at the end. The card holds what a
 person watching a run looks for: where the run is and how long it has left, the policy version the
 servers serve and its reload time, throughput and staleness, the reward over steps as a chart, the
-latest steps newest first and the held-out evaluations, every number rounded."""
+latest steps newest first, a few sampled completions of the newest group with their scores and
+the held-out evaluations, every number rounded."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from prefect.artifacts import acreate_markdown_artifact, acreate_progress_artifa
 from prefect.events import emit_event
 
 from flows.artifacts import Card, artifact_key
+from flows.completions import LatestCompletions, completions_markdown
 from flows.pipeline_config import Phase, PipelineConfig
 from flows.pipeline_report import Curve, PipelineLog, StepLog, progress_line, staleness_table
 from storage.layout import split_run_url
@@ -90,10 +92,12 @@ def live_markdown(
     seconds_per_step: float | None = None,
     finished: bool = False,
     best: dict[str, Any] | None = None,
+    completions: list[dict[str, Any]] | None = None,
 ) -> str:
     """The card's text for the run so far: `steps` are the trainer's metrics rows, `curve` the
     held-out evaluations, `reload_s` the reload time of each served version, `seconds_per_step`
-    the recent pace (StepLog.seconds_per_step), `best` the best evaluated checkpoint (Curve.best)."""
+    the recent pace (StepLog.seconds_per_step), `best` the best evaluated checkpoint (Curve.best),
+    `completions` a few sampled completions of the newest group (flows.completions)."""
     step = int(steps[-1]["step"]) if steps else 0
     state = "finished" if finished else "running"
     head = [f"# Run `{run}`: {state}", ""]
@@ -144,6 +148,7 @@ def live_markdown(
             cells = [rounded(next((row[m] for m in metrics if m in row), None)) for _, metrics in shown]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
+    lines += completions_markdown(completions or [], "Latest sampled completions (the newest group stored)")
     lines += [
         f"Scores and failures by reason per environment, as groups land: artifact `{artifact_key('rollout-env-stats', run)}`.",
         "",
@@ -200,6 +205,7 @@ class RunView:
         position = read_trainer_position(storage, run_name)
         self.steps = StepLog(storage, run_name, after_step=position.steps if position else 0)
         self.curve = Curve()
+        self.completions = LatestCompletions(storage, run_name, interval_s=LIVE_INTERVAL_S)
         self.measured = PipelineLog(work_dir, on_event=functools.partial(emit_pipeline_event, run))
         self.live = Card(
             "markdown",
@@ -236,6 +242,7 @@ class RunView:
         """The live card, at most every LIVE_INTERVAL_S; at once when the servers serve a new
         version (a reload is what a person watching waits for) and at the end."""
         served = max(self.measured.reload_s, default=None)
+        await asyncio.to_thread(self.completions.update, finished)  # reads storage, at most every interval
 
         def markdown() -> str:  # built only when the card is due an update
             steps = self.steps
@@ -252,6 +259,7 @@ class RunView:
                 steps.seconds_per_step(),
                 finished,
                 self.curve.best,
+                self.completions.latest,
             )
 
         await self.live.show(markdown, force=finished or served != self.shown_version)

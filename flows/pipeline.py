@@ -68,9 +68,8 @@ async def pipeline(
     log = get_run_logger()
     storage, run = split_run_url(config.run)
     api_key = await resolve_api_key(None)  # $CLOTHO_API_KEY (clotho run --api-key sets it)
-    view = await asyncio.to_thread(
-        RunView, config, run, default_work_dir(storage, run)
-    )  # reads storage, imports TensorBoard
+    work_dir = default_work_dir(storage, run)
+    view = await asyncio.to_thread(RunView, config, run, work_dir)  # reads storage, imports TensorBoard
     await view.open(config_path, overrides)
     # Resolved with the evaluated version when the last phase's stop rule is met.
     stop_rule_met: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -93,7 +92,13 @@ async def pipeline(
     await acreate_markdown_artifact(
         report_markdown(run, view.curve, summary), key=f"{view.key}-report", description=f"Pipeline run {run}"
     )
-    log.info("pipeline finished: %s", json.dumps({k: v for k, v in summary.items() if k != "curve"}))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log.info(
+        "pipeline finished (%s): %s",
+        work_dir / "summary.json",
+        json.dumps({k: v for k, v in summary.items() if k not in ("curve", "completions")}),
+    )
     return summary
 
 
@@ -235,6 +240,8 @@ def run_summary(
     if view.curve.rows:
         summary["curve"] = with_training_reward(view.curve.rows, view.steps.rows)
     summary["storage"] = run_footprint(storage, run)
+    if view.completions.first:  # what the model wrote at the start and at the end
+        summary["completions"] = {"first": view.completions.first, "last": view.completions.latest}
     return summary
 
 
@@ -435,7 +442,9 @@ async def evaluate_versions(
                     # Pinned while it is evaluated: retention would otherwise delete, once the trainer
                     # moves on, the checkpoint this evaluation may find best.
                     await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, {version})
+                    answering = time.monotonic()
                     report = await env.evaluate(num_items=evaluation.items)
+                    answered_s = time.monotonic() - answering
                 sampled_by = {report.get("policy_version_first", version), report.get("policy_version_last", version)}
                 if sampled_by != {version}:
                     log.warning(
@@ -446,15 +455,21 @@ async def evaluate_versions(
                     )
                     continue
                 row = curve.add(
-                    config.phase_of(version).name, version, report["mean_score"], (time.monotonic() - started) / 60
+                    config.phase_of(version).name,
+                    version,
+                    report["mean_score"],
+                    (time.monotonic() - started) / 60,
+                    items=report["items"],
+                    seconds=round(answered_s, 3),
                 )
                 measured.evaluation(row)
                 log.info(
-                    "evaluation at version %d (%s): mean score %.3f over %d items",
+                    "evaluation at version %d (%s): mean score %.3f over %d items, answered in %.1f s",
                     version,
                     row["phase"],
                     report["mean_score"],
                     report["items"],
+                    answered_s,
                 )
                 evaluated = version
                 if version > 0 and (curve.best is None or row["reward"] > curve.best["reward"]):

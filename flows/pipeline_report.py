@@ -237,8 +237,9 @@ class Curve:
             else f"best: step {best['step']} (held-out {best['reward']:.3f})"
         )
 
-    def add(self, phase: str, step: int, reward: float, minutes: float) -> dict[str, Any]:
-        row = {"phase": phase, "step": step, "reward": reward, "minutes": round(minutes, 3)}
+    def add(self, phase: str, step: int, reward: float, minutes: float, **measured: Any) -> dict[str, Any]:
+        """An evaluation of version `step`; `measured`: what else it measured (items, seconds)."""
+        row = {"phase": phase, "step": step, "reward": reward, "minutes": round(minutes, 3), **measured}
         self.rows.append(row)
         self.changed.set()
         return row
@@ -285,4 +286,9 @@ def report_markdown(run: str, curve: Curve, summary: dict[str, Any]) -> str:
     if curve.rows:
         lines += ["", "| phase | step | reward (greedy, held out) | minutes |", "|---|---|---|---|"]
         lines += [f"| {r['phase']} | {r['step']} | {r['reward']:.3f} | {r['minutes']:.1f} |" for r in curve.rows]
+    if completions := summary.get("completions"):
+        from flows.completions import completions_markdown
+
+        lines += ["", *completions_markdown(completions["first"], "Sampled completions: the first group stored")]
+        lines += completions_markdown(completions["last"], "Sampled completions: the last group stored")
     return "\n".join(lines)

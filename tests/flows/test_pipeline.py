@@ -227,6 +227,14 @@ def test_the_live_card_shows_the_run_while_it_goes_and_is_one_card(stopped_run):
     rows = text.split("newest first\n\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
     steps = [int(row.split(" | ")[0].strip("| ")) for row in rows]
     assert steps == sorted(steps, reverse=True) and steps[0] >= 2, rows
+    # What the model writes: a few completions of the newest stored group, with their scores.
+    assert any("## Latest sampled completions (the newest group stored)" in text for _, text in live)
+    # The run's summary, stored beside its metrics, keeps the first and the last ones (printed too).
+    stored = json.loads((stopped_run.tmp_path / "store" / "run" / "trainer" / "summary.json").read_text())
+    first, last = stored["completions"]["first"], stored["completions"]["last"]
+    assert first and last and {row["env"] for row in first + last} == {"arithmetic"}
+    assert stored["steps"] == summary["steps"] and "completions" not in summary  # stdout: the JSON, shorter
+    assert "sampled completions, the last group stored" in stopped_run.output
     # One card, replaced in place: the same artifact during and after, saying the run finished.
     assert len({artifact_id for artifact_id, _ in live}) == 1 and [card["id"] for card in after] == [live[0][0]]
     assert after[0]["data"].startswith("# Run `run`: finished") and f"step **{summary['steps']}**" in after[0]["data"]

@@ -105,6 +105,7 @@ bench: setup .venv-trl/.installed
 	$(VENV)/bin/python bench/bench_reprocess.py
 	$(VENV)/bin/python bench/bench_sandbox.py
 	$(VENV)/bin/python bench/bench_peer.py
+	$(VENV)/bin/python bench/bench_recipe.py
 	$(VENV)/bin/python bench/report.py --readme
 
 # Fault injection into a running loop (soak/run.py): SIGKILL of the rollout flow, the trainer, the

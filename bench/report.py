@@ -34,7 +34,11 @@ SAMPLING_START, SAMPLING_END = "<!-- sampling:start (python bench/report.py --re
 SCALE_START, SCALE_END = "<!-- scale:start (python bench/report.py --readme) -->", "<!-- scale:end -->"
 SIDE_LABELS = {"clotho": "clotho", "trl": "TRL GRPOTrainer", "clotho-untempered": "clotho, untempered (before)"}
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
-DEMO_YAML = Path(__file__).resolve().parents[1] / "runs" / "demo.yaml"
+# What each recorded demo ran: `clotho demo` (SmolLM2), `clotho demo --tiny` (the small random model).
+DEMO_CONFIGS = {
+    "demo": Path(__file__).resolve().parents[1] / "runs" / "smollm2-times-tables.yaml",
+    "demo-tiny": Path(__file__).resolve().parents[1] / "runs" / "demo.yaml",
+}
 
 
 def _load(name: str) -> dict | None:
@@ -239,6 +243,26 @@ def rows() -> list[list[str]]:
                 _measured(peer),
             ]
         )
+    if recipe := _load("recipe"):
+        r = recipe["result"]
+        seeds = "; ".join(
+            f"seed {run['seed']}: {run['start']:.2f} -> {run['end']:.2f} (best {run['best']:.2f}), +{r['gain']:.2f} after "
+            + ("never" if run["minutes_to_gain"] is None else f"{run['minutes_to_gain']:.1f} min")
+            + f", {run['steps']} steps, {run['seconds_per_step']} s/step, evaluation {run['evaluation_s_median']} s, "
+            f"storage {run['storage']['checkpoints']:.0f} checkpoints {run['storage']['checkpoint_bytes'] / 1e9:.2f} GB "
+            f"({run['storage']['checkpoint_bytes'] / max(run['storage']['largest_checkpoint_bytes'], 1):.1f}x the largest)"
+            for run in r["runs"]
+        )
+        table.append(
+            [
+                "`bench_recipe.py`",
+                f"a real model learns: `{r['config']}` ({r['model']}, pure RL) per seed, greedy accuracy on the held-out "
+                "problems from the model's own start",
+                f"+{r['gain']:.2f} within {r['minutes']:.0f} min in every seed",
+                f"{r['seeds_met']} of {r['seeds']} seeds; {seeds}",
+                _measured(recipe),
+            ]
+        )
     if remote := _load("remote"):
         adapters = remote["result"]["adapters"]
 
@@ -329,54 +353,104 @@ def bench_block() -> str:
 
 
 def demo_text() -> str:
-    """The README's demo figures, from bench/results/demo.json (what a `make demo` measured)."""
+    """The README's demo figures: what `make demo` measured (bench/results/demo.json), then what
+    `clotho demo --tiny` measured (bench/results/demo-tiny.json)."""
     record = _load("demo")
-    if record is None:
-        return "No demo run is recorded yet (`make demo`, then `python bench/report.py --record-demo`)."
+    text = (
+        real_demo_text(record)
+        if record is not None
+        else "No demo run is recorded yet (`make demo`, then `python bench/report.py --record-demo`)."
+    )
+    tiny = _load("demo-tiny")
+    return text if tiny is None else f"{text}\n\n{tiny_demo_text(tiny)}"
+
+
+def _history(runs: list[dict], config: str, gain_key: str, gain_of: str) -> str:
+    if len(runs) < 2:
+        return ""
+    gains = ", ".join(f"{run[gain_key]:+.2f}" for run in runs)
+    return (
+        f" All {len(runs)} demos recorded with this `{config}`, oldest first: {gain_of} {gains}; "
+        f"{sum(run['criterion_met'] for run in runs)} of {len(runs)} met the criterion, "
+        f"{sum(run['stopped_by_rule'] for run in runs)} stopped on the rule, the longest took "
+        f"{max(run['demo_minutes'] for run in runs):.1f} minutes."
+    )
+
+
+def _ending(r: dict, last: dict, what: str) -> str:
+    stopped = r.get("stopped_by_rule")
+    ending = (
+        f"{what} stopped on its rule ({stopped['rule']}) at step {stopped['version']}"
+        if stopped
+        else f"{what} ran all its steps, to step {last['step']}"
+    )
+    if best := r.get("best"):
+        ending += (
+            f" (its best checkpoint, step {best['step']} at held-out {best['reward']:.2f}, kept as `checkpoints/BEST`)"
+        )
+    return ending
+
+
+def real_demo_text(record: dict) -> str:
     r = record["result"]
     curve, verdict = r["curve"], r["verdict"]
     last = curve[-1]
-    training = [row["train_reward"] for row in curve if row.get("train_reward") is not None]
-    if not training:
-        return f"held-out reward {verdict['start']:.2f} at the start, {verdict['end']:.2f} at the end."
+    window = verdict.get("window", 1)
+    end_is = "its last evaluation" if window == 1 else f"the mean of its last {window} evaluations"
+    reached = next((row for row in curve if row["reward"] >= verdict["start"] + 0.30 - 1e-9), None)
+    reached_text = (
+        f"+0.30 first reached at step {reached['step']}, {reached['minutes']:.1f} minutes in"
+        if reached
+        else "+0.30 not reached"
+    )
+    whole = (
+        f"; the whole `clotho demo`, its Prefect server's start and the model's conversion included, took "
+        f"{r['demo_minutes']:.1f} minutes."
+        if "demo_minutes" in r
+        else "."
+    )
+    seconds = [row["seconds"] for row in curve if "seconds" in row]
+    evaluation = (
+        f" Each evaluation ({int(last.get('items', 0))} items) answered in {min(seconds):.0f}-{max(seconds):.0f} s."
+        if seconds
+        else ""
+    )
+    shown = ""
+    if completions := r.get("completions"):
+        first, final = completions["first"][0], completions["last"][0]
+        shown = (
+            f' Sampled at the start: "{first["prompt"]}" → "{first["completion"].strip()[:80]}" (score '
+            f'{first["score"]:.2f}); at the end: "{final["prompt"]}" → "{final["completion"].strip()[:80]}" '
+            f"(score {final['score']:.2f})."
+        )
+    return (
+        f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
+        f"`bench/results/demo.json`): greedy accuracy on the held-out problems {verdict['start']:.2f} at the start "
+        f"(the model's own), {verdict['end']:.2f} at step {last['step']} ({end_is}), {verdict['rl_gain']:+.2f}; "
+        f"{reached_text}; {_ending(r, last, 'RL')}, {last['minutes']:.1f} minutes after the pipeline started (the "
+        f"policy server's start-up included){whole}{evaluation}{shown}"
+        + _history(r.get("runs", []), "runs/smollm2-times-tables.yaml", "rl_gain", "RL added")
+    )
+
+
+def tiny_demo_text(record: dict) -> str:
+    r = record["result"]
+    curve, verdict = r["curve"], r["verdict"]
+    last = curve[-1]
     window = verdict.get("window", 1)
     plateau_is, end_is = (
         ("its best evaluation", "its last evaluation")
         if window == 1
         else (f"its best mean of {window} evaluations in a row", f"the mean of its last {window} evaluations")
     )
-    stopped = r.get("stopped_by_rule")
-    ending = (
-        f"RL stopped on its rule ({stopped['rule']}) at step {stopped['version']}"
-        if stopped
-        else f"RL ran all its steps, to step {last['step']}"
-    )
-    if best := r.get("best"):
-        ending += (
-            f" (its best checkpoint, step {best['step']} at held-out {best['reward']:.2f}, kept as `checkpoints/BEST`)"
-        )
-    whole = (
-        f"; the whole `clotho demo`, its Prefect server's start included, took {r['demo_minutes']:.1f} minutes."
-        if "demo_minutes" in r
-        else "."
-    )
-    runs = r.get("runs", [])
-    history = ""
-    if len(runs) > 1:
-        gains = ", ".join(f"{run['rl_gain']:+.2f}" for run in runs)
-        history = (
-            f" All {len(runs)} demos recorded with this `runs/demo.yaml`, oldest first: RL added {gains} over the SFT "
-            f"plateau; {sum(run['criterion_met'] for run in runs)} of {len(runs)} met the criterion, "
-            f"{sum(run['stopped_by_rule'] for run in runs)} stopped on the rule, the longest took "
-            f"{max(run['demo_minutes'] for run in runs):.1f} minutes."
-        )
+    whole = f"; the whole `clotho demo --tiny` took {r['demo_minutes']:.1f} minutes." if "demo_minutes" in r else "."
     return (
-        f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; "
-        f"`bench/results/demo.json`): held-out reward {verdict['start']:.2f} at the start, "
-        f"{verdict['sft_plateau']:.2f} after SFT ({plateau_is}; the demonstrations teach the format and some of the answers), "
-        f"{verdict['end']:.2f} at step {last['step']} after RL ({end_is}; training reward, sampled at temperature 1.25, "
-        f"{training[-1]:.2f}); {ending}, {last['minutes']:.1f} minutes after the pipeline started (the "
-        f"policy server's start-up included){whole}{history}"
+        f"`clotho demo --tiny`, the small random model (4 layers, hidden 256) of `runs/demo.yaml` on the `compare` "
+        f"task, SFT on eight demonstrations then RL (measured {record['measured_at'][:10]}, {record['commit']}; "
+        f"`bench/results/demo-tiny.json`): held-out reward {verdict['start']:.2f} at the start, "
+        f"{verdict['sft_plateau']:.2f} after SFT ({plateau_is}), {verdict['end']:.2f} at step {last['step']} after RL "
+        f"({end_is}); {_ending(r, last, 'RL')}, {last['minutes']:.1f} minutes after the pipeline started{whole}"
+        + _history(r.get("runs", []), "runs/demo.yaml", "rl_gain", "RL added over the SFT plateau")
     )
 
 
@@ -574,16 +648,17 @@ def listing_block() -> str:
     return f"{LISTING_START}\n```python\n{(REPO / LISTED).read_text()}```\n{LISTING_END}"
 
 
-def demo_config_sha() -> str:
+def demo_config_sha(name: str) -> str:
     import hashlib
 
-    return hashlib.sha256(DEMO_YAML.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256(DEMO_CONFIGS[name].read_bytes()).hexdigest()[:12]
 
 
 def record_demo(summary_path: Path) -> None:
-    """bench/results/demo.json from a demo's summary: the curve, the verdict, the stop and minutes;
-    and one line per demo recorded with the same runs/demo.yaml (`runs`), this one last, so the
-    README shows the newest run and how the others went, not the best one."""
+    """bench/results/demo.json (demo-tiny.json for `clotho demo --tiny`) from a demo's summary: the
+    curve, the verdict, the stop, minutes and sampled completions; and one line per demo recorded
+    with the same config (`runs`), this one last, so the README shows the newest run and how the
+    others went, not the best one."""
     sys.path.insert(0, str(RESULTS.parent))
     from results import current_commit, write_result
 
@@ -599,8 +674,10 @@ def record_demo(summary_path: Path) -> None:
         "groups_sampled",
         "groups_trained",
         "reload_s_median",
+        "completions",
     )
-    sha, earlier = demo_config_sha(), _load("demo")
+    name = "demo-tiny" if summary.get("tiny") else "demo"
+    sha, earlier = demo_config_sha(name), _load(name)
     runs = earlier["result"].get("runs", []) if earlier and earlier["result"].get("config_sha") == sha else []
     verdict = summary["verdict"]
     runs.append(
@@ -617,9 +694,9 @@ def record_demo(summary_path: Path) -> None:
         }
     )
     write_result(
-        "demo",
+        name,
         {
-            "command": "make demo",
+            "command": "clotho demo --tiny" if name == "demo-tiny" else "make demo",
             **{key: summary[key] for key in kept if key in summary},
             "config_sha": sha,
             "runs": runs,

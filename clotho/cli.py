@@ -412,16 +412,25 @@ app.command("evaluate")(evaluate_command)
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path(".clotho/demo"), help="Where the model, the run and the curve go."),
+    workdir: Path = typer.Option(
+        None, help="Where the model, the run and the curve go (default .clotho/demo, with --tiny .clotho/demo-tiny)."
+    ),
+    tiny: bool = typer.Option(
+        False, "--tiny", help="The small random model of runs/demo.yaml (SFT, then RL; ~2 minutes) instead of SmolLM2."
+    ),
     set_: list[str] = typer.Option(
-        [], "--set", help="Override a field of runs/demo.yaml, e.g. --set phases.1.steps=50."
+        [],
+        "--set",
+        help="Override a field of the run's config, e.g. --set phases.0.steps=30 "
+        "(runs/smollm2-times-tables.yaml; with --tiny runs/demo.yaml).",
     ),
     verbose: bool = typer.Option(
         False, "--verbose", help="Also print every task run's state and the model-loading progress bars."
     ),
 ) -> None:
-    """The pipeline of runs/demo.yaml from nothing: build the small model, warm-start it with SFT
-    through the same pipe, then RL; ends with the learning curve (summary.json, reward-curve.png)."""
+    """A real model learns, from nothing: get SmolLM2-135M-Instruct (cached), then RL on the times
+    tables (runs/smollm2-times-tables.yaml); with --tiny the small random model of runs/demo.yaml,
+    SFT then RL. Ends with the learning curve (summary.json, reward-curve.png) and sampled completions."""
     import prefect.main  # noqa: F401  (sets up Prefect's logging, which quiet_terminal filters)
 
     from clotho.demo import run_demo
@@ -430,7 +439,7 @@ def demo(
     quiet_terminal(verbose)
 
     try:
-        run_demo(workdir, run_flow, overrides=list(set_))
+        run_demo(workdir or Path(".clotho/demo-tiny" if tiny else ".clotho/demo"), run_flow, list(set_), tiny)
     except Stopped as stopped:
         typer.echo(f"clotho demo: stopped by {stopped}", err=True)
         raise typer.Exit(128 + stopped.signum) from None

@@ -40,7 +40,7 @@ from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
-from inference.server import PolicyServer
+from inference.server import URGENT, PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import checkpoint_url, mark_best, pin_steps, read_best
 from storage.footprint import run_footprint
@@ -159,6 +159,9 @@ async def start_services(
                 log,
                 stop_rule_met,
                 hold=watcher.hold if watcher is not None else None,
+                # Its answers before the rollouts' waiting requests, where the server allows it: an
+                # evaluation holds reloads while it answers.
+                priority=URGENT if servers and servers[0].priority_scheduling else 0,
             )
         )
         stack.push_async_callback(cancel_and_wait, [evaluating])
@@ -415,6 +418,7 @@ async def evaluate_versions(
     log,
     stop_rule_met: asyncio.Future[int],
     hold: asyncio.Lock | None = None,
+    priority: int = 0,
 ) -> None:
     """Greedy evaluation (the environment's `evaluate`, held-out items) of the served policy at
     version 0, then whenever it is `evaluation.every` versions past the last one evaluated, and
@@ -431,7 +435,7 @@ async def evaluate_versions(
         curve.best = {**best, "checkpoint": checkpoint_url(storage, run, int(best["step"]))}
     evaluation = config.evaluation
     last_step = config.total_steps
-    async with PolicyClient(url, api_key=api_key) as client:
+    async with PolicyClient(url, api_key=api_key, priority=priority) as client:
         env = await evaluated_environment(evaluation.env, evaluation.config, client, tokenizer)
         evaluated: int | None = None
         while evaluated != last_step:

@@ -164,8 +164,13 @@ class PolicyClient:
         timeout: float = 300.0,
         max_retries: int = 5,
         backoff: float = 0.5,
+        priority: int = 0,
     ):
+        """`priority`: of every request that does not name one (complete, prompt_logprobs): below 0
+        (inference.server.URGENT) goes before the requests waiting, on a server with priority
+        scheduling only (what the pipeline's evaluator asks, so the curve is not queued behind rollouts)."""
         self.base_url = base_url.rstrip("/")
+        self.priority = priority
         self.model = model
         self.max_retries = max_retries
         self.backoff = backoff
@@ -278,6 +283,7 @@ class PolicyClient:
             sampling["top_k"] = top_k
         if min_p:
             sampling["min_p"] = min_p
+        priority = priority or self.priority
         scheduling = {"priority": priority} if priority else {}
         completions = (
             await self._generate(list(prompt_ids), sampling, scheduling) if self.generate_route is not False else None
@@ -386,6 +392,7 @@ class PolicyClient:
             "temperature": 0.0,
             "prompt_logprobs": 0,
         }
+        priority = priority or self.priority
         if priority:
             body["priority"] = priority
         response = await self.request("POST", "/v1/completions", json=body)

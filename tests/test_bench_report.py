@@ -44,9 +44,10 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "RESULTS", tmp_path)
-    config = tmp_path / "demo.yaml"
-    config.write_text("phases: []\n")
-    monkeypatch.setattr(report, "DEMO_YAML", config)
+    configs = {"demo": tmp_path / "real.yaml", "demo-tiny": tmp_path / "demo.yaml"}
+    for config in configs.values():
+        config.write_text("phases: []\n")
+    monkeypatch.setattr(report, "DEMO_CONFIGS", configs)
     curve = [
         {"phase": "sft", "step": 0, "reward": 0.0, "minutes": 1.0},
         {"phase": "rl", "step": 9, "reward": 0.7, "train_reward": 0.6, "minutes": 3.0},
@@ -63,22 +64,53 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
             "window": 3,
         }
         summary.write_text(
-            json.dumps({"steps": 9, "minutes": 3.0, "demo_minutes": 3.5, "curve": curve, "verdict": verdict})
+            json.dumps(
+                {"steps": 9, "minutes": 3.0, "demo_minutes": 3.5, "curve": curve, "verdict": verdict, "tiny": True}
+            )
         )
         report.record_demo(summary)
 
     record(0.5, True)
     assert "demos recorded" not in report.demo_text()  # one run: nothing to sum up
+    assert report.demo_text().startswith("No demo run is recorded yet")  # `make demo`'s: none yet
     record(0.1, False)
     text = report.demo_text()
     assert "0.50 at step 9 after RL" in text  # the newest run, not the best one
     assert (
-        "All 2 demos recorded with this `runs/demo.yaml`, oldest first: RL added +0.50, +0.10" in text
+        "All 2 demos recorded with this `runs/demo.yaml`, oldest first: RL added over the SFT plateau +0.50, +0.10"
+        in text
         and "1 of 2 met" in text
     )
-    config.write_text("phases: [changed]\n")  # another config: its runs start a new history
+    configs["demo-tiny"].write_text("phases: [changed]\n")  # another config: its runs start a new history
     record(0.3, True)
-    assert len(json.loads((tmp_path / "demo.json").read_text())["result"]["runs"]) == 1
+    assert len(json.loads((tmp_path / "demo-tiny.json").read_text())["result"]["runs"]) == 1
+    # The real demo: pure RL from the model's own start, its sampled completions shown.
+    real = [
+        {"phase": "rl", "step": 0, "reward": 0.27, "minutes": 0.6, "seconds": 9.0, "items": 51},
+        {"phase": "rl", "step": 5, "reward": 0.76, "minutes": 3.4, "seconds": 4.0, "items": 51},
+    ]
+    row = {"env": "arithmetic", "policy_version": 0, "finish_reason": "stop", "prompt": "What is 7 * 8?"}
+    summary.write_text(
+        json.dumps(
+            {
+                "steps": 5,
+                "minutes": 3.5,
+                "demo_minutes": 4.0,
+                "curve": real,
+                "verdict": {"start": 0.27, "sft_plateau": 0.27, "end": 0.76, "rl_gain": 0.49, "criterion_met": True},
+                "completions": {
+                    "first": [{**row, "completion": "To solve this problem, we", "score": 0.0}],
+                    "last": [{**row, "completion": "56", "score": 1.2}],
+                },
+            }
+        )
+    )
+    report.record_demo(summary)
+    text = report.demo_text()
+    assert "held-out problems 0.27 at the start (the model's own), 0.76 at step 5 (its last evaluation), +0.49" in text
+    assert "+0.30 first reached at step 5, 3.4 minutes in" in text and "answered in 4-9 s" in text
+    assert '"What is 7 * 8?" → "56" (score 1.20)' in text
+    assert text.index("held-out problems") < text.index("`clotho demo --tiny`")  # the real demo first
 
 
 def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves():

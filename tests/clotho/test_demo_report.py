@@ -28,6 +28,23 @@ def test_the_verdict_reads_start_plateau_end_and_the_gain_of_rl():
     assert learning_verdict([]) == {"line": "no evaluation ran"}
 
 
+def test_without_sft_the_verdict_asks_the_real_demos_gain_over_the_models_own_start():
+    curve = [
+        {"phase": "rl", "step": s, "reward": r, "minutes": m}
+        for s, r, m in ((0, 0.28, 0.5), (5, 0.5, 3.0), (10, 0.6, 5.5))
+    ]
+    verdict = learning_verdict(curve)
+    assert verdict["sft_plateau"] == verdict["start"] == 0.28 and verdict["criterion_met"]
+    assert "0.28 at the start (the model's own), 0.60 at the end (+0.32) in 5.5 minutes" in verdict["line"]
+    assert "+0.30 first after 5.5 minutes: learned (+0.30 within 15 minutes)" in verdict["line"]
+    assert not learning_verdict(curve[:2])["criterion_met"]  # +0.22
+    assert not learning_verdict([*curve[:2], {**curve[2], "minutes": 15.5}])["criterion_met"]  # too late
+    longer = [*curve, {"phase": "rl", "step": 40, "reward": 0.7, "minutes": 20.0}]
+    assert learning_verdict(longer)["criterion_met"]  # reached at 5.5 minutes, held to the end
+    fell = [*curve, {"phase": "rl", "step": 40, "reward": 0.5, "minutes": 20.0}]
+    assert not learning_verdict(fell)["criterion_met"]
+
+
 def test_with_the_stop_rules_window_the_verdict_reads_running_means_not_single_evaluations():
     curve = CURVE + [{"phase": "rl", "step": s, "reward": r, "minutes": 7.0} for s, r in ((150, 0.9), (180, 0.6))]
     verdict = learning_verdict(curve, window=3)

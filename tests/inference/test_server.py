@@ -118,8 +118,9 @@ async def waiting_requests(http: httpx.AsyncClient, base_url: str) -> float:
 
 
 async def test_an_urgent_request_goes_before_the_queue(policy_server):
-    """The reload's parity check (URGENT) is answered while a backlog of prefill waits: a request
-    of priority 0 sent with it waits for the backlog first."""
+    """The reload's parity check (URGENT) and the pipeline's evaluator (a client whose requests are
+    all URGENT) are answered while a backlog of prefill waits: a request of priority 0 sent with
+    them waits for the backlog first."""
     prompts = [[(7 * i + j) % 500 + 1 for j in range(1500)] for i in range(96)]
     probe = list(range(3, 40))
 
@@ -128,8 +129,12 @@ async def test_an_urgent_request_goes_before_the_queue(policy_server):
         await coroutine
         return time.perf_counter() - started
 
-    async with PolicyClient(policy_server.base_url, timeout=300) as client:
+    async with (
+        PolicyClient(policy_server.base_url, timeout=300) as client,
+        PolicyClient(policy_server.base_url, timeout=300, priority=URGENT) as evaluator,
+    ):
         await client.prompt_logprobs(probe)  # a server's first prompt_logprobs request takes ~1.5 s
+        await evaluator.complete(probe, max_tokens=1, temperature=0.0)  # and its first sampling request
         backlog = [asyncio.create_task(client.complete(prompt, max_tokens=1)) for prompt in prompts]
         # The backlog is queued: half of it waits in the engine (a fixed sleep was too short on
         # busy cores, where sending 96 long prompts takes longer: the two then raced the backlog in).
@@ -138,11 +143,13 @@ async def test_an_urgent_request_goes_before_the_queue(policy_server):
             while await waiting_requests(metrics, policy_server.base_url) < len(prompts) // 2:
                 assert time.monotonic() < deadline, "the backlog never queued in the engine"
                 await asyncio.sleep(0.02)
-        urgent, normal = await asyncio.gather(
-            timed(client.prompt_logprobs(probe, priority=URGENT)), timed(client.prompt_logprobs(probe))
+        urgent, evaluated, normal = await asyncio.gather(
+            timed(client.prompt_logprobs(probe, priority=URGENT)),
+            timed(evaluator.complete(probe, max_tokens=1, temperature=0.0)),
+            timed(client.prompt_logprobs(probe)),
         )
         await asyncio.gather(*backlog)
-    assert urgent < normal / 3, (urgent, normal)
+    assert urgent < normal / 3 and evaluated < normal / 3, (urgent, evaluated, normal)
 
 
 @pytest.mark.parametrize("priority, niceness", [("idle", 19), ("low", 10)])

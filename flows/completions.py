@@ -2,7 +2,8 @@
 with their scores (what TRL's `log_completions` shows), for the live card and the run's summary.
 
 Read from storage, where every group lands whoever sampled it: the shard index names the newest
-shard, and only that shard's small columns are read, at most every `interval_s`."""
+shard, and only that shard is read (storage.shard_file.read_shard: its schema checked), at most
+every `interval_s`."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ import time
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from storage.filesystem import read_bytes, resolve
+from storage.filesystem import resolve
 from storage.index import list_entries
-from storage.layout import ROLLOUTS, join, run_url
+from storage.layout import ROLLOUTS, join, rollouts_url, run_url
+from storage.schema import SchemaVersionError, ShardFormatError
+from storage.shard_file import ShardInfo, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +27,10 @@ PROMPT_CHARS, COMPLETION_CHARS = 160, 400
 COLUMNS = ["env", "policy_version", "group_id", "sequence_index", "score", "finish_reason", "messages"]
 
 
-def completion_rows(table: Any, count: int = SHOWN) -> list[dict[str, Any]]:
+def completion_rows(table: pa.Table, count: int = SHOWN) -> list[dict[str, Any]]:
     """Up to `count` sequences of the table's last group: env, policy version, score, the prompt
     (the first user turn) and the completion (every assistant turn), as stored in `messages`."""
-    rows = table.to_pylist()
+    rows = table.select(COLUMNS).to_pylist()  # not the token and logprob lists
     if not rows:
         return []
     group = [row for row in rows if row["group_id"] == rows[-1]["group_id"]]
@@ -86,6 +88,7 @@ class LatestCompletions:
 
     def __init__(self, storage: str, run: str, *, interval_s: float = 5.0, storage_options: dict | None = None):
         self.fs, self.run_path = resolve(run_url(storage, run), storage_options)
+        self.rollouts_url = rollouts_url(storage, run)
         self.interval_s = interval_s
         self.shard_id = ""  # the newest shard read
         self.checked = -float("inf")  # time.monotonic() of the last look
@@ -103,18 +106,22 @@ class LatestCompletions:
             for entry in reversed(entries[-3:]):  # an entry is written before its shard: try an older one
                 if entry.shard_id <= self.shard_id:
                     break
-                path = join(self.run_path, ROLLOUTS, entry.location.name)
+                name = entry.location.name
+                shard = ShardInfo(
+                    join(self.rollouts_url, name), join(self.run_path, ROLLOUTS, name), entry.location, None
+                )
                 try:
-                    data = read_bytes(self.fs, path)
+                    table = read_shard(self.fs, shard)
                 except FileNotFoundError:
                     continue
-                rows = completion_rows(pq.read_table(pa.BufferReader(data), columns=COLUMNS))
+                rows = completion_rows(table)
                 self.shard_id = entry.shard_id
                 if rows:
                     self.latest = rows
                     self.first = self.first or rows
                     return True
                 return False
-        except (OSError, ValueError, KeyError, pa.ArrowException) as error:  # the card never stops a run
+        except (OSError, ValueError, KeyError, pa.ArrowException, ShardFormatError, SchemaVersionError) as error:
+            # the card never stops a run
             log.warning("latest completions not read (%s): the card keeps the previous ones", error)
         return False

@@ -167,70 +167,77 @@ def learning_verdict(curve: list[dict[str, Any]], minutes: float = 15.0, window:
 def draw_curve(
     curve: list[dict[str, Any]], path: Path, size: tuple[int, int] = (760, 460), title: str = "clotho demo"
 ) -> None:
-    """The curve as a PNG: the greedy held-out reward over steps (a color per phase) and the
-    training reward (sampled rollouts on training items) as a thin line; the x axis in steps, with
-    the minutes of each evaluation under it; the legend above the plot, where no line runs."""
-    from PIL import Image, ImageDraw
+    """The curve as a PNG (matplotlib): the greedy held-out reward over steps (a color per phase) and
+    the training reward (sampled rollouts on training items) as a thin line; the x axis in steps,
+    with the minutes of each evaluation under it; the legend above the plot, where no line runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: a file is all it writes
+    from matplotlib import pyplot
 
     width, height = size
-    left, right, top, bottom = 64, 24, 56, 78
-    image = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(image)
-    last_step = max((row["step"] for row in curve), default=1) or 1
-    # Up to the highest reward drawn: a format bonus lifts a training reward above 1.
-    rewards = [row[key] for row in curve for key in ("reward", "train_reward") if row.get(key) is not None]
-    high = max(1.0, *rewards) if rewards else 1.0
-
-    def point(step: float, reward: float) -> tuple[float, float]:
-        return (left + (width - left - right) * step / last_step, top + (height - top - bottom) * (1.0 - reward / high))
-
-    for tick in [0.25 * i for i in range(int(high / 0.25) + 1)]:
-        y = point(0, tick)[1]
-        draw.line([(left, y), (width - right, y)], fill=(225, 225, 225))
-        draw.text((left - 34, y - 6), f"{tick:.2f}", fill="black")
-    draw.line([(left, top), (left, height - bottom), (width - right, height - bottom)], fill="black")
-    draw.text((8, top - 18), "reward", fill="black")
-    # Steps and minutes under the evaluations: the last one always, the others where they fit.
-    labelled, last_x = [], point(curve[-1]["step"], 0)[0] if curve else 0
-    for row in curve:
-        x = point(row["step"], 0)[0]
-        if row is curve[-1] or ((not labelled or x - labelled[-1][0] >= 44) and last_x - x >= 44):
-            labelled.append((x, row))
-    for x, row in labelled:
-        draw.line([(x, height - bottom), (x, height - bottom + 4)], fill="black")
-        draw.text((x - 10, height - bottom + 8), f"{row['step']}", fill="black")
-        draw.text((x - 10, height - bottom + 24), f"{row['minutes']:.1f}", fill=(90, 90, 90))
-    draw.text((8, height - bottom + 8), "step", fill="black")
-    draw.text((8, height - bottom + 24), "minutes", fill=(90, 90, 90))
-    draw.text(
-        (left, height - 22), "x: trainer step (policy version), minutes since the start under it", fill=(90, 90, 90)
-    )
-
-    trained = [row for row in curve if row.get("train_reward") is not None]
-    for previous, row in zip(trained, trained[1:]):
-        draw.line(
-            [point(previous["step"], previous["train_reward"]), point(row["step"], row["train_reward"])],
-            fill=TRAINING_COLOR,
-            width=1,
+    left, right, top, bottom = 64, 24, 56, 78  # margins in pixels, at 100 pixels an inch
+    figure = pyplot.figure(figsize=(width / 100, height / 100), dpi=100)
+    try:
+        axes = figure.add_axes(
+            (left / width, bottom / height, (width - left - right) / width, (height - top - bottom) / height)
         )
-    for previous, row in zip(curve, curve[1:]):
-        draw.line(
-            [point(previous["step"], previous["reward"]), point(row["step"], row["reward"])],
-            fill=COLORS.get(row["phase"], "gray"),
-            width=3,
-        )
-    for row in curve:
-        x, y = point(row["step"], row["reward"])
-        draw.ellipse([x - 3, y - 3, x + 3, y + 3], fill=COLORS.get(row["phase"], "gray"))
 
-    draw.text((left, 8), f"{title}: greedy reward on held-out items (never trained on)", fill="black")
-    phases = {row["phase"] for row in curve}
-    legend = [(f"held out, {phase}", color, 3) for phase, color in COLORS.items() if phase in phases] + [
-        ("training (sampled)", TRAINING_COLOR, 1)
-    ]
-    x = left
-    for label, color, line_width in legend:
-        draw.line([(x, 32), (x + 18, 32)], fill=color, width=line_width)
-        draw.text((x + 22, 26), label, fill=color)
-        x += 28 + 7 * len(label)
-    image.save(path)
+        def rgb(color: tuple[int, int, int]) -> tuple[float, ...]:
+            return tuple(channel / 255 for channel in color)
+
+        last_step = max((row["step"] for row in curve), default=1) or 1
+        # Up to the highest reward drawn: a format bonus lifts a training reward above 1.
+        rewards = [row[key] for row in curve for key in ("reward", "train_reward") if row.get(key) is not None]
+        high = max(1.0, *rewards) if rewards else 1.0
+        axes.set_xlim(0, last_step)
+        axes.set_ylim(0, high)
+        axes.set_yticks([0.25 * i for i in range(int(high / 0.25) + 1)])
+        axes.grid(axis="y", color=rgb((225, 225, 225)))
+        axes.spines[["top", "right"]].set_visible(False)
+        axes.set_ylabel("reward")
+        # Steps and minutes under the evaluations: the last one always, the others where they fit.
+        labelled: list[dict[str, Any]] = []
+        for row in curve:
+            fits = not labelled or (row["step"] - labelled[-1]["step"]) / last_step * (width - left - right) >= 44
+            ends = (curve[-1]["step"] - row["step"]) / last_step * (width - left - right) >= 44
+            if row is curve[-1] or (fits and ends):
+                labelled.append(row)
+        axes.set_xticks([row["step"] for row in labelled], [f"{row['step']}\n{row['minutes']:.1f}" for row in labelled])
+        axes.set_xlabel("trainer step (policy version), minutes since the start under it")
+
+        trained = [row for row in curve if row.get("train_reward") is not None]
+        handles = []
+        if trained:
+            handles += axes.plot(
+                [row["step"] for row in trained],
+                [row["train_reward"] for row in trained],
+                color=rgb(TRAINING_COLOR),
+                linewidth=1.5,
+                label="training (sampled)",
+            )
+        for phase, color in COLORS.items():
+            rows = [row for row in curve if row["phase"] == phase]
+            if rows:
+                handles += axes.plot(
+                    [row["step"] for row in rows],
+                    [row["reward"] for row in rows],
+                    color=rgb(color),
+                    linewidth=3,
+                    marker="o",
+                    markersize=5,
+                    label=f"held out, {phase}",
+                    clip_on=False,
+                )
+        figure.text(left / width, 1 - 12 / height, f"{title}: greedy reward on held-out items (never trained on)")
+        figure.legend(
+            handles=handles[1:] + handles[:1] if trained else handles,
+            loc="upper left",
+            bbox_to_anchor=(left / width, 1 - 18 / height),
+            ncols=len(handles) or 1,
+            frameon=False,
+            fontsize="small",
+        )
+        figure.savefig(path, dpi=100)
+    finally:
+        pyplot.close(figure)

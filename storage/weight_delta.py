@@ -35,6 +35,7 @@ import struct
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -185,7 +186,7 @@ def encode(
             "shape": list(shape),
             "size": size,
             "start": start,
-            "chunks": [[len(blob), crc] for blob, crc in chunks],
+            "chunks": [[len(blob), xxh3] for blob, xxh3 in chunks],
         }
         start += sum(len(blob) for blob, _ in chunks)
         written += [blob for blob, _ in chunks]
@@ -295,26 +296,7 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
     raw_header, tensors = safetensors_header(base_file)
     read = [(step, *read_delta(data, f"the delta of step {step}")) for step, data in deltas]
     aliases = _aliases(read[0][1]) if read else {}
-    for step, header, _ in read:
-        if _aliases(header) != aliases:
-            raise DeltaError(
-                f"the delta of step {step} ties other tensors together than the first delta of its chain ({aliases})"
-            )
-        if header["tensors"].keys() != tensors.keys():
-            missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
-            raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
-        if header.get("chunk") != CHUNK:
-            raise DeltaError(
-                f"the delta of step {step} is in chunks of {header.get('chunk')} bytes, this reader's are {CHUNK}"
-            )
-        for name, spec in header["tensors"].items():
-            size = tensors[name]["data_offsets"][1] - tensors[name]["data_offsets"][0]
-            if name in aliases:
-                ok = aliases[name] in tensors and aliases[name] not in aliases and spec["size"] == size
-                if not ok or header["tensors"][aliases[name]]["size"] != size:
-                    raise DeltaError(f"the delta of step {step} has {name} the same as {aliases[name]}, which differs")
-            elif spec["size"] != size or len(spec["chunks"]) != len(chunk_slices(size)):
-                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {size}")
+    _check_chain(base_file, tensors, read, aliases)
     end = len(raw_header) + max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
     if base_file.stat().st_size < end:
         raise DeltaError(f"{base_file} is truncated: {base_file.stat().st_size} bytes, its header says {end}")
@@ -337,38 +319,65 @@ def apply(base_file: Path, deltas: Sequence[tuple[int, bytes]], out: Path, reuse
     copies: dict[str, list[int]] = {}
     for name, first in aliases.items():
         copies.setdefault(first, []).append(tensors[name]["data_offsets"][0] - tensors[first]["data_offsets"][0])
-    source = os.open(base_file, os.O_RDONLY)
 
-    def one(piece: tuple[str, int, slice]) -> None:
-        name, index, part = piece
-        begin = len(raw_header) + tensors[name]["data_offsets"][0] + part.start
-        data = _scratch.take(part.stop - part.start)
-        if os.preadv(source, [data.data], begin) != data.size:
-            raise DeltaError(f"{base_file} is truncated in {name}")
-        for (step, header, blobs), place in zip(read, places):
-            length, crc = header["tensors"][name]["chunks"][index]
-            blob = blobs[place[name][index] : place[name][index] + length]
-            try:
-                difference = _codec().decompress(blob, decompressed_size=data.size)
-            except OSError as error:
-                raise DeltaError(f"the delta of step {step} is corrupt in {name}: {error}") from None
-            xor_into(data, np.frombuffer(difference, dtype=np.uint8))
-            if checksum(data) != crc:
-                raise DeltaError(
-                    f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
-                    "weights than it was applied to, or a file is corrupt"
-                )
-        for shift in [0, *copies.get(name, [])]:
-            os.pwrite(descriptor, data.data, begin + shift)
+    with ExitStack() as files:
+        source = os.open(base_file, os.O_RDONLY)
+        files.callback(os.close, source)
+        target = _recycled(reuse, out)
+        files.callback(os.close, target)
 
-    descriptor = _recycled(reuse, out)
-    try:
-        os.pwrite(descriptor, raw_header, 0)
+        def one(piece: tuple[str, int, slice]) -> None:
+            name, index, part = piece
+            begin = len(raw_header) + tensors[name]["data_offsets"][0] + part.start
+            data = _scratch.take(part.stop - part.start)
+            if os.preadv(source, [data.data], begin) != data.size:
+                raise DeltaError(f"{base_file} is truncated in {name}")
+            for (step, header, blobs), place in zip(read, places):
+                length, xxh3 = header["tensors"][name]["chunks"][index]
+                blob = blobs[place[name][index] : place[name][index] + length]
+                try:
+                    difference = _codec().decompress(blob, decompressed_size=data.size)
+                except OSError as error:
+                    raise DeltaError(f"the delta of step {step} is corrupt in {name}: {error}") from None
+                xor_into(data, np.frombuffer(difference, dtype=np.uint8))
+                if checksum(data) != xxh3:
+                    raise DeltaError(
+                        f"{name} rebuilt for step {step} fails its checksum: the delta was made against other "
+                        "weights than it was applied to, or a file is corrupt"
+                    )
+            for shift in [0, *copies.get(name, [])]:
+                os.pwrite(target, data.data, begin + shift)
+
+        os.pwrite(target, raw_header, 0)
         _each(one, pieces)
-        os.ftruncate(descriptor, end)  # a reused file of another size
-    finally:
-        os.close(descriptor)
-        os.close(source)
+        os.ftruncate(target, end)  # a reused file of another size
+
+
+def _check_chain(
+    base_file: Path, tensors: dict, read: Sequence[tuple[int, dict, memoryview]], aliases: dict[str, str]
+) -> None:
+    """Raises DeltaError unless every delta of a chain is for the tensors of `base_file` (the same
+    names, sizes, chunking and ties as the chain's first)."""
+    for step, header, _ in read:
+        if _aliases(header) != aliases:
+            raise DeltaError(
+                f"the delta of step {step} ties other tensors together than the first delta of its chain ({aliases})"
+            )
+        if header["tensors"].keys() != tensors.keys():
+            missing = sorted(header["tensors"].keys() ^ tensors.keys())[:5]
+            raise DeltaError(f"the delta of step {step} is for other tensors than {base_file} holds: {missing}")
+        if header.get("chunk") != CHUNK:
+            raise DeltaError(
+                f"the delta of step {step} is in chunks of {header.get('chunk')} bytes, this reader's are {CHUNK}"
+            )
+        for name, spec in header["tensors"].items():
+            size = tensors[name]["data_offsets"][1] - tensors[name]["data_offsets"][0]
+            if name in aliases:
+                ok = aliases[name] in tensors and aliases[name] not in aliases and spec["size"] == size
+                if not ok or header["tensors"][aliases[name]]["size"] != size:
+                    raise DeltaError(f"the delta of step {step} has {name} the same as {aliases[name]}, which differs")
+            elif spec["size"] != size or len(spec["chunks"]) != len(chunk_slices(size)):
+                raise DeltaError(f"the delta of step {step} has {spec['size']} bytes of {name}, the base {size}")
 
 
 def _aliases(header: dict) -> dict[str, str]:

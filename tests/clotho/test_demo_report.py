@@ -54,6 +54,11 @@ def test_with_the_stop_rules_window_the_verdict_reads_running_means_not_single_e
     assert learning_verdict(curve[:4], window=3)["end"] == 0.3  # fewer evaluations than the window: their mean
 
 
+def near(color: tuple[int, int, int], pixels, tolerance: int = 12) -> bool:
+    """Whether any of `pixels` is `color` give or take antialiasing's blending."""
+    return any(all(abs(a - b) <= tolerance for a, b in zip(color, pixel)) for pixel in pixels)
+
+
 def test_the_curve_is_drawn_in_each_phase_color_with_the_training_reward(tmp_path):
     path = tmp_path / "curve.png"
     curve = [{**row, "train_reward": 0.5 if row["phase"] == "rl" else None} for row in CURVE]
@@ -61,10 +66,12 @@ def test_the_curve_is_drawn_in_each_phase_color_with_the_training_reward(tmp_pat
     image = Image.open(path).convert("RGB")
     colors = set(image.getdata())
     assert image.size == (760, 460)
-    assert (52, 101, 164) in colors and (204, 0, 0) in colors and TRAINING_COLOR in colors
+    assert near((52, 101, 164), colors) and near((204, 0, 0), colors) and near(TRAINING_COLOR, colors)
     # The training line runs between the two RL evaluations at reward 0.5: the plot's middle row.
     middle = (56 + (460 - 78)) // 2
-    assert any(image.getpixel((x, middle)) == TRAINING_COLOR for x in range(400, 700))
+    assert near(
+        TRAINING_COLOR, [image.getpixel((x, y)) for x in range(500, 680) for y in (middle - 1, middle, middle + 1)]
+    )
 
 
 def test_the_legend_sits_above_the_plot_not_on_the_curve(tmp_path):
@@ -75,9 +82,9 @@ def test_the_legend_sits_above_the_plot_not_on_the_curve(tmp_path):
     ]
     draw_curve(high, path)
     image = Image.open(path).convert("RGB")
-    legend_row = {image.getpixel((x, y)) for x in range(image.size[0]) for y in range(20, 40)}
-    assert (204, 0, 0) in legend_row and TRAINING_COLOR in legend_row
-    # The plot's top right, where the labels used to sit over the end of a rising curve: only the
-    # white background and the grid lines between the frame and the curves (reward 0.95 at y 72).
-    corner = {image.getpixel((x, y)) for x in range(560, 730) for y in range(58, 68)}
-    assert corner <= {(255, 255, 255), (225, 225, 225)}, corner
+    legend_band = [image.getpixel((x, y)) for x in range(image.size[0]) for y in range(18, 52)]
+    assert near((204, 0, 0), legend_band) and near(TRAINING_COLOR, legend_band)
+    # The plot's top right, where a legend inside the axes would sit over the end of a rising curve:
+    # only the white background and grey grid lines between the frame and the curves (0.95 at y 72).
+    corner = {image.getpixel((x, y)) for x in range(560, 730) for y in range(58, 66)}
+    assert all(r == g == b and r >= 200 for r, g, b in corner), corner

@@ -73,6 +73,18 @@ def test_a_delta_on_other_weights_or_corrupt_fails_its_checksum(tmp_path) -> Non
         apply(tmp_path / "base.safetensors", [(2, b"junk")], tmp_path / "out.safetensors")
 
 
+def test_a_failed_apply_closes_every_file_it_opened(tmp_path) -> None:
+    import os
+
+    full_file(1, tmp_path / "base.safetensors")
+    before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(FileNotFoundError):  # the file to write cannot be made: the base is open already
+        apply(tmp_path / "base.safetensors", [(2, delta(2, 1))], tmp_path / "no-such-dir" / "out.safetensors")
+    with pytest.raises(DeltaError, match="checksum"):  # both open when a chunk fails
+        apply(tmp_path / "base.safetensors", [(3, delta(3, 2))], tmp_path / "out.safetensors")
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def publish_chain(root: str, tmp_path, fulls: set[int], steps: range, run: str = "run", shift: int = 0) -> None:
     """Steps published as the trainer does: full ones in `fulls`, the others deltas on the one before
     (step N holds weights_at(N + shift))."""

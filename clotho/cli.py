@@ -208,7 +208,7 @@ def rollout(
     shard_max_age_s: float = typer.Option(
         30.0, min=0.0, help="Flush a shard when its oldest group is this many seconds old."
     ),
-    max_policy_lag: int = typer.Option(
+    max_lag: int = typer.Option(
         None,
         min=0,
         help="Bounded staleness K: start a group only if the trainer will train it at most K policy versions after "
@@ -287,7 +287,7 @@ def rollout(
                 max_concurrent_groups=max_concurrent_groups,
                 shard_max_groups=shard_max_groups,
                 shard_max_age_s=shard_max_age_s,
-                max_policy_lag=max_policy_lag,
+                max_lag=max_lag,
                 distributed=bool(dask),
                 server_concurrency=server_concurrency,
                 task_run_s=task_run_s,

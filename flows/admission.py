@@ -71,7 +71,7 @@ def admits(
     only when it lands a step later than predicted."""
     step = training_step(pending, steps, groups_per_step)
     trained_with = save_every * ((step - 1) // save_every)
-    return not is_stale(served_version, policy_version=trained_with, max_staleness=max_lag)
+    return not is_stale(served_version, policy_version=trained_with, max_lag=max_lag)
 
 
 class Admission:

@@ -66,12 +66,12 @@ class GroupStore:
         shard_max_age_s: float,
         servers: list[str],
         api_key: str | None,
-        max_policy_lag: int | None,
+        max_lag: int | None,
         until_step: int | None,
         sampler: str,
         log: Any,
     ) -> AsyncIterator[GroupStore]:
-        """The store with its progress card, its writer and, with `max_policy_lag`, its admission
+        """The store with its progress card, its writer and, with `max_lag`, its admission
         (which reads the version the servers serve). On leaving, the writer goes first (its exit
         flushes every stored group), then the admission's clients."""
         open_ended = (
@@ -85,14 +85,14 @@ class GroupStore:
             ) as writer,
         ):
             store = cls(storage, run, sources, writer, progress, log)
-            if max_policy_lag is not None:
+            if max_lag is not None:
                 version_clients = [
                     await clients.enter_async_context(PolicyClient(url, api_key=api_key)) for url in servers
                 ]
                 store.admission = Admission(
                     storage,
                     run,
-                    max_lag=max_policy_lag,
+                    max_lag=max_lag,
                     served_version=functools.partial(lowest_served_version, version_clients),
                     buffered=lambda: writer.pending_groups,
                     flush=store.flush,

@@ -357,7 +357,7 @@ async def phase_rollout(
         groups=None,
         max_concurrent_groups=config.rollout.max_concurrent_groups,
         shard_max_age_s=config.rollout.shard_max_age_s,
-        max_policy_lag=config.max_lag,
+        max_lag=config.max_lag,
         seed=index,
         task_run_s=config.rollout.task_run_s,
         until_step=end_step,

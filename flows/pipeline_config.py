@@ -202,7 +202,7 @@ class PipelineConfig(Strict):
         default=1,
         ge=0,
         description="Bounded staleness k: every group is trained at most k policy versions after the one that "
-        "sampled it (the trainer's max_staleness and the samplers' admission); 0 is the synchronous loop.",
+        "sampled it (the trainer skips older groups, the samplers do not start them); 0 is the synchronous loop.",
     )
     phases: list[Phase] = Field(min_length=1)
     trainer: dict[str, Any] = Field(default_factory=dict, description="TrainerConfig fields for every phase.")
@@ -217,7 +217,7 @@ class PipelineConfig(Strict):
 
     @model_validator(mode="after")
     def _trainer_fields(self) -> PipelineConfig:
-        owned = {"model", "steps", "max_staleness"}
+        owned = {"model", "steps", "max_lag"}
         for where, fields in [("trainer", self.trainer)] + [
             (f"phases.{p.name}.trainer", p.trainer) for p in self.phases
         ]:
@@ -294,9 +294,9 @@ class PipelineConfig(Strict):
 
     def trainer_fields(self, phase: Phase) -> dict[str, Any]:
         """One phase's TrainerConfig fields: the weights published in the dtype the servers serve,
-        then the pipeline's trainer fields, the phase's, and max_lag as max_staleness."""
+        then the pipeline's trainer fields, the phase's, and the run's max_lag."""
         served = {"publish_dtype": self.servers.dtype} if self.servers.dtype in PUBLISHABLE_DTYPES else {}
-        return {**served, **self.trainer, **phase.trainer, "max_staleness": self.max_lag}
+        return {**served, **self.trainer, **phase.trainer, "max_lag": self.max_lag}
 
     def trainer_overrides(self, phase: Phase) -> list[str]:
         """The same as `--set` overrides for the phase's `clotho train`."""

@@ -43,7 +43,7 @@ async def rollout(
     max_concurrent_groups: int = 8,
     shard_max_groups: int = 64,
     shard_max_age_s: float = 30.0,
-    max_policy_lag: int | None = None,
+    max_lag: int | None = None,
     seed: int = 0,
     task_run_s: float = 10.0,
     distributed: bool = False,
@@ -67,11 +67,11 @@ async def rollout(
     instead of lanes on the flow's event loop, which share one connection pool.
     server_concurrency: groups in flight per server across every flow that uses it (a Prefect
     global concurrency limit per server, visible and adjustable in the UI's Concurrency page).
-    max_policy_lag: bounded staleness k (flows.admission): a group starts sampling only if the
+    max_lag: bounded staleness k (flows.admission): a group starts sampling only if the
     trainer will train it at most k policy versions after the one it samples with, read from the
     trainer's position (progress/trainer.json) and every sampler's counts; about (k + 1) steps'
     groups then wait unconsumed. None: no bound (collecting data without a trainer).
-    until_step: with max_policy_lag, sample only groups that steps up to this one will train, and
+    until_step: with max_lag, sample only groups that steps up to this one will train, and
     end once the trainer has taken that step's groups (a pipeline phase's last step).
     api_key_secret: name of a Prefect Secret block holding the servers' API key; without it the
     key is $CLOTHO_API_KEY of the flow's process. A refused key stops the flow at once.
@@ -95,7 +95,7 @@ async def rollout(
         shard_max_age_s=shard_max_age_s,
         servers=servers,
         api_key=api_key,
-        max_policy_lag=max_policy_lag,
+        max_lag=max_lag,
         until_step=until_step,
         sampler=sampler_name(),
         log=log,

@@ -62,7 +62,7 @@ class Settings:
         return {
             "groups_per_step": self.groups_per_step,
             "save_every": 1,
-            "max_staleness": 10**6,
+            "max_lag": 10**6,
             "lr": self.lr,
             "keep_last": None,
         }

@@ -50,7 +50,7 @@ class TrainerPosition:
     policy_version: int
     groups_per_step: int
     save_every: int
-    max_staleness: int
+    max_lag: int
     # The step this trainer trains up to (its --steps): a sampler that samples for a later phase
     # waits for that phase's trainer (None: no end, a trainer run without --steps).
     end_step: int | None = None
@@ -103,7 +103,7 @@ def announce_trainer(
     *,
     groups_per_step: int,
     save_every: int,
-    max_staleness: int,
+    max_lag: int,
     end_step: int,
     storage_options: dict[str, Any] | None = None,
 ) -> TrainerPosition:
@@ -117,7 +117,7 @@ def announce_trainer(
         policy_version=known.policy_version if known else 0,
         groups_per_step=groups_per_step,
         save_every=save_every,
-        max_staleness=max_staleness,
+        max_lag=max_lag,
         end_step=end_step,
     )
     write_trainer_position(root, run, position, storage_options=storage_options)

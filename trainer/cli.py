@@ -85,7 +85,7 @@ def train_command(
             run_name,
             groups_per_step=trainer_config.groups_per_step,
             save_every=trainer_config.save_every,
-            max_staleness=trainer_config.max_staleness,
+            max_lag=trainer_config.max_lag,
             end_step=trainer_config.steps,
         )
 

@@ -258,7 +258,7 @@ class TrainerConfig(BaseModel):
     grad_clip: float | None = Field(
         default=1.0, gt=0.0, description="Clip the global gradient norm to this; null disables."
     )
-    max_staleness: int = Field(
+    max_lag: int = Field(
         default=1,
         ge=0,
         description="Skip (and count) groups sampled more than this many policy versions ago; "

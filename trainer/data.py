@@ -57,13 +57,13 @@ def objective_problem(group: ScoredGroup, objective: str) -> str | None:
     return problems[0] if problems else None
 
 
-def is_stale(group_policy_version: int, *, policy_version: int, max_staleness: int) -> bool:
+def is_stale(group_policy_version: int, *, policy_version: int, max_lag: int) -> bool:
     """The one staleness rule, the trainer's and the samplers' admission's (flows.admission.admits):
     a group whose oldest sampling version (ScoredGroup.policy_version: a sequence sampled across a
-    reload counts from its first version) is more than `max_staleness` versions older than
+    reload counts from its first version) is more than `max_lag` versions older than
     `policy_version`, the weights about to be updated, is not trained on. It applies to on-policy
     objectives only (ON_POLICY_OBJECTIVES): a demonstration is never stale."""
-    return policy_version - group_policy_version > max_staleness
+    return policy_version - group_policy_version > max_lag
 
 
 def next_step_groups(
@@ -71,7 +71,7 @@ def next_step_groups(
     count: int,
     *,
     policy_version: int,
-    max_staleness: int,
+    max_lag: int,
     timeout_s: float,
     objective: str = "auto",
     poll_s: float = 0.5,
@@ -110,9 +110,7 @@ def next_step_groups(
                     log.warning("skipping group %s (env %s): %s", group.group_id, group.env, problem)
                 rejected += 1
                 continue
-            if trained_as in ON_POLICY_OBJECTIVES and is_stale(
-                version, policy_version=policy_version, max_staleness=max_staleness
-            ):
+            if trained_as in ON_POLICY_OBJECTIVES and is_stale(version, policy_version=policy_version, max_lag=max_lag):
                 stale.append(group)
                 continue
             fresh.append(group)

@@ -201,7 +201,7 @@ class TrainingRun:
             policy_version=self.policy_version,
             groups_per_step=self.config.groups_per_step,
             save_every=self.config.save_every,
-            max_staleness=self.config.max_staleness,
+            max_lag=self.config.max_lag,
             end_step=self.config.steps,
         )
         write_trainer_position(self.storage, self.run, position, storage_options=self.storage_options)
@@ -221,7 +221,7 @@ class TrainingRun:
             self.reader,
             self.config.groups_per_step,
             policy_version=self.policy_version,
-            max_staleness=self.config.max_staleness,
+            max_lag=self.config.max_lag,
             timeout_s=data_timeout_s,
             objective=self.config.objective,
             # Stale groups are consumed the moment they are skipped: tell the samplers.

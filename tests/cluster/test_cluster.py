@@ -68,7 +68,7 @@ def two_node_trainer(c: Cluster, name: str, port: int, steps: int, settings: str
             name,
             f"{c.s3_env()} exec torchrun --nnodes 2 --node-rank {rank} --nproc-per-node 1 --master-addr {c.host('c')} "
             f"--master-port {port} -m trainer.cli -- --run {RUN} --model {MODEL} --steps {steps} --work-dir /tmp/work "
-            f"--set groups_per_step=4 --set lr=1e-4 --set max_staleness=4 --data-timeout-s 120 {settings}",
+            f"--set groups_per_step=4 --set lr=1e-4 --set max_lag=4 --data-timeout-s 120 {settings}",
         )
     for host in ("c", "d"):
         c.wait_exit(host, name, 300)

@@ -190,16 +190,14 @@ async def admitted_within(admission: Admission, seconds: float) -> bool:
     return True
 
 
-def position(
-    steps: int, consumed: int, version: int, groups_per_step: int = 2, max_staleness: int = 0
-) -> TrainerPosition:
+def position(steps: int, consumed: int, version: int, groups_per_step: int = 2, max_lag: int = 0) -> TrainerPosition:
     return TrainerPosition(
         steps=steps,
         groups_consumed=consumed,
         policy_version=version,
         groups_per_step=groups_per_step,
         save_every=1,
-        max_staleness=max_staleness,
+        max_lag=max_lag,
     )
 
 
@@ -284,7 +282,7 @@ async def test_a_run_ended_early_at_the_trainers_position_ends_the_sampler(tmp_p
         refresh_s=0.02,
         last_step=100,
     )
-    write_trainer_position(root, "run", position(steps=3, consumed=6, version=3, max_staleness=1))
+    write_trainer_position(root, "run", position(steps=3, consumed=6, version=3, max_lag=1))
     assert await admitted_within(admission, 1) and admission.end_step == 100
     write_run_end(root, "run", 3)
     await asyncio.sleep(0.05)  # past refresh_s: the next acquire reads the positions again

@@ -31,7 +31,7 @@ def test_phases_by_version_and_trainer_overrides():
         "rl",
     ]
     overrides = config.trainer_overrides(rl)
-    assert "max_staleness=2" in overrides and "groups_per_step=8" in overrides and "lr=0.0005" in overrides
+    assert "max_lag=2" in overrides and "groups_per_step=8" in overrides and "lr=0.0005" in overrides
     assert "groups_per_step=16" in config.trainer_overrides(sft)
 
 
@@ -42,8 +42,8 @@ def test_bad_configs_name_the_field_and_the_fix(tmp_path):
         "phases": [{"name": "rl", "steps": 2, "environments": [{"env": "arithmetic"}]}],
     }
     PipelineConfig.model_validate(base)
-    with pytest.raises(ValueError, match="max_staleness.*the pipeline's"):
-        PipelineConfig.model_validate({**base, "trainer": {"max_staleness": 3}})
+    with pytest.raises(ValueError, match="max_lag.*the pipeline's"):
+        PipelineConfig.model_validate({**base, "trainer": {"max_lag": 3}})
     with pytest.raises(ValueError, match="servers: count is 0 and no urls"):
         PipelineConfig.model_validate({**base, "servers": {"count": 0}})
     with pytest.raises(ValueError, match="phases"):

@@ -416,7 +416,7 @@ def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(
     from tasks.rollout import EnvSpec
 
     storage, run = f"file://{tmp_path}/store", "bounded"
-    position = dict(groups_per_step=2, save_every=1, max_staleness=2)
+    position = dict(groups_per_step=2, save_every=1, max_lag=2)
     write_trainer_position(storage, run, TrainerPosition(steps=0, groups_consumed=0, policy_version=0, **position))
 
     async def main() -> int:
@@ -430,7 +430,7 @@ def test_bounded_staleness_holds_the_flow_to_what_the_trainer_will_train(
                 max_concurrent_groups=4,
                 shard_max_groups=1000,
                 shard_max_age_s=3600,
-                max_policy_lag=2,
+                max_lag=2,
             )
         )
         deadline = time.monotonic() + 120

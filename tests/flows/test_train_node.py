@@ -79,7 +79,7 @@ def test_the_phase_stops_at_once_without_the_deployment_or_a_nodes_queue_and_can
         ]
         assert (
             flow_runs[1].parameters["rendezvous"] == f"127.0.0.1:{PORT}"
-            and "max_staleness=1" in flow_runs[1].parameters["overrides"]
+            and "max_lag=1" in flow_runs[1].parameters["overrides"]
         )
         return said
 

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 GROUPS_PER_STEP = 4
 # Every step kept (keep_last null): the tally checks each step's checkpoint.
-SETTINGS = {"groups_per_step": GROUPS_PER_STEP, "save_every": 1, "max_staleness": 10**6, "lr": 1e-3, "keep_last": None}
+SETTINGS = {"groups_per_step": GROUPS_PER_STEP, "save_every": 1, "max_lag": 10**6, "lr": 1e-3, "keep_last": None}
 
 
 def reprocess_part(source_url: str, run_url: str, tmp_path: Path, env: dict[str, str]) -> Part:

@@ -27,14 +27,10 @@ from storage.reader import ShardReader
 
 def test_positions_round_trip_and_replace_whole(root: str) -> None:
     assert read_trainer_position(root, "run") is None and read_sampler_positions(root, "run") == []
-    first = TrainerPosition(
-        steps=3, groups_consumed=12, policy_version=3, groups_per_step=4, save_every=1, max_staleness=1
-    )
+    first = TrainerPosition(steps=3, groups_consumed=12, policy_version=3, groups_per_step=4, save_every=1, max_lag=1)
     write_trainer_position(root, "run", first)
     assert read_trainer_position(root, "run") == first
-    later = TrainerPosition(
-        steps=4, groups_consumed=16, policy_version=4, groups_per_step=4, save_every=1, max_staleness=1
-    )
+    later = TrainerPosition(steps=4, groups_consumed=16, policy_version=4, groups_per_step=4, save_every=1, max_lag=1)
     write_trainer_position(root, "run", later)
     assert read_trainer_position(root, "run") == later
 
@@ -103,7 +99,7 @@ def test_flows_racing_for_free_slots_never_hold_one_slot_together(root: str) -> 
 
 
 def test_the_announced_trainer_keeps_the_runs_counts_with_its_own_settings(root: str) -> None:
-    assert announce_trainer(root, "run", groups_per_step=4, save_every=2, max_staleness=1, end_step=10).steps == 0
+    assert announce_trainer(root, "run", groups_per_step=4, save_every=2, max_lag=1, end_step=10).steps == 0
     write_trainer_position(
         root,
         "run",
@@ -113,11 +109,11 @@ def test_the_announced_trainer_keeps_the_runs_counts_with_its_own_settings(root:
             policy_version=10,
             groups_per_step=4,
             save_every=2,
-            max_staleness=1,
+            max_lag=1,
             end_step=10,
         ),
     )
-    later = announce_trainer(root, "run", groups_per_step=8, save_every=1, max_staleness=0, end_step=30)
+    later = announce_trainer(root, "run", groups_per_step=8, save_every=1, max_lag=0, end_step=30)
     assert (later.steps, later.groups_consumed, later.policy_version, later.groups_per_step, later.end_step) == (
         10,
         41,

@@ -22,10 +22,10 @@ def group(item: int, version: int) -> ScoredGroup:
 
 
 def test_stale_means_more_than_max_staleness_versions_behind():
-    assert not is_stale(4, policy_version=5, max_staleness=1)
-    assert is_stale(3, policy_version=5, max_staleness=1)
-    assert not is_stale(5, policy_version=5, max_staleness=0)
-    assert is_stale(4, policy_version=5, max_staleness=0)
+    assert not is_stale(4, policy_version=5, max_lag=1)
+    assert is_stale(3, policy_version=5, max_lag=1)
+    assert not is_stale(5, policy_version=5, max_lag=0)
+    assert is_stale(4, policy_version=5, max_lag=0)
 
 
 def test_stale_groups_are_consumed_counted_and_skipped(tmp_path):
@@ -35,17 +35,17 @@ def test_stale_groups_are_consumed_counted_and_skipped(tmp_path):
     write_shards(root, "run", [group(i, v) for i, v in enumerate(versions)], groups_per_shard=3)
     reader = ShardReader(root, "run")
 
-    groups, stale = next_step_groups(reader, 2, policy_version=1, max_staleness=1, timeout_s=1)
+    groups, stale = next_step_groups(reader, 2, policy_version=1, max_lag=1, timeout_s=1)
     assert [g.item_id for g in groups] == ["0", "1"] and stale == []
     # At version 3, version-0 groups are 3 behind (> 1): items 2 and 3 are skipped.
-    groups, stale = next_step_groups(reader, 3, policy_version=3, max_staleness=1, timeout_s=1)
+    groups, stale = next_step_groups(reader, 3, policy_version=3, max_lag=1, timeout_s=1)
     assert [g.item_id for g in groups] == ["4", "5", "6"] and [g.item_id for g in stale] == ["2", "3"]
 
     # The ledger holds exactly what was handed out: three shards done, one group of the last.
     ledger = Ledger.from_json(reader.ledger.to_json())
     assert len(ledger.consumed) == 3 and list(ledger.partial.values()) == [1]
     resumed = ShardReader(root, "run", ledger=ledger)
-    groups, _ = next_step_groups(resumed, 2, policy_version=3, max_staleness=1, timeout_s=1)
+    groups, _ = next_step_groups(resumed, 2, policy_version=3, max_lag=1, timeout_s=1)
     assert [g.item_id for g in groups] == ["7", "8"]
 
 
@@ -54,7 +54,7 @@ def test_missing_groups_time_out_with_the_fix(tmp_path):
     write_shards(root, "run", [group(0, 0)], groups_per_shard=1)
     started = time.monotonic()
     with pytest.raises(DataTimeoutError, match=r"1 of 2 groups .* are rollouts being written"):
-        next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=0.3, poll_s=0.05)
+        next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_lag=0, timeout_s=0.3, poll_s=0.05)
     assert time.monotonic() - started < 5
 
 
@@ -66,9 +66,7 @@ def test_groups_that_arrive_during_a_wait_are_taken_at_once_not_at_the_next_slow
     writer = threading.Timer(0.1, write_shards, (root, "run", [group(1, 0)]), {"groups_per_shard": 1})
     writer.start()
     started = time.monotonic()
-    groups, _ = next_step_groups(
-        ShardReader(root, "run"), 2, policy_version=0, max_staleness=0, timeout_s=30, poll_s=3.0
-    )
+    groups, _ = next_step_groups(ShardReader(root, "run"), 2, policy_version=0, max_lag=0, timeout_s=30, poll_s=3.0)
     waited = time.monotonic() - started
     writer.join()
     assert [g.item_id for g in groups] == ["0", "1"]

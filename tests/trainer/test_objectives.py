@@ -47,7 +47,7 @@ def sampled_pair(version: int = 0) -> ScoredGroup:
 def test_demonstrations_are_never_stale(tmp_path):
     root = str(tmp_path)
     write_shards(root, "run", [sampled_pair(0), demonstration("d", 0), sampled_pair(5)], 3)
-    groups, stale = next_step_groups(ShardReader(root, "run"), 2, policy_version=5, max_staleness=1, timeout_s=1)
+    groups, stale = next_step_groups(ShardReader(root, "run"), 2, policy_version=5, max_lag=1, timeout_s=1)
     assert [g.item_id for g in groups] == ["d", "p"] and len(stale) == 1
     assert groups[1].policy_version == 5
 

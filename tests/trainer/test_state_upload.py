@@ -29,7 +29,7 @@ def slow_upload(self, tag_dir, rank):
     time.sleep(upload_s)
     return upload(self, tag_dir, rank)
 StateStore.upload = slow_upload
-config = TrainerConfig.from_yaml(None, [f"model={model}", "steps=4", "groups_per_step=2", "lr=1e-3", "max_staleness=100",
+config = TrainerConfig.from_yaml(None, [f"model={model}", "steps=4", "groups_per_step=2", "lr=1e-3", "max_lag=100",
                                         "save_every=1", "state_every=2", "state_in_storage=true"])
 store = StateStore(root, "run")
 seen = [{"metrics": m, "stored": store.latest()} for m in train(config, root, "run", work_dir=work, data_timeout_s=60)]

@@ -64,7 +64,7 @@ def test_sigterm_mid_run_leaves_a_row_and_a_resume_state_for_every_checkpoint(tm
         sys.executable,
         "-m",
         "trainer.cli",
-        *trainer_args(root, "run", tiny_model_dir, 20, "save_every=1", "max_staleness=100"),
+        *trainer_args(root, "run", tiny_model_dir, 20, "save_every=1", "max_lag=100"),
     ]
     with log_path.open("w") as log:
         process = subprocess.Popen(command, cwd=REPO, env=environment(), stdout=log, stderr=subprocess.STDOUT)

@@ -62,7 +62,7 @@ def test_each_step_reaches_wandb_and_an_outside_tracker_across_a_resume(tmp_path
     write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=5), groups_per_shard=2)
     monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: written for `wandb sync`
     monkeypatch.setenv("WANDB_PROJECT", "clotho-test")
-    settings = ("save_every=1", "max_staleness=100", f"report_to=[wandb, {RECORDER}]")
+    settings = ("save_every=1", "max_lag=100", f"report_to=[wandb, {RECORDER}]")
     run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))
     run_trainer(trainer_args(root, "run", tiny_model_dir, 4, *settings))  # resumes: the same W&B run goes on
 

@@ -70,7 +70,7 @@ def test_deltas_between_full_checkpoints_publish_the_same_weights_in_a_few_perce
         "lr=1e-6",
         "publish_dtype=bfloat16",
         "state_every=4",
-        "max_staleness=8",
+        "max_lag=8",
         "keep_last=null",
     )
     for run, full_every in (("deltas", 3), ("full", 1)):
@@ -91,7 +91,7 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     root = str(tmp_path)
-    # Step 1 trains on two version-0 groups and publishes version 1; with max_staleness 0 the
+    # Step 1 trains on two version-0 groups and publishes version 1; with max_lag 0 the
     # next version-0 group is then stale, and step 2 takes version 1's.
     write_shards(root, "run", sampled_groups(tiny_model_dir, 2, seed=1), groups_per_shard=2)
     write_shards(root, "run", sampled_groups(tiny_model_dir, 1, seed=2), groups_per_shard=1)
@@ -101,7 +101,7 @@ def test_trains_publishes_and_logs(tmp_path, tiny_model_dir):
     # A rollout flow that ended: its slot is the samplers' to take over; the trainer writes only its own file.
     ended = SamplerPosition("ended-flow", committed=5, in_flight=0, holder="ended-flow", closed=True)
     write_sampler_position(root, "run", ended)
-    settings = ("save_every=1", "max_staleness=0", "loss.kl_coef=0.01", "keep_last=1")
+    settings = ("save_every=1", "max_lag=0", "loss.kl_coef=0.01", "keep_last=1")
     run_trainer(trainer_args(root, "run", tiny_model_dir, 2, *settings))
     assert read_sampler_positions(root, "run") == [ended]
     position = read_trainer_position(root, "run")
@@ -159,7 +159,7 @@ def test_a_run_mixing_four_objectives_lowers_each_loss(tmp_path, tiny_model_dir)
     groups += distill_groups(tiny_model_dir, 2, seed=6)
     steps = [[group.model_copy(update={"group_id": new_group_id()}) for group in groups] for _ in range(6)]
     write_shards(root, "run", [group for step in steps for group in step], groups_per_shard=8)
-    run_trainer(trainer_args(root, "run", tiny_model_dir, 6, "groups_per_step=8", "max_staleness=100"))
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 6, "groups_per_step=8", "max_lag=100"))
 
     history = read_metrics(tmp_path / "run" / "trainer")
     first, last = history[0], history[-1]
@@ -178,8 +178,8 @@ def test_a_resumed_run_takes_the_learning_rate_of_its_config(tmp_path, tiny_mode
     # A pipeline phase resumes the run's optimizer state with its own lr; the saved one must not win.
     root = str(tmp_path)
     write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=3), groups_per_shard=2)
-    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_staleness=100"))
-    run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_staleness=100", "lr=2e-4"))
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_lag=100"))
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_lag=100", "lr=2e-4"))
     history = read_metrics(tmp_path / "run" / "trainer")
     assert [(row["step"], row["lr"]) for row in history] == [(1, 1e-3), (2, 1e-3), (3, 2e-4), (4, 2e-4)]
 
@@ -192,13 +192,13 @@ def test_latest_is_replaced_whole_and_a_save_cut_short_is_never_resumed_from(tmp
     root = str(tmp_path)
     state = tmp_path / "run" / "trainer" / "state"
     write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=3), groups_per_shard=2)
-    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_staleness=100"))
+    run_trainer(trainer_args(root, "run", tiny_model_dir, 2, "max_lag=100"))
     first = (state / "latest").stat().st_ino
     assert (state / "latest").read_text() == "step-00000002"
     cut_short = state / "step-00000003"
     cut_short.mkdir()
     (cut_short / "mp_rank_00_model_states.pt").write_bytes(b"a save cut short")
-    output = run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_staleness=100"))
+    output = run_trainer(trainer_args(root, "run", tiny_model_dir, 4, "max_lag=100"))
     assert "resuming from step 2" in output
     assert (state / "latest").read_text() == "step-00000004" and (state / "latest").stat().st_ino != first
     assert sorted(p.name for p in state.iterdir()) == ["latest", "step-00000002", "step-00000004"]
@@ -224,7 +224,7 @@ def test_with_the_state_in_storage_a_local_state_the_store_lacks_is_not_resumed_
     root = str(tmp_path)
     state = tmp_path / "host-c" / "state"
     write_shards(root, "run", sampled_groups(tiny_model_dir, 8, seed=5), groups_per_shard=2)
-    settings = ("state_in_storage=true", "max_staleness=100")
+    settings = ("state_in_storage=true", "max_lag=100")
     run_trainer([*trainer_args(root, "run", tiny_model_dir, 2, *settings), "--work-dir", str(tmp_path / "host-c")])
     assert (state / "latest").read_text() == "step-00000002"
     shutil.rmtree(tmp_path / "run" / "trainer-state")  # its upload never completed
@@ -244,7 +244,7 @@ def test_resume_after_kill_matches_an_uninterrupted_run(tmp_path, tiny_model_dir
     The killed trainer waits in step 4 for more data; phase two adds 6 version-3 groups.
     """
     root = str(tmp_path)
-    settings = ("save_every=3", "max_staleness=1")
+    settings = ("save_every=3", "max_lag=1")
     phase_one = sampled_groups(tiny_model_dir, 8, seed=10)
     phase_two = sampled_groups(tiny_model_dir, 6, seed=11, policy_version=3)
 
@@ -306,7 +306,7 @@ def test_killed_between_resume_states_it_trains_the_steps_since_again_to_the_pub
     published weights (checked against their stored logprobs), and it ends where an uninterrupted
     run ends."""
     root = str(tmp_path)
-    settings = ("save_every=1", "state_every=3", "max_staleness=8", "keep_last=1")
+    settings = ("save_every=1", "state_every=3", "max_lag=8", "keep_last=1")
     write_shards(root, "killed", sampled_groups(tiny_model_dir, 10, seed=12), groups_per_shard=2)
     log_path = tmp_path / "killed.log"
     with log_path.open("w") as log:
@@ -406,17 +406,17 @@ def test_two_ranks_resume_together_from_a_shared_work_dir_or_from_storage_on_a_n
     launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2"]
     disk, new_disk = ["--work-dir", str(tmp_path / "host-c")], ["--work-dir", str(tmp_path / "host-d")]
     run_trainer(
-        ["--", *trainer_args(root, "run", tiny_model_dir, 1, "state_in_storage=true", "max_staleness=8"), *disk],
+        ["--", *trainer_args(root, "run", tiny_model_dir, 1, "state_in_storage=true", "max_lag=8"), *disk],
         launcher=launcher,
     )
     output = run_trainer(
-        ["--", *trainer_args(root, "run", tiny_model_dir, 2, "state_in_storage=true", "max_staleness=8"), *disk],
+        ["--", *trainer_args(root, "run", tiny_model_dir, 2, "state_in_storage=true", "max_lag=8"), *disk],
         launcher=launcher,
     )
     assert "on 2 rank(s)" in output and "resuming from step 1" in output, output[-3000:]
     assert "fetched" not in output  # its own disk had it whole
     output = run_trainer(
-        ["--", *trainer_args(root, "run", tiny_model_dir, 3, "state_in_storage=true", "max_staleness=8"), *new_disk],
+        ["--", *trainer_args(root, "run", tiny_model_dir, 3, "state_in_storage=true", "max_lag=8"), *new_disk],
         launcher=launcher,
     )
     assert output.count("resume state step-00000002 fetched") == 1 and "resuming from step 2" in output, output[-3000:]

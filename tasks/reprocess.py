@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.advantages import group_advantages
 from core.scored_group import ScoredGroup, ScoredSequence
+from core.validation import describe_validation_error
 from storage.reader import group_starts
 from storage.schema import METADATA_NUM_GROUPS, table_to_groups
 from trainer.config import AdvantageConfig
@@ -135,7 +136,7 @@ def make_operation(name: str, raw: dict[str, Any]) -> Operation:
     try:
         args = ARGS[name](**raw)
     except ValidationError as error:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'arguments'}: {e['msg']}" for e in error.errors())
+        problems = describe_validation_error(error)
         known = ", ".join(ARGS[name].model_fields) or "none"
         raise ReprocessError(f"operation {name}: {problems} (its arguments: {known})") from None
     if name == "filter" and not args.model_dump(exclude_defaults=True):

@@ -144,7 +144,7 @@ def test_exports_take_the_best_completion_and_the_preference_pair() -> None:
     [
         (["shuffle"], "operation 'shuffle': unknown; use one of filter, advantages"),
         (["filter"], "give at least one criterion"),
-        (["filter:score_minimum=1"], "score_minimum: Extra inputs are not permitted"),
+        (["filter:score_minimum=1"], "score_minimum: unknown field; check the spelling"),
         (["advantages:mode=ppo"], "operation advantages: mode: Input should be 'grpo', 'mean_only' or 'leave_one_out'"),
         (["filter:score_min"], "'score_min' is not key=value"),
         (["filter:score_min=1", "dedupe"], "operation dedupe: put it first"),

@@ -56,7 +56,7 @@ sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is lo
 
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from results import interval, read_jsonl, write_result  # noqa: E402
+from results import RESULTS, current_commit, interval, read_jsonl, write_result  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from environments.base import Item  # noqa: E402
@@ -353,6 +353,23 @@ def ratio_summary(ratios: list[float]) -> dict:
     }
 
 
+def kept_tasks(result: str, report: dict) -> dict:
+    """The tasks of the result's last record that this run did not measure (a run of some --tasks
+    updates those and keeps the others), each with when and at which commit it was measured; none
+    when the last record compared other sides."""
+    path = RESULTS / f"{result}.json"
+    if not path.exists():
+        return {}
+    record = json.loads(path.read_text())
+    if record["result"].get("sides") != report["sides"]:
+        return {}
+    return {
+        name: {"measured_at": record["measured_at"], "commit": record["commit"], **task}
+        for name, task in record["result"]["tasks"].items()
+        if name not in report["tasks"]
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(TASKS))
@@ -433,6 +450,8 @@ def main() -> None:
                 return {side: round(statistics.fmean(run[side][key] for run in runs), 4) for side in compared}
 
             report["tasks"][name] = {
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "commit": current_commit(),
                 "env": task["env"],
                 "env_config": task["env_config"],
                 "start": task["start"],
@@ -453,6 +472,7 @@ def main() -> None:
                 "reward_last": mean("reward_last"),
                 "late_drop": mean("late_drop"),
             }
+        report["tasks"] = kept_tasks(args.result, report) | report["tasks"]
         report["targets"] = {"ratio_seconds_per_step": "<= 1.0", "ratio_minutes_to_threshold": "<= 1.0"}
         print(
             json.dumps(

@@ -323,9 +323,10 @@ def peer_text(name: str = "peer") -> str:
                 )
 
             label = f"{task_name} ({task['steps']}, {task['start']})" if side == first else ""
+            target = f"{task['threshold']}{' held out' if task.get('threshold_on') == 'held_out' else ''}"
             lines.append(
                 f"| {label} | {SIDE_LABELS[side]} | {spread('seconds_per_step')} | "
-                f"{spread('minutes_to_threshold')} (to {task['threshold']}) | {spread('reward_last')} | {spread('held_out_last')} | "
+                f"{spread('minutes_to_threshold')} (to {target}) | {spread('reward_last')} | {spread('held_out_last')} | "
                 f"{spread('late_drop')} | {task['reached_threshold'][side]} of {len(runs)} | {spread('startup_s', 0)} |"
             )
         ratio = f"**{SIDE_LABELS[first]} / {SIDE_LABELS[second]}**"
@@ -337,9 +338,25 @@ def peer_text(name: str = "peer") -> str:
     lines.append(
         f"Medians over {seeds} seeds (range in brackets); the late drop is a run's best evaluated reward minus its reward at the "
         "last step; ratios are per seed: their mean [the 95% interval of their geometric mean] (their range). "
-        f"Measured on {record['machine']['cpus']} CPU cores ({record['measured_at'][:10]}, {record['commit']}; `bench/results/{name}.json`)."
+        f"Measured on {record['machine']['cpus']} CPU cores ({_task_provenance(record)}; `bench/results/{name}.json`)."
     )
     return "\n".join(lines)
+
+
+def _task_provenance(record: dict) -> str:
+    """When and at which commit: the record's, or each task's where a run of some tasks kept others."""
+    tasks = record["result"]["tasks"]
+    whens = {
+        (task.get("measured_at", record["measured_at"])[:10], task.get("commit", record["commit"]))
+        for task in tasks.values()
+    }
+    if len(whens) == 1:
+        when, commit = next(iter(whens))
+        return f"{when}, {commit}"
+    return "; ".join(
+        f"{name} {task.get('measured_at', record['measured_at'])[:10]}, {task.get('commit', record['commit'])}"
+        for name, task in tasks.items()
+    )
 
 
 def markdown() -> str:

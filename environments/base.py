@@ -84,8 +84,9 @@ class Environment(ABC):
     """Subclass this: set `name` and `config_class`; write reward, and either items (a list or a
     datasets.Dataset: the base class hands them out) or new_item (items made as they are asked
     for; get_item only where they are another environment's or a remote queue's); play for a
-    multi-turn conversation, collect_trajectories when neither the default (one turn, group_size
-    samples of the item's prompt) nor rollout_group is what the environment does.
+    multi-turn conversation (the default collect_trajectories plays group_size of them), and
+    collect_trajectories only when a group is not group_size conversations scored one by one (a game
+    of several trained agents, a demonstration).
 
     The base class owns the rest: the tokenizer and chat rendering, token bookkeeping, group
     assembly and validation, the policy version every group is stamped with, and turning failures
@@ -187,12 +188,24 @@ class Environment(ABC):
         stored conversations. Deterministic for a fixed conversation.
         """
 
+    async def play(self, item: Item) -> ChatSession:
+        """One multi-turn conversation on the item, returned as the session it was played in: start
+        it with `self.chat(prompt_messages(item))`, sample the policy's turns with
+        `await session.sample(self.client, **self.sampling())` and add the environment's with
+        `session.add_messages(...)` (masked out of training). The default collect_trajectories plays
+        group_size of them concurrently and scores each with `reward` on its messages. Not written:
+        the environment is single-turn."""
+        raise NotImplementedError
+
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         """Inference and scoring together: any number of completions, one scored group.
 
-        Default: single turn, group_size samples of the item's prompt in one request, each scored
-        by `reward`. Multi-turn environments return `await self.rollout_group(item, self.play)`.
+        Default: `play`, group_size times concurrently (rollout_group), where the environment writes
+        it; else single turn, group_size samples of the item's prompt in one request. Each scored by
+        `reward`.
         """
+        if type(self).play is not Environment.play:
+            return await self.rollout_group(item, self.play)
         prompt_ids, completions = await self.sample_chat(prompt_messages(item))
         return self.make_group(item, [self.scored_completion(item, prompt_ids, c) for c in completions])
 

@@ -304,7 +304,7 @@ class OpenEnv(Environment):
                     refusals += 1
                 else:
                     try:
-                        session, ended = await self.play(episode, item, episode_id, result)
+                        session, ended = await self.run_episode(episode, item, episode_id, result)
                     finally:
                         await self.close(episode)
                     break
@@ -332,7 +332,7 @@ class OpenEnv(Environment):
         except Exception as error:  # noqa: BLE001 - the episode is over; its close may fail any way
             log.warning("closing an OpenEnv episode: %s: %s", type(error).__name__, error)
 
-    async def play(
+    async def run_episode(
         self, episode: InProcessEpisode | ServerEpisode, item: Item, episode_id: str, result: StepResult[dict[str, Any]]
     ) -> tuple[ChatSession, dict[str, Any]]:
         """The episode from its reset: an action per turn until the environment is done, max_turns,

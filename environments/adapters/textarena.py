@@ -213,11 +213,11 @@ class TextArena(Environment):
         if match is None:
             raise ValueError(
                 "not a finished TextArena game: a seat's conversation ends on a user message saying "
-                "'Your reward: R' (TextArena.play writes it from env.close())"
+                "'Your reward: R' (TextArena.play_game writes it from env.close())"
             )
         return float(match.group(1))
 
-    async def play(self, item: GameItem, index: int) -> tuple[dict[str, Any], list[ScoredSequence]]:
+    async def play_game(self, item: GameItem, index: int) -> tuple[dict[str, Any], list[ScoredSequence]]:
         """One game to its end (or max_turns): its record for the group's extras, and a sequence
         per policy seat that moved."""
         config = self.config
@@ -261,7 +261,7 @@ class TextArena(Environment):
         config = self.config
         games = math.ceil(config.group_size / len(config.policy_seats))
         # gather_sequences records a failed game as one error; each finished game is (record, sequences).
-        played, errors = await self.gather_sequences([self.play(item, index) for index in range(games)])
+        played, errors = await self.gather_sequences([self.play_game(item, index) for index in range(games)])
         sequences = [sequence for _, game_sequences in played for sequence in game_sequences]
         extras = {
             "games": [record for record, _ in played],

@@ -122,7 +122,7 @@ class GroupChat(Environment):
             for name, hours in free.items()
         ]
 
-    async def play(self, item: Item) -> list[ScoredSequence]:
+    async def play_game(self, item: Item) -> list[ScoredSequence]:
         game = Game(self, item)
         for _ in range(self.config.rounds):
             for speaker in item.extras["speakers"]:
@@ -134,7 +134,7 @@ class GroupChat(Environment):
     async def collect_trajectories(self, item: Item) -> ScoredGroup:
         games = math.ceil(self.config.group_size / self.config.policy_speakers)
         # gather_sequences records a failed game as one error; each finished game is a list.
-        played, errors = await self.gather_sequences([self.play(item) for _ in range(games)])
+        played, errors = await self.gather_sequences([self.play_game(item) for _ in range(games)])
         sequences = [sequence for game in played for sequence in game]
         return self.make_group(item, sequences[: self.config.group_size], errors=errors)
 

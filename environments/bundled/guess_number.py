@@ -8,7 +8,6 @@ from typing import Any
 
 from pydantic import Field
 
-from core.scored_group import ScoredGroup
 from environments.base import Environment, EnvironmentConfig, Item, prompt_messages
 from environments.chat import ChatSession
 
@@ -70,6 +69,3 @@ class GuessNumber(Environment):
                 break
             session.add_messages([{"role": "user", "content": self.reply(item, guess, tries_left)}])
         return session
-
-    async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        return await self.rollout_group(item, self.play)

@@ -20,7 +20,6 @@ import re
 
 from pydantic import Field
 
-from core.scored_group import ScoredGroup
 from environments.base import Environment, EnvironmentConfig, Item, final_answer, prompt_messages
 from environments.chat import ChatSession
 
@@ -123,6 +122,3 @@ class ToolUse(Environment):
                 break
             session.add_messages([{"role": "tool", "content": output}])
         return session
-
-    async def collect_trajectories(self, item: Item) -> ScoredGroup:
-        return await self.rollout_group(item, self.play)

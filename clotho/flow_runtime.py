@@ -102,6 +102,24 @@ def is_the_command() -> bool:
     return main.name == "clotho" or main.parts[-2:] == ("clotho", "cli.py")
 
 
+def prefect_server_process(
+    home: Path, port: int, environment: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of `prefect server start` on 127.0.0.1:`port` with its database
+    in `home`: what every Prefect server clotho starts runs (the command's, the tests', the soak's).
+    `environment`: what it starts from (os.environ by default), less any PREFECT_API_URL (the
+    server is not a client of another)."""
+    env = {key: value for key, value in (os.environ if environment is None else environment).items()}
+    env.pop("PREFECT_API_URL", None)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_UI_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    return command, env
+
+
 def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
     """`prefect server start` on a free loopback port in a session of its own, answering its
     health check, ended with the command however it ends (core.processes.tethered); its API URL
@@ -112,16 +130,15 @@ def serve_prefect(home: Path, timeout_s: float) -> tuple[str, subprocess.Popen]:
     started = time.monotonic()
     for _ in range(3):  # a port taken between finding it and binding it: another one
         port = free_port()
+        command, env = prefect_server_process(home, port)
         with open(log_path, "ab") as log:
             server = subprocess.Popen(
-                tethered(
-                    [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-                ),
+                tethered(command),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={**os.environ, "PREFECT_HOME": str(home)},
+                env=env,
             )
         url = f"http://127.0.0.1:{port}/api"
         left_s = timeout_s - (time.monotonic() - started)

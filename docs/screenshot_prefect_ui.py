@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.ui_watch import chromium_run  # noqa: E402
-from tests.prefect_server import start_prefect_server  # noqa: E402
+from clotho.testing.prefect_server import start_prefect_server  # noqa: E402
 
 
 def screenshot(url: str, out: Path) -> None:

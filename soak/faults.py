@@ -309,10 +309,10 @@ def first_group(loop: Loop, trial: Trial) -> Part | None:
 
 
 def hog_in_sandbox(loop: Loop, trial: Trial, rng: random.Random) -> float | None:
-    """While the flow's groups run in code_exec's sandbox, load the host (tests.environments.cpu_hog:
+    """While the flow's groups run in code_exec's sandbox, load the host (clotho.testing.cpu_hog:
     about a tenth of a core left to each program) for 3 to 20 s: starved runs are tried again, then
     their group fails as `infra`; every group stored must carry the scores its answers deserve."""
-    from tests.environments.cpu_hog import cpu_hog
+    from clotho.testing.cpu_hog import cpu_hog
 
     if first_group(loop, trial) is None:
         return None

@@ -1,4 +1,4 @@
-"""Host-loss trials (issue 33): `clotho run` across the cluster of tests/cluster (Prefect and S3 on a,
+"""Host-loss trials (issue 33): `clotho run` across the cluster of cluster/ (Prefect and S3 on a,
 the policy server on b, a rollout worker and a trainer node on each of c and d, the pipeline on a),
 and host c killed whole (every process, SIGKILL) at a random moment of the run, back after a pause,
 its work dir's disk lost too in the odd trials. The run must end on its own: every step published,
@@ -21,7 +21,7 @@ import shutil
 import time
 from pathlib import Path
 
-from tests.cluster.hosts import (
+from cluster.hosts import (
     AUTH,
     KEY,
     Cluster,

@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from clotho.flow_runtime import prefect_server_process
 from core.processes import stop_process, wait_answering
 from inference.server import PolicyServer
 
@@ -130,10 +131,7 @@ class PrefectPart(Part):
 
     def __init__(self, home: Path, port: int):
         home.mkdir(parents=True, exist_ok=True)
-        env = part_environment(None, home)
-        env.pop("PREFECT_API_URL", None)
-        env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"
-        command = [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        command, env = prefect_server_process(home, port, part_environment(None, home))
         super().__init__("prefect", command, env=env, log_path=home / "server.log", whole_group=True)
         self.home, self.port = home, port
 

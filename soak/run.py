@@ -5,7 +5,7 @@
 
 Starts a tiny model's vLLM server and a Prefect server (shared by every fault's loop), then per
 fault a loop (soak.loop) and its trials (soak.faults); then the storage faults, randomized trials of
-writers and readers against a moto S3 server behind a fault proxy (tests.reliability.storage_soak).
+writers and readers against a moto S3 server behind a fault proxy (soak.storage_faults).
 The loops write their runs to a local directory, or with `--storage s3` to a moto S3 server of
 their own (every part then reads and writes the run through the S3 API, as on a cluster).
 Prints one row per fault (trials, committed groups, lost, trained twice, torn, infra failures
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         results, replays = run_loop_faults(faults, args.trials, rng, work, storage_root) if faults else ({}, {})
     storage: list[dict] = []
     if STORAGE in chosen:
-        from tests.reliability.storage_soak import run_storage_fault_soak
+        from soak.storage_faults import run_storage_fault_soak
 
         say(f"{STORAGE}: {args.trials} trials")
         storage = run_storage_fault_soak(args.trials, rng.randrange(10**6), report=lambda row: say(f"  {row}"))
@@ -120,7 +120,7 @@ def loop_storage(kind: str) -> Iterator[str | None]:
     if kind == "file":
         yield None
         return
-    from tests.s3_server import s3_bucket
+    from clotho.testing.s3_server import s3_bucket
 
     with s3_bucket("clotho-soak") as server:
         say(f"S3 API server (moto) at {server.endpoint_url}; its request log {server.log_path}")

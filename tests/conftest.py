@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from clotho.testing.prefect_server import start_prefect_server
 from environments.testing import CACHE, cached_tiny_model, worker_log  # noqa: F401
-from tests.prefect_server import start_prefect_server
 
 # Every vLLM server the tests start, theirs and those started by the commands they run (clotho run,
 # evaluate, env check), runs eagerly and in two processes, not three:

@@ -2,10 +2,9 @@
 are what bench/report.py renders from bench/results/*.json and the listed file: numbers and code
 are never typed into the README or the docs by hand."""
 
-import importlib.util
+import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def bench_report():
-    spec = importlib.util.spec_from_file_location("bench_report", REPO / "bench" / "report.py")
-    report = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(report)
-    return report
+    return importlib.import_module("bench.report")
 
 
 @pytest.mark.parametrize(
@@ -33,14 +29,13 @@ def bench_report():
 )
 def test_numbers_and_listings_are_rendered_from_their_source(page, block, source):
     assert getattr(bench_report(), block)() in (REPO / page).read_text(), (
-        f"{page}'s {block} differs from {source}: run `python bench/report.py --readme`"
+        f"{page}'s {block} differs from {source}: run `python -m bench.report --readme`"
     )
 
 
 def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest(tmp_path, monkeypatch):
     report = bench_report()
-    sys.path.insert(0, str(REPO / "bench"))
-    import results
+    from bench import results
 
     monkeypatch.setattr(results, "RESULTS", tmp_path)
     monkeypatch.setattr(report, "RESULTS", tmp_path)
@@ -114,9 +109,7 @@ def test_a_recorded_demo_keeps_every_run_of_the_same_config_and_shows_the_newest
 
 
 def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves():
-    spec = importlib.util.spec_from_file_location("bench_peer", REPO / "bench" / "bench_peer.py")
-    peer = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(peer)
+    peer = importlib.import_module("bench.bench_peer")
     # Steps end every 2 s; step 2's checkpoint took 5 s more, which a TRL user would not pay.
     side = {
         "started": 90.0,
@@ -135,9 +128,7 @@ def test_the_peer_bench_counts_time_from_the_first_step_without_the_peer_s_saves
 
 
 def test_the_scale_memory_probe_measures_a_trainer_step_in_a_process_of_its_own(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_scale_memory", REPO / "bench" / "bench_scale_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("bench.bench_scale_memory")
     monkeypatch.setattr(bench, "MODELS", tmp_path)
     case = bench.run_case("tiny", 1024, "chunked", True, "float32", steps=1, limit=300, max_rss=8 * 2**30)
     assert case["parameters"] == 427_136 and case["micro_batches"] == 1 and case["tokens"] == 1024
@@ -148,9 +139,7 @@ def test_the_scale_memory_probe_measures_a_trainer_step_in_a_process_of_its_own(
 
 
 def test_the_scale_cost_model_extrapolates_each_term_by_its_own_rate():
-    spec = importlib.util.spec_from_file_location("bench_scale", REPO / "bench" / "bench_scale.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = importlib.import_module("bench.bench_scale")
     parts = {"sampling_s": 4.0, "update_s": 40.0, "publish_s": 10.0, "save_state_s": 20.0, "reload_s": 5.0}
     entry = {
         "size": "qwen2.5-0.5b",

@@ -83,3 +83,16 @@ def test_the_checks_see_an_upward_import_and_a_circle():
     assert upward_imports(graph) == ["core.a imports storage.b, a package above it"]
     assert circles(graph) == [["core.a", "storage.b", "storage.c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_shipped_code_and_the_tools_import_no_tests():
+    """The packages, the benches, the soak and the cluster's helpers are run without tests/ (a wheel
+    has none): what they share with the tests lives in clotho.testing."""
+    files = [path for package in [*LAYERS, "bench", "cluster"] for path in (REPO / package).rglob("*.py")]
+    found = [
+        f"{path.relative_to(REPO)} imports {name}"
+        for path in files
+        for name in sorted(imported_names(path))
+        if name == "tests" or name.startswith("tests.")
+    ]
+    assert not found, "\n".join(found)

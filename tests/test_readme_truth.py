@@ -108,6 +108,11 @@ def command_problems(words: list[str], targets: list[re.Pattern]) -> list[str]:
             for t in words[1:]
             if "=" not in t and not any(target.match(t) for target in targets)
         ]
+    for flag, module in zip(words, words[1:]):  # python -m bench.report: a module of this repository
+        path = REPO / module.replace(".", "/")
+        if flag == "-m" and re.match(rf"^(?:{TOP_DIRS})\.", module):
+            if not (path.with_suffix(".py").exists() or (path / "__init__.py").exists()):
+                problems.append(f"-m {module}: no such module in the repository")
     return problems + [problem for word in words for problem in word_problems(word)]
 
 
@@ -135,6 +140,7 @@ def test_the_checker_finds_what_is_not_there(tmp_path):
         "make demoo && clotho env check word_echo --server URL\n"
         ".venv-env-x/bin/clotho env serve environments.bundled.arithmetic:Arithmetik\n"
         "```\n"
+        "```bash\npython -m bench.bench_nothing --rounds 1\n```\n"
         "Or `clotho rollout --groupz 4`, and `make test`.\n"
     )
     lines = shell_lines(page.read_text())
@@ -146,6 +152,7 @@ def test_the_checker_finds_what_is_not_there(tmp_path):
         "shards, train, watch)",
         "make demoo: no such target",
         "environments.bundled.arithmetic:Arithmetik: environments/bundled/arithmetic.py has no class Arithmetik",
+        "-m bench.bench_nothing: no such module in the repository",
         "`clotho rollout` has no option --groupz",
     ]
 

@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 
-from tests.cluster.hosts import (
+from cluster.hosts import (
     AUTH,
     KEY,
     MODEL,

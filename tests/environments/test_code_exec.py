@@ -66,8 +66,8 @@ def test_under_a_cpu_hog_a_correct_answer_scores_right_or_fails_as_infra_never_z
     """The host leaves the sandbox about a tenth of a core: a correct answer is scored 1 or its
     group fails as `infra` after the sandbox's tries, and is never scored 0. An endless loop still
     scores 0 on a host that gives it its CPU."""
+    from clotho.testing.cpu_hog import cpu_hog
     from environments.failures import InfraError, failure_reason
-    from tests.environments.cpu_hog import cpu_hog
 
     limits = {"limits": {"wall_seconds": 1.5, "cpu_seconds": 2}}
     loaded = CodeExec(limits, client=None, tokenizer=env.tokenizer)

@@ -37,7 +37,7 @@ def test_an_endless_loop_is_killed_by_cpu_time_or_wall_clock() -> None:
 def test_a_program_starved_of_cpu_by_a_loaded_host_is_told_from_a_slow_one() -> None:
     """Killed at the wall-clock limit, a program that wanted a CPU and got about a tenth of one is
     `infra` (the machine's failure); one that slept there is not; both report their CPU time."""
-    from tests.environments.cpu_hog import cpu_hog
+    from clotho.testing.cpu_hog import cpu_hog
 
     busy = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end:\n    pass\nprint('done')"
     alone = run_python(busy, Limits(wall_seconds=2))

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from clotho.testing.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
 from inference.client import PolicyServerError, token_versions
 from inference.parity import load_reference_model, max_abs_difference, reference_logprobs, write_parity_reference
 from inference.parity_guard import ParityGuard
@@ -20,7 +21,6 @@ from inference.weights import prepare_reload_dir
 from storage.checkpoints import publish_checkpoint
 from storage.weight_delta import DELTA_FILE, WEIGHTS_FILE, encode
 from tests.conftest import cached_tiny_model
-from tests.inference.reloading import PROBE, announced, is_paused, next_step, perturbed_checkpoint, served_matches
 
 pytestmark = pytest.mark.integration
 
@@ -322,7 +322,7 @@ async def test_each_server_is_reloaded_and_a_dead_one_is_reported_and_retried(un
 
 
 async def test_s3_checkpoint_is_copied_to_local_disk_and_reloaded(untied_policy, guard, tmp_path, monkeypatch):
-    from tests.s3_server import create_bucket, start_s3_server, stop_s3_server
+    from clotho.testing.s3_server import create_bucket, start_s3_server, stop_s3_server
 
     s3 = start_s3_server()
     try:

@@ -9,10 +9,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from clotho.testing.reloading import announced, next_step, perturbed_checkpoint, served_matches
 from inference.cli import watch_command, watch_server
 from inference.reload import ServedPolicy
 from storage.checkpoints import CheckpointInfo, publish_checkpoint
-from tests.inference.reloading import announced, next_step, perturbed_checkpoint, served_matches
 
 pytestmark = pytest.mark.integration
 

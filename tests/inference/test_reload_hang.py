@@ -13,12 +13,12 @@ import time
 import psutil
 import pytest
 
+from clotho.testing.reloading import announced, is_paused, next_step, perturbed_checkpoint, served_matches
 from inference import reload
 from inference.client import PolicyClient
 from inference.reload import reload_bound_s
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import publish_checkpoint
-from tests.inference.reloading import announced, is_paused, next_step, perturbed_checkpoint, served_matches
 
 pytestmark = pytest.mark.integration
 

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from clotho.testing.reloading import perturbed_checkpoint
 from inference.parity_guard import ParityGuard, ParityReport, tolerance_for
 from inference.reload import ReloadError, ServedPolicy, restore_server
 from inference.server import free_port
@@ -22,7 +23,6 @@ from inference.weights import (
     tensor_shapes,
 )
 from tests.conftest import cached_tiny_model
-from tests.inference.reloading import perturbed_checkpoint
 
 
 @pytest.fixture(scope="module")

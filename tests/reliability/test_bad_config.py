@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from clotho.cli import app
+from clotho.testing.groups import make_groups
 from environments.testing import cached_tiny_model
 from storage.writer import ShardWriter
-from tests.storage.factory import make_groups
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from clotho.testing.s3_server import s3_bucket
 from core.scored_group import ScoredGroup, ScoredSequence
 from soak import checks
 from soak.faults import run_trials
@@ -18,7 +19,6 @@ from storage.checkpoints import publish_checkpoint
 from storage.layout import ROLLOUTS
 from storage.ledger import Ledger, shard_id_of
 from storage.writer import ShardWriter
-from tests.s3_server import s3_bucket
 
 
 def groups(count: int, first: int) -> list[ScoredGroup]:

@@ -31,7 +31,7 @@ import pytest
 import s3fs
 import yaml
 
-from tests.s3_server import start_s3_server, stop_s3_server
+from clotho.testing.s3_server import start_s3_server, stop_s3_server
 
 REPO = Path(__file__).resolve().parents[2]
 CLOTHO = str(Path(sys.executable).with_name("clotho"))

@@ -19,6 +19,10 @@ from pathlib import Path
 import pytest
 import s3fs
 
+from clotho.testing.groups import make_group, make_groups
+from clotho.testing.s3_server import CREDENTIALS, create_bucket, start_s3_server, stop_s3_server
+from soak.s3_faults import S3FaultProxy
+from soak.storage_faults import RunWatcher, run_storage_fault_trial
 from storage.checkpoints import (
     CheckpointError,
     checkpoint_url,
@@ -30,10 +34,6 @@ from storage.filesystem import FIRST_BACKOFF_S, MAX_BACKOFF_S, StorageUnavailabl
 from storage.layout import QUARANTINE
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tests.reliability.s3_faults import S3FaultProxy
-from tests.reliability.storage_soak import RunWatcher, run_storage_fault_trial
-from tests.s3_server import CREDENTIALS, create_bucket, start_s3_server, stop_s3_server
-from tests.storage.factory import make_group, make_groups
 
 pytestmark = pytest.mark.integration
 

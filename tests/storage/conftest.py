@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import fsspec
 import pytest
 
-from tests.s3_server import S3Server, s3_bucket
+from clotho.testing.s3_server import S3Server, s3_bucket
 
 BUCKET = "clotho-test"
 BACKENDS = ["file", "memory", pytest.param("s3", marks=pytest.mark.integration)]

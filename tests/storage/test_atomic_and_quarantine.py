@@ -11,13 +11,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from clotho.testing.groups import make_groups
 from core.scored_group import SCHEMA_VERSION
 from storage.index import index_shards
 from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.schema import SchemaVersionError, groups_to_table
 from storage.writer import ShardWriter
-from tests.storage.factory import make_groups
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from clotho.testing.groups import make_groups
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage import cli
 from storage.reader import ShardReader
 from storage.shard_file import find_shards
 from storage.writer import ShardWriter
-from tests.storage.factory import make_groups
 
 runner = CliRunner()
 

@@ -7,12 +7,12 @@ import random
 import fsspec
 import pytest
 
+from clotho.testing.groups import make_group
 from storage.compact import compact
 from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.shard_file import find_shards, read_shard
 from storage.writer import ShardWriter
-from tests.storage.factory import make_group
 
 
 def write_small_shards(root: str) -> list:

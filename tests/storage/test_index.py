@@ -9,6 +9,7 @@ import fsspec
 import pytest
 
 import storage.index as index_module
+from clotho.testing.groups import make_groups
 from storage.index import IndexEntry, add_entry, check_clock, id_at, list_entries
 from storage.layout import ShardLocation, new_shard_id
 from storage.ledger import Ledger
@@ -16,7 +17,6 @@ from storage.reader import ShardReader
 from storage.schema import groups_to_table
 from storage.shard_file import write_shard
 from storage.writer import ShardWriter
-from tests.storage.factory import make_groups
 
 
 def write(root: str, count: int, per_shard: int = 2, seed: int = 0) -> list:

@@ -9,10 +9,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from clotho.testing.groups import make_group
 from storage.layout import rollouts_url
 from storage.reader import ShardReader
 from storage.writer import ShardWriter
-from tests.storage.factory import make_group
 
 
 def write_run(tmp_path) -> tuple[str, list]:

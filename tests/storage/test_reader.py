@@ -10,10 +10,10 @@ import fsspec
 import pytest
 
 import storage.reader as reader_module
+from clotho.testing.groups import make_group, make_groups
 from storage.ledger import Ledger
 from storage.reader import ShardReader, TokenizerMismatchError
 from storage.writer import ShardWriter
-from tests.storage.factory import make_group, make_groups
 
 
 def write_shards(root: str, count: int, groups_per_shard: int = 3, seed: int = 0, **fields) -> list:

@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from clotho.testing.groups import make_group, make_groups
 from core.sampling import Sampling
 from core.scored_group import SCHEMA_VERSION, InvalidGroupError, ScoredGroup, ScoredSequence
 from storage.schema import (
@@ -22,7 +23,6 @@ from storage.schema import (
 )
 from storage.shard_checks import check_table
 from storage.shard_file import decode, encode
-from tests.storage.factory import make_group, make_groups
 
 
 def test_every_field_round_trips_through_parquet() -> None:

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
+from clotho.testing.groups import make_group, make_groups
 from core.scored_group import ScoredGroup
 from storage.filesystem import publish, resolve
 from storage.inspection import verify
 from storage.reader import ShardReader
 from storage.writer import ShardWriter, estimated_bytes
-from tests.storage.factory import make_group, make_groups
 
 
 def read_back(root: str) -> list[ScoredGroup]:

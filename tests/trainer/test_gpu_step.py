@@ -36,7 +36,7 @@ def test_the_device_step_script_trains_packed_rows_and_checks_them_against_each_
     out = tmp_path / "step.json"
     extra = ["--gradient-checkpointing"] if dtype == "bfloat16" else []
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "gpu_step.py"), *SMALL, "--dtype", dtype, "--out", str(out), *extra],
+        [sys.executable, "-m", "bench.gpu_step", *SMALL, "--dtype", dtype, "--out", str(out), *extra],
         cwd=REPO,
         capture_output=True,
         text=True,

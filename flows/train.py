@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,7 @@ from prefect.artifacts import (
 
 from flows.artifacts import artifact_key
 from storage.checkpoints import latest_checkpoint
-from storage.layout import split_run_url
-from trainer.config import TrainerConfig
+from trainer.entry import prepare_training
 from trainer.metrics import read_metrics
 from trainer.train import default_work_dir, format_metrics
 from trainer.train import train as training_steps
@@ -74,12 +72,12 @@ def train(
     Several ranks: launch `clotho train` under torchrun or deepspeed instead.
     """
     logger = get_run_logger()
-    storage, run = split_run_url(run_url)
-    config = TrainerConfig.from_yaml(config_path, [*(overrides or []), f"model={json.dumps(model)}", f"steps={steps}"])
+    start = prepare_training(run_url, model, steps, config_path, overrides or [])  # as `clotho train` starts
+    storage, run = start.storage, start.run
     key = artifact_key("train", run)
     progress = create_progress_artifact(0.0, key=f"{key}-progress", description=f"steps of {steps}")
     for metrics in training_steps(
-        config,
+        start.config,
         storage,
         run,
         work_dir=Path(work_dir) if work_dir else None,

@@ -9,9 +9,7 @@ torchrun needs the `--`: it abbreviates its own options and would take `--run` f
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from pathlib import Path
 
 import typer
@@ -36,58 +34,14 @@ def train_command(
     local_rank: int = typer.Option(None, "--local_rank", hidden=True, help="Set by the deepspeed launcher."),
 ) -> None:
     """Train the policy on the run's rollout shards with DeepSpeed and publish checkpoints."""
-    import yaml
-    from pydantic import ValidationError
-
-    from storage.cli import check_run_url
-    from storage.progress import announce_trainer
-    from storage.reader import TokenizerMismatchError
-    from trainer.config import TrainerConfig
-    from trainer.data import DataTimeoutError, check_run_tokenizer
+    from trainer.data import DataTimeoutError
+    from trainer.entry import TrainingInputError, prepare_training
 
     # Everything is checked before anything heavy loads or anything is written.
     try:
-        storage, run_name = check_run_url(run)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--run") from None
-    try:
-        # --model and --steps win over the file and --set; JSON quoting keeps a path a string.
-        trainer_config = TrainerConfig.from_yaml(config, [*set_, f"model={json.dumps(model)}", f"steps={steps}"])
-    except ValidationError as error:
-        from core.validation import describe_validation_error
-
-        message = describe_validation_error(error, TrainerConfig)
-        if message.startswith("model: "):  # --model, given on the command line
-            raise typer.BadParameter(message.removeprefix("model: "), param_hint="--model") from None
-        raise typer.BadParameter(message, param_hint="--config/--set" if config else "--set") from None
-    except yaml.YAMLError as error:
-        raise typer.BadParameter(
-            f"not valid YAML ({' '.join(str(error).split())}); fix the file", param_hint="--config"
-        ) from None
-    except ValueError as error:  # an --set that does not apply, a file that is not a mapping
-        raise typer.BadParameter(str(error), param_hint="--set") from None
-    from storage.models import local_model
-
-    # A model in storage: this host's copy, fetched once (storage.models).
-    trainer_config = trainer_config.model_copy(update={"model": local_model(trainer_config.model)})
-    try:
-        check_run_tokenizer(storage, run_name, trainer_config.model)
-    except TokenizerMismatchError as error:
-        typer.echo(f"clotho train: --model: {error}", err=True)
-        raise typer.Exit(2) from None
-    except (FileNotFoundError, PermissionError) as error:  # a bucket that is not there, credentials refused
-        typer.echo(f"clotho train: --run: {' '.join(str(error).split())}", err=True)
-        raise typer.Exit(2) from None
-
-    if int(os.environ.get("RANK", "0")) == 0:  # before torch loads: the samplers of its steps start now
-        announce_trainer(
-            storage,
-            run_name,
-            groups_per_step=trainer_config.groups_per_step,
-            save_every=trainer_config.save_every,
-            max_lag=trainer_config.max_lag,
-            end_step=trainer_config.steps,
-        )
+        start = prepare_training(run, model, steps, config, set_)
+    except TrainingInputError as error:
+        raise typer.BadParameter(error.message, param_hint=error.option) from None
 
     import torch
 
@@ -98,7 +52,7 @@ def train_command(
     stop_at_step_boundaries()
     step = None
     try:
-        for metrics in train(trainer_config, storage, run_name, work_dir=work_dir, data_timeout_s=data_timeout_s):
+        for metrics in train(start.config, start.storage, start.run, work_dir=work_dir, data_timeout_s=data_timeout_s):
             step = metrics["step"]
     except DataTimeoutError as error:
         typer.echo(str(error), err=True)

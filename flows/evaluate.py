@@ -6,8 +6,9 @@
                     [--server URL]                              a running server serving that version
 
 Without --server it serves the checkpoint with vLLM itself (the same server as training uses) and
-stops it after; with --server it first checks that the server announces the checkpoint's version
-(a hot-reloaded server does), so a result never belongs to other weights than it says. Runs the
+stops it after; with --server it checks that the server announces the checkpoint's version (a
+hot-reloaded server does) and that every answer was sampled by it (evaluate_version, the one
+evaluator), so a result never belongs to other weights than it says. Runs the
 environment's `evaluate` (greedy, held-out items: Environment.evaluate) and writes the report to
 `{step}/evaluation-{env}.json` (deleted with the step by retention) and a table artifact
 `evaluation-{run}`. An evaluation already written for that step and environment is not run again,
@@ -17,10 +18,13 @@ so a schedule that evaluates LATEST every few minutes evaluates each new checkpo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,12 +93,61 @@ async def evaluated_environment(env: str, env_config: dict[str, Any], client: Po
     return environment
 
 
+class VersionMoved(RuntimeError):
+    """An evaluation's answers were not all sampled by the version it was to evaluate."""
+
+    def __init__(self, version: int, sampled_by: set[int]):
+        super().__init__(
+            f"version {version} was evaluated, but its answers were sampled by versions {sorted(sampled_by)}"
+        )
+        self.version, self.sampled_by = version, sampled_by
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    version: int  # the one policy version that answered every item
+    report: dict[str, float]  # Environment.evaluate's (evaluation_report)
+    seconds: float  # answering time
+
+
+async def evaluate_version(
+    environment: Any,
+    client: PolicyClient,
+    items: int,
+    *,
+    expected: int | None = None,
+    hold: contextlib.AbstractAsyncContextManager | None = None,
+    on_version: Callable[[int], Awaitable[None]] | None = None,
+) -> Evaluation:
+    """The one evaluator (the pipeline's every `evaluation.every` versions, the `evaluate` flow's,
+    `clotho evaluate`'s): the environment's held-out items answered concurrently (greedy,
+    Environment.evaluate) by one policy version. `hold` (a reload watcher's) keeps the servers from
+    reloading while it answers; the version is read inside it, and every answer's sampling version
+    checked against it (a server that reloads itself could move under it anyway): VersionMoved
+    when they differ, or when `expected` (a checkpoint's version) is not the version served.
+    `on_version` is awaited with the version before any item is asked (the pipeline pins its
+    checkpoint there, so retention keeps the weights this evaluation may find best)."""
+    async with hold or contextlib.nullcontext():
+        version = await client.weight_version()
+        if expected is not None and version != expected:
+            raise VersionMoved(expected, {version})
+        if on_version is not None:
+            await on_version(version)
+        started = time.monotonic()
+        report = await environment.evaluate(num_items=items)
+        seconds = time.monotonic() - started
+    sampled_by = {int(report.get("policy_version_first", version)), int(report.get("policy_version_last", version))}
+    if sampled_by != {version}:
+        raise VersionMoved(version, sampled_by)
+    return Evaluation(version, report, seconds)
+
+
 async def evaluate_on(
-    url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int
+    url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int, expected: int
 ) -> dict[str, float]:
     async with PolicyClient(url, api_key=api_key) as client:
         environment = await evaluated_environment(env, env_config, client, tokenizer)
-        return await environment.evaluate(num_items=items)
+        return (await evaluate_version(environment, client, items, expected=expected)).report
 
 
 @flow(name="evaluate")
@@ -121,19 +174,21 @@ def evaluate(
             return json.loads(fs.cat_file(path))
     local = fetch_checkpoint(info, Path(".clotho/evaluate-cache"))
     started = time.monotonic()
+    version = info.policy_version
     if server is not None:
-        served = asyncio.run(_served_version(server, api_key))
-        if served != info.policy_version:
+        try:
+            report = asyncio.run(evaluate_on(server, api_key, env, env_config or {}, str(local), items, version))
+        except VersionMoved as moved:
             raise EvaluationError(
-                f"--server {server} serves version {served}, not {info.policy_version} ({info.url}); reload it onto "
-                "the checkpoint (clotho watch) or leave --server out to serve the checkpoint here"
-            )
-        report = asyncio.run(evaluate_on(server, api_key, env, env_config or {}, str(local), items))
+                f"--server {server} serves version {', '.join(map(str, sorted(moved.sampled_by)))}, not {version} "
+                f"({info.url}); reload it "
+                "onto the checkpoint (clotho watch) and keep it there, or leave --server out to serve the checkpoint here"
+            ) from None
     else:
         from inference.server import PolicyServer
 
         with PolicyServer(local, max_model_len=2048) as policy:
-            report = asyncio.run(evaluate_on(policy.base_url, None, env, env_config or {}, str(local), items))
+            report = asyncio.run(evaluate_on(policy.base_url, None, env, env_config or {}, str(local), items, version))
     result = {
         "checkpoint": info.url,
         "step": info.step,
@@ -161,8 +216,3 @@ def evaluate(
     )
     logger.info("step %d on %s: %s (%s)", info.step, env, json.dumps(report), target)
     return result
-
-
-async def _served_version(server: str, api_key: str | None) -> int:
-    async with PolicyClient(server, api_key=api_key) as client:
-        return await client.weight_version()

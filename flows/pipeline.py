@@ -30,7 +30,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import acreate_markdown_artifact
 
 from core.processes import stop_process, tethered
-from flows.evaluate import evaluated_environment
+from flows.evaluate import VersionMoved, evaluate_version, evaluated_environment
 from flows.followed_runs import FollowedRun, follow
 from flows.live_view import RunView
 from flows.pipeline_config import Phase, PipelineConfig
@@ -441,23 +441,17 @@ async def evaluate_versions(
         while evaluated != last_step:
             version = await client.weight_version()
             if evaluated is None or version >= min(evaluated + evaluation.every, last_step):
-                async with hold or contextlib.nullcontext():
-                    version = await client.weight_version()  # held: what answers the whole evaluation
-                    # Pinned while it is evaluated: retention would otherwise delete, once the trainer
-                    # moves on, the checkpoint this evaluation may find best.
+                # Pinned while it is evaluated: retention would otherwise delete, once the trainer
+                # moves on, the checkpoint this evaluation may find best.
+                async def pin(version: int) -> None:
                     await asyncio.to_thread(pin_steps, storage, run, EVALUATOR_PIN, {version})
-                    answering = time.monotonic()
-                    report = await env.evaluate(num_items=evaluation.items)
-                    answered_s = time.monotonic() - answering
-                sampled_by = {report.get("policy_version_first", version), report.get("policy_version_last", version)}
-                if sampled_by != {version}:
-                    log.warning(
-                        "evaluation at version %d: its answers were sampled by versions %s (a server reloaded "
-                        "under it); evaluating again",
-                        version,
-                        sorted(int(v) for v in sampled_by),
-                    )
+
+                try:
+                    done = await evaluate_version(env, client, evaluation.items, hold=hold, on_version=pin)
+                except VersionMoved as moved:
+                    log.warning("evaluation: %s (a server reloaded under it); evaluating again", moved)
                     continue
+                version, report, answered_s = done.version, done.report, done.seconds
                 row = curve.add(
                     config.phase_of(version).name,
                     version,

@@ -92,21 +92,21 @@ cluster-trials: setup
 	$(VENV)/bin/python -m soak.host_loss $(TRIALS_ARGS)
 
 bench: setup .venv-trl/.installed
-	$(VENV)/bin/python bench/bench_storage.py
-	$(VENV)/bin/python bench/bench_trainer.py
-	$(VENV)/bin/python bench/bench_scale_memory.py
-	$(VENV)/bin/python bench/bench_scale.py
-	$(VENV)/bin/python bench/bench_attention.py
-	$(VENV)/bin/python bench/bench_rollout.py
-	$(VENV)/bin/python bench/bench_reload.py
-	$(VENV)/bin/python bench/bench_inflight.py
-	$(VENV)/bin/python bench/bench_pipeline.py
-	$(VENV)/bin/python bench/bench_run_length.py
-	$(VENV)/bin/python bench/bench_reprocess.py
-	$(VENV)/bin/python bench/bench_sandbox.py
-	$(VENV)/bin/python bench/bench_peer.py
-	$(VENV)/bin/python bench/bench_recipe.py
-	$(VENV)/bin/python bench/report.py --readme
+	$(VENV)/bin/python -m bench.bench_storage
+	$(VENV)/bin/python -m bench.bench_trainer
+	$(VENV)/bin/python -m bench.bench_scale_memory
+	$(VENV)/bin/python -m bench.bench_scale
+	$(VENV)/bin/python -m bench.bench_attention
+	$(VENV)/bin/python -m bench.bench_rollout
+	$(VENV)/bin/python -m bench.bench_reload
+	$(VENV)/bin/python -m bench.bench_inflight
+	$(VENV)/bin/python -m bench.bench_pipeline
+	$(VENV)/bin/python -m bench.bench_run_length
+	$(VENV)/bin/python -m bench.bench_reprocess
+	$(VENV)/bin/python -m bench.bench_sandbox
+	$(VENV)/bin/python -m bench.bench_peer
+	$(VENV)/bin/python -m bench.bench_recipe
+	$(VENV)/bin/python -m bench.report --readme
 
 # Fault injection into a running loop (soak/run.py): SIGKILL of the rollout flow, the trainer, the
 # reload watcher, vLLM (also mid-reload) and the Prefect server, SIGSTOP of vLLM mid-reload, a CPU hog

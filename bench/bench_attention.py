@@ -5,7 +5,7 @@ Each case is bench/gpu_step.py in a child process of its own (its peak memory it
 shaped sequences (64 a step, 256-1024 tokens, in groups of two), packed several a row into
 micro-batches of `--micro-batch-tokens`, forward, backward and an AdamW step at the model's shape.
 
-Usage: python bench/bench_attention.py [--sizes small,smollm2-135m] [--dtype float32] [--steps 3]
+Usage: python -m bench.bench_attention [--sizes small,smollm2-135m] [--dtype float32] [--steps 3]
 """
 
 from __future__ import annotations
@@ -17,18 +17,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.results import write_result
 
-from results import write_result  # noqa: E402
-
-SCRIPT = Path(__file__).resolve().parent / "gpu_step.py"
 MODES = ("mask", "bounds")
 
 
 def case(size: str, attention: str, args: argparse.Namespace) -> dict:
     command = [
         sys.executable,
-        str(SCRIPT),
+        "-m",
+        "bench.gpu_step",
         "--size",
         size,
         "--attention",
@@ -46,7 +44,9 @@ def case(size: str, attention: str, args: argparse.Namespace) -> dict:
         "--max-tokens",
         "1024",
     ] + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.limit)
+    done = subprocess.run(
+        command, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=args.limit
+    )
     if done.returncode:
         return {"error": done.stderr[-500:]}
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,6 +1,6 @@
 """In-flight reload vs drain (issue 32), in two parts.
 
-    .venv/bin/python bench/bench_inflight.py [--rounds 5] [--streams 8] [--tokens 2000]
+    .venv/bin/python -m bench.bench_inflight [--rounds 5] [--streams 8] [--tokens 2000]
                                              [--pipeline-rounds 2] [--config runs/bench-inflight.yaml]
                                              [--threshold 0.65] [--window 5] [--part pause|pipeline|both]
 
@@ -36,18 +36,16 @@ from pathlib import Path
 
 import httpx
 
+from bench.bench_reload import tiny_model
+from bench.results import interval, write_result
+from clotho.testing.reloading import perturbed_checkpoint
+from inference.parity_guard import ParityGuard
+from inference.reload import ServedPolicy
+from inference.server import PolicyServer
+from inference.watcher import ReloadWatcher
+from storage.checkpoints import publish_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from bench_reload import tiny_model  # noqa: E402  (bench/, the script's own folder)
-from results import interval, write_result  # noqa: E402
-
-from inference.parity_guard import ParityGuard  # noqa: E402
-from inference.reload import ServedPolicy  # noqa: E402
-from inference.server import PolicyServer  # noqa: E402
-from inference.watcher import ReloadWatcher  # noqa: E402
-from storage.checkpoints import publish_checkpoint  # noqa: E402
-from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
 
 PIPELINE_SIDES = ("in-flight", "drain", "in-flight_again")
 
@@ -168,7 +166,7 @@ def pause_part(args) -> None:
 
 
 def pipeline_part(args) -> None:
-    from bench_pipeline import bench_setup, run_side
+    from bench.bench_pipeline import bench_setup, run_side
 
     config = Path(args.config)
     workdir, model, prefect, env = bench_setup(args, "clotho-bench-inflight-pipeline-")

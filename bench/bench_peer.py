@@ -1,9 +1,9 @@
 """clotho against TRL's GRPOTrainer: the same task, start, settings and seeds, scored by one evaluator outside both.
 
-    python bench/bench_peer.py [--tasks compare,repeat] [--seeds 0,1,2] [--steps compare=120,repeat=30]
+    python -m bench.bench_peer [--tasks compare,repeat] [--seeds 0,1,2] [--steps compare=120,repeat=30]
         [--max-lag compare=1] [--sides clotho,trl] [--result NAME]
 
-    python bench/bench_peer.py --sides clotho,clotho-untempered --result sampling
+    python -m bench.bench_peer --sides clotho,clotho-untempered --result sampling
         clotho against clotho before it recorded how groups were sampled: servers with vLLM's raw
         logprobs (--logprobs-mode raw_logprobs), the trainer then at temperature 1 (issue 51)
 
@@ -50,24 +50,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from bench.results import RESULTS, current_commit, interval, read_jsonl, write_result
+from clotho.testing.prefect_server import start_prefect_server
+from environments.base import Item
+from environments.bundled.compare import split_pairs
+from environments.loading import load_environment_class
+from inference.pretrained import get_model
+from inference.tiny_model import build_tiny_model
+from storage.checkpoints import checkpoint_url
+from storage.layout import split_run_url
+from trainer.train import default_work_dir
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is loaded by path (the tests)
-
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from results import RESULTS, current_commit, interval, read_jsonl, write_result  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
-
-from environments.base import Item  # noqa: E402
-from environments.bundled.compare import split_pairs  # noqa: E402
-from environments.loading import load_environment_class  # noqa: E402
-from inference.pretrained import get_model  # noqa: E402
-from inference.tiny_model import build_tiny_model  # noqa: E402
-from storage.checkpoints import checkpoint_url  # noqa: E402
-from storage.layout import split_run_url  # noqa: E402
-from tests.prefect_server import start_prefect_server  # noqa: E402
-from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
@@ -203,7 +201,8 @@ def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> di
     """One TRL GRPOTrainer run (bench/peer_trl.py in .venv-trl); the same record as run_clotho."""
     command = [
         str(TRL_PYTHON),
-        str(REPO / "bench" / "peer_trl.py"),
+        "-m",
+        "bench.peer_trl",
         "--model",
         str(model),
         "--env",

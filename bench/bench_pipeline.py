@@ -1,6 +1,6 @@
 """The asynchronous pipeline (max_lag k = 1, 2) vs the synchronous loop (k = 0), in one run.
 
-    python bench/bench_pipeline.py [--config runs/bench-pipeline.yaml] [--rounds 1] [--lags 1,2]
+    python -m bench.bench_pipeline [--config runs/bench-pipeline.yaml] [--rounds 1] [--lags 1,2]
                                    [--threshold 0.65] [--window 5] [--memory-groups 2000]
 
 Each side is `clotho run CONFIG --set max_lag=K` from a fresh run directory and a fresh copy of the
@@ -48,19 +48,17 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+import yaml
+
+from bench.results import interval, read_jsonl, write_result
+from clotho.testing.prefect_server import start_prefect_server
+from inference.tiny_model import build_tiny_model
+from storage.layout import split_run_url
+from storage.progress import groups_committed
+from trainer.train import default_work_dir
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))  # results.py, also when this file is loaded by path (the tests)
-
-import psutil  # noqa: E402
-import yaml  # noqa: E402
-from results import interval, read_jsonl, write_result  # noqa: E402
-
-from inference.tiny_model import build_tiny_model  # noqa: E402
-from storage.layout import split_run_url  # noqa: E402
-from storage.progress import groups_committed  # noqa: E402
-from tests.prefect_server import start_prefect_server  # noqa: E402
-from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 

@@ -1,6 +1,6 @@
 """A real model learns: the real-model recipe (runs/smollm2-times-tables.yaml) as `clotho run`, one run per seed.
 
-    python bench/bench_recipe.py [--config runs/smollm2-times-tables.yaml] [--seeds 0,1,2]
+    python -m bench.bench_recipe [--config runs/smollm2-times-tables.yaml] [--seeds 0,1,2]
         [--gain 0.30] [--minutes 30] [--result recipe]
 
 Each seed is a first run of the recipe from the instruct model (`clotho model get`, cached), with the
@@ -20,16 +20,13 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+from bench.results import read_jsonl, write_result
 
-from results import read_jsonl, write_result  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 CLOTHO = str(REPO / ".venv" / "bin" / "clotho")
 MODEL_NAME = "smollm2-135m-instruct"

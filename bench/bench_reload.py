@@ -1,6 +1,6 @@
 """Publish + hot reload of a checkpoint vs restarting vLLM on it, on the tiny model (one server, one run).
 
-    .venv/bin/python bench/bench_reload.py [--reloads 3] [--json out.json]
+    .venv/bin/python -m bench.bench_reload [--reloads 3] [--json out.json]
 
 (a) publish a perturbed checkpoint, then one watcher poll: find it, preflight, pause -> reload ->
     reset -> resume, parity guard, announce. Reported per phase; the median of several reloads.
@@ -19,18 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.results import write_result
+from clotho.testing.reloading import perturbed_checkpoint
+from inference.parity_guard import ParityGuard
+from inference.reload import ServedPolicy
+from inference.server import PolicyServer
+from inference.tiny_model import build_tiny_model
+from inference.watcher import ReloadWatcher
+from storage.checkpoints import publish_checkpoint
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
-
-from inference.parity_guard import ParityGuard  # noqa: E402
-from inference.reload import ServedPolicy  # noqa: E402
-from inference.server import PolicyServer  # noqa: E402
-from inference.tiny_model import build_tiny_model  # noqa: E402
-from inference.watcher import ReloadWatcher  # noqa: E402
-from storage.checkpoints import publish_checkpoint  # noqa: E402
-from tests.inference.reloading import perturbed_checkpoint  # noqa: E402
 
 
 def tiny_model(cache: Path) -> Path:

@@ -1,6 +1,6 @@
 """What serving an environment costs: a group collected in process vs through `clotho env serve`.
 
-    python bench/bench_remote.py [--rounds 6] [--groups 12] [--only base,textarena]
+    python -m bench.bench_remote [--rounds 6] [--groups 12] [--only base,textarena]
 
 For each adapter whose virtual environment exists (.venv for the bundled `base` environment,
 .venv-env-NAME for the adapters; `make .venv-env-NAME/.installed` builds one), one tiny-model vLLM
@@ -21,18 +21,14 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 from pathlib import Path
 
+from bench.results import interval, write_result
+from environments.testing import cached_tiny_model, serve_environment
+from inference.server import PolicyServer
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
-
-from environments.testing import cached_tiny_model, serve_environment  # noqa: E402
-from inference.server import PolicyServer  # noqa: E402
-
-PROBE = Path(__file__).resolve().parent / "remote_probe.py"
 # adapter -> (its venv, the environment in it, the config both sides run)
 EXAMPLES = "environments.adapters.examples"
 ADAPTERS = {
@@ -71,7 +67,8 @@ ADAPTERS = {
 def probe(python: Path, environment: str, config: dict, server: str, tokenizer: str, groups: int) -> float:
     """Mean seconds per group, measured inside a fresh probe process."""
     done = subprocess.run(
-        [str(python), str(PROBE), environment, json.dumps(config), server, tokenizer, str(groups)],
+        [str(python), "-m", "bench.remote_probe", environment, json.dumps(config), server, tokenizer, str(groups)],
+        cwd=REPO,
         capture_output=True,
         text=True,
         check=False,

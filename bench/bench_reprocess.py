@@ -1,6 +1,6 @@
 """`clotho reprocess` vs a bare pyarrow scan + write of the same rows, over >= 1 GB of shards.
 
-    python bench/bench_reprocess.py [--gigabytes 1.0] [--rounds 3]
+    python -m bench.bench_reprocess [--gigabytes 1.0] [--rounds 3]
 
 Input: one run of shards of about 64 MB each (16-sequence groups of 512 tokens, random ids and
 logprobs: they hardly compress, like real ones), hard links of one written shard under distinct ids
@@ -31,8 +31,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHARD_GROUPS = 900  # 16 x 512-token sequences each: about 64 MB a shard
 
@@ -127,9 +125,8 @@ def main() -> None:
         side_main(args.side, args.source, args.output)
         return
 
-    from results import interval, write_result
-
-    from tests.prefect_server import start_prefect_server
+    from bench.results import interval, write_result
+    from clotho.testing.prefect_server import start_prefect_server
 
     workdir = Path(tempfile.mkdtemp(prefix="clotho-bench-reprocess-"))
     prefect = start_prefect_server(workdir / "prefect")

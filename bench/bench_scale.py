@@ -1,6 +1,6 @@
 """The loop at each model size: where a step's time and memory go, with TRL's GRPOTrainer beside it.
 
-    python bench/bench_scale.py [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 8] [--sides clotho,clotho-lag1,trl]
+    python -m bench.bench_scale [--sizes tiny,small,smollm2-135m,qwen2.5-0.5b] [--steps 8] [--sides clotho,clotho-lag1,trl]
 
 Each size is a model `clotho model tiny --size` builds (random weights; the real shapes with their
 vocabulary, in bf16). The workload is the same at every size: the repeat task (rows of 16 digits),
@@ -42,21 +42,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
+import yaml
+
+from bench.bench_scale_memory import MODELS, SIZES, model_dir
+from bench.results import current_commit, read_jsonl, write_result
+from inference.tiny_model import SHAPES, build_tiny_model
+from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint
+from storage.layout import split_run_url
+from storage.reader import ShardReader
+from trainer.config import TrainerConfig
+from trainer.train import default_work_dir
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
-
-import psutil  # noqa: E402
-import yaml  # noqa: E402
-from bench_scale_memory import MODELS, SIZES, model_dir  # noqa: E402  (the models both scale benches build)
-from results import current_commit, read_jsonl, write_result  # noqa: E402
-
-from inference.tiny_model import SHAPES, build_tiny_model  # noqa: E402
-from storage.checkpoints import checkpoint_url, published_steps, read_checkpoint  # noqa: E402
-from storage.layout import split_run_url  # noqa: E402
-from storage.reader import ShardReader  # noqa: E402
-from trainer.config import TrainerConfig  # noqa: E402
-from trainer.train import default_work_dir  # noqa: E402
 
 CLOTHO = str(Path(sys.executable).with_name("clotho"))
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
@@ -295,7 +293,8 @@ def run_trl(workdir: Path, size: str, steps: int, max_rss: float, limit_s: float
     """bench/peer_trl.py on the same task: seconds per step (its saves taken out), or why not."""
     command = [
         str(TRL_PYTHON),
-        str(REPO / "bench" / "peer_trl.py"),
+        "-m",
+        "bench.peer_trl",
         "--model",
         str(model_dir(size)),
         "--env",

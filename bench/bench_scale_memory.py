@@ -12,7 +12,7 @@ the trainer as it is (hidden states, LM head in chunks of at most LOGIT_CHUNK_BY
 recomputed in the backward). checkpointing: transformers' gradient checkpointing on the decoder
 layers (TrainerConfig.gradient_checkpointing).
 
-Usage: python bench/bench_scale_memory.py [--sizes smollm2-135m,qwen2.5-0.5b] [--tokens 4096]
+Usage: python -m bench.bench_scale_memory [--sizes smollm2-135m,qwen2.5-0.5b] [--tokens 4096]
        [--dtype float32] [--steps 2]
 """
 
@@ -28,11 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the repository's packages
-sys.path.insert(0, str(ROOT / "bench"))  # results: a script has its folder on the path, a module loaded by path not
+from bench.results import RESULTS, current_commit, write_result
 
-from results import RESULTS, current_commit, write_result  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MODELS = ROOT / ".clotho" / "bench" / "models"
 SEQUENCE = 512

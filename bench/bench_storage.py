@@ -5,7 +5,7 @@ Prints three ratios measured in one run on the same synthetic groups (issue 4 ta
   read   = bare pyarrow.dataset scan time / ShardReader.batches() time                   (>= 0.8)
   bytes  = shard bytes on disk / Atropos `process` JSON lines bytes                      (<= 1/3)
 
-Usage: python bench/bench_storage.py [--groups 2000] [--group-size 8] [--repeats 3] [--dir DIR]
+Usage: python -m bench.bench_storage [--groups 2000] [--group-size 8] [--repeats 3] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,10 +24,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
-
+from bench.results import write_result
 from core.scored_group import ScoredGroup, ScoredSequence
 from storage.layout import rollouts_url
 from storage.reader import ShardReader

@@ -16,7 +16,7 @@ Prints two numbers measured in one run (issue 6 targets):
            their default lengths) are packed with the default trainer config, beside the padded
            batches' (reported: rows trade some padding for less attention, see trainer.packing)
 
-Usage: python bench/bench_trainer.py [--steps 8] [--groups-per-step 8] [--micro-batch-tokens 4096]
+Usage: python -m bench.bench_trainer [--steps 8] [--groups-per-step 8] [--micro-batch-tokens 4096]
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from results import write_result  # noqa: E402  (bench/, the script's own folder)
-
+from bench.results import write_result
 from core.scored_group import ScoredGroup, ScoredSequence
 from trainer.config import TrainerConfig
 from trainer.distributed import build_engine, init_distributed

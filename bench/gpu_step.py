@@ -1,7 +1,7 @@
 """The trainer's step on one device: packing, attention, chunked log-probs and the loss at a model shape.
 
-    python bench/gpu_step.py --size qwen2.5-0.5b --dtype bfloat16 --out $OUT/gpu_step.json   # a GPU
-    python bench/gpu_step.py --size tiny --steps 2 --sequences 12                             # CPU, a test
+    python -m bench.gpu_step --size qwen2.5-0.5b --dtype bfloat16 --out $OUT/gpu_step.json   # a GPU
+    python -m bench.gpu_step --size tiny --steps 2 --sequences 12                             # CPU, a test
 
 The step's own code, without DeepSpeed, vLLM or Prefect (the device image has none of them; it needs
 torch, transformers, pydantic and pyyaml): random groups of two sequences of random lengths go
@@ -29,15 +29,13 @@ import argparse
 import json
 import random
 import resource
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 # bf16 dense peak FLOP/s by the device's name (the vendors' data sheets, without sparsity).
 PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}

@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on a clotho environment's items and reward: the other side of bench/bench_peer.py.
 
-    .venv-trl/bin/python bench/peer_trl.py --model DIR --env compare --env-config '{"seed": 7, ...}'
+    .venv-trl/bin/python -m bench.peer_trl --model DIR --env compare --env-config '{"seed": 7, ...}'
         --steps 120 --prompts-per-step 8 --lr 5e-4 --seed 0 --save-every 5 --out DIR
 
 Runs in its own environment (requirements/env-base.lock + requirements/peer-trl.lock), as a user of
@@ -21,17 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
 
-from datasets import Dataset  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
-
-from environments.loading import environment_items  # noqa: E402
+from environments.loading import environment_items
 
 
 class StepLog(TrainerCallback):

@@ -1,7 +1,7 @@
 """One side of bench_remote.py, run by the Python of the environment's own venv: collects groups one
 after another and prints the mean seconds per group as JSON.
 
-    python bench/remote_probe.py ENVIRONMENT CONFIG_JSON SERVER_URL TOKENIZER GROUPS
+    python -m bench.remote_probe ENVIRONMENT CONFIG_JSON SERVER_URL TOKENIZER GROUPS
 """
 
 from __future__ import annotations

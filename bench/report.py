@@ -2,11 +2,11 @@
 the benchmark tables of docs/benchmarks.md from bench/results/*.json (what `make bench` wrote), the
 README's demo figures from bench/results/demo.json, its environment listing from the file itself.
 
-    python bench/report.py            print the tables
-    python bench/report.py --readme   rewrite every block between its markers: the benchmark and
+    python -m bench.report            print the tables
+    python -m bench.report --readme   rewrite every block between its markers: the benchmark and
                                       peer tables in docs/benchmarks.md, the demo figures and the
                                       listing of environments/bundled/capitals.py in the README
-    python bench/report.py --record-demo [.clotho/demo/summary.json]
+    python -m bench.report --record-demo [.clotho/demo/summary.json]
                                       keep what a `make demo` measured as bench/results/demo.json
 """
 
@@ -24,14 +24,14 @@ README = REPO / "README.md"
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 LISTED = "environments/bundled/capitals.py"
 LISTING_START, LISTING_END = (
-    f"<!-- listing:start {LISTED} (python bench/report.py --readme) -->",
+    f"<!-- listing:start {LISTED} (python -m bench.report --readme) -->",
     "<!-- listing:end -->",
 )
-START, END = "<!-- bench:start (python bench/report.py --readme) -->", "<!-- bench:end -->"
-DEMO_START, DEMO_END = "<!-- demo:start (python bench/report.py --readme) -->", "<!-- demo:end -->"
-PEER_START, PEER_END = "<!-- peer:start (python bench/report.py --readme) -->", "<!-- peer:end -->"
-SAMPLING_START, SAMPLING_END = "<!-- sampling:start (python bench/report.py --readme) -->", "<!-- sampling:end -->"
-SCALE_START, SCALE_END = "<!-- scale:start (python bench/report.py --readme) -->", "<!-- scale:end -->"
+START, END = "<!-- bench:start (python -m bench.report --readme) -->", "<!-- bench:end -->"
+DEMO_START, DEMO_END = "<!-- demo:start (python -m bench.report --readme) -->", "<!-- demo:end -->"
+PEER_START, PEER_END = "<!-- peer:start (python -m bench.report --readme) -->", "<!-- peer:end -->"
+SAMPLING_START, SAMPLING_END = "<!-- sampling:start (python -m bench.report --readme) -->", "<!-- sampling:end -->"
+SCALE_START, SCALE_END = "<!-- scale:start (python -m bench.report --readme) -->", "<!-- scale:end -->"
 SIDE_LABELS = {"clotho": "clotho", "trl": "TRL GRPOTrainer", "clotho-untempered": "clotho, untempered (before)"}
 DEMO_SUMMARY = Path(__file__).resolve().parents[1] / ".clotho" / "demo" / "summary.json"
 # What each recorded demo ran: `clotho demo` (SmolLM2), `clotho demo --tiny` (the small random model).
@@ -302,7 +302,7 @@ def peer_text(name: str = "peer") -> str:
     against TRL's GRPOTrainer, the README's) or sampling (clotho against its untempered objective)."""
     record = _load(name)
     if record is None:
-        return f"No such run is recorded yet (`python bench/bench_peer.py --result {name}`)."
+        return f"No such run is recorded yet (`python -m bench.bench_peer --result {name}`)."
     first, second = record["result"].get("sides", ["clotho", "trl"])
     lines = [
         "| task (steps, start) | side | seconds per step | minutes to threshold | reward at the last step | held "
@@ -376,7 +376,7 @@ def demo_text() -> str:
     text = (
         real_demo_text(record)
         if record is not None
-        else "No demo run is recorded yet (`make demo`, then `python bench/report.py --record-demo`)."
+        else "No demo run is recorded yet (`make demo`, then `python -m bench.report --record-demo`)."
     )
     tiny = _load("demo-tiny")
     return text if tiny is None else f"{text}\n\n{tiny_demo_text(tiny)}"
@@ -483,7 +483,7 @@ def scale_memory_text() -> str:
     """The trainer step's peak RSS per size, before and after the cuts (bench_scale_memory.py)."""
     record = _load("scale_memory")
     if not record:
-        return "_not measured yet: python bench/bench_scale_memory.py_"
+        return "_not measured yet: python -m bench.bench_scale_memory_"
     r = record["result"]
     lines = [
         f"A trainer step at micro_batch_tokens {r['tokens']}, {r['dtype']}, sequences of {r['sequence']} tokens "
@@ -515,7 +515,7 @@ def scale_loop_text() -> str:
     """The loop at each size, per step, with TRL beside it (bench_scale.py)."""
     record = _load("scale")
     if not record:
-        return "_not measured yet: python bench/bench_scale.py_"
+        return "_not measured yet: python -m bench.bench_scale_"
     r = record["result"]
     lines = [
         f"The repeat task, {r['prompts_per_step']} prompts x {r['task']['env_config']['group_size']} samples of up to "
@@ -608,7 +608,7 @@ def cost_model_text() -> str:
     record = _load("scale")
     model = record["result"].get("cost_model_7b") if record else None
     if not model:
-        return "_no cost model yet: python bench/bench_scale.py_"
+        return "_no cost model yet: python -m bench.bench_scale_"
     target, node = model["target"], model["node_assumptions"]
     names = {
         "sampling_s": "sampling",
@@ -676,8 +676,7 @@ def record_demo(summary_path: Path) -> None:
     curve, the verdict, the stop, minutes and sampled completions; and one line per demo recorded
     with the same config (`runs`), this one last, so the README shows the newest run and how the
     others went, not the best one."""
-    sys.path.insert(0, str(RESULTS.parent))
-    from results import current_commit, write_result
+    from bench.results import current_commit, write_result
 
     summary = json.loads(summary_path.read_text())
     kept = (

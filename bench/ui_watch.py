@@ -4,7 +4,7 @@ live card and of the pipeline run's page, with what the card held then. The demo
 held-out curve before its last step, so the report names the shots nearest a third and two thirds
 of the steps it ran.
 
-    .venv/bin/python bench/ui_watch.py [--out .clotho/ui-watch] [--port 4210] [--every 20]
+    .venv/bin/python -m bench.ui_watch [--out .clotho/ui-watch] [--port 4210] [--every 20]
 
 Writes OUT/step-40-live.png, OUT/step-40-run.png, ... and OUT/ui_watch.json (per moment: the step,
 the card's facts, the screenshots). Needs chromium (or CHROMIUM=path)."""
@@ -25,11 +25,10 @@ from pathlib import Path
 
 import httpx
 
+from soak.parts import PrefectPart
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
-sys.path.insert(0, str(REPO))
-
-from soak.parts import PrefectPart  # noqa: E402
 
 
 def main() -> None:

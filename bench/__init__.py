@@ -1,0 +1,1 @@
+"""The benches: `python -m bench.NAME` from the repository's root (`make bench` runs them all)."""

@@ -163,7 +163,8 @@ def run_case(
     seconds or `max_rss` bytes of RSS (the machine's memory is the session's)."""
     command = [
         sys.executable,
-        __file__,
+        "-m",
+        "bench.bench_scale_memory",
         "--probe",
         str(model_dir(size)),
         "--tokens",

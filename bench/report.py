@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -676,7 +675,7 @@ def record_demo(summary_path: Path) -> None:
     curve, the verdict, the stop, minutes and sampled completions; and one line per demo recorded
     with the same config (`runs`), this one last, so the README shows the newest run and how the
     others went, not the best one."""
-    from bench.results import current_commit, write_result
+    from bench.results import current_commit, utc_now, write_result
 
     summary = json.loads(summary_path.read_text())
     kept = (
@@ -698,7 +697,7 @@ def record_demo(summary_path: Path) -> None:
     verdict = summary["verdict"]
     runs.append(
         {
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "measured_at": utc_now(),
             "commit": current_commit(),
             "steps": summary["steps"],
             "sft_plateau": round(verdict["sft_plateau"], 3),

@@ -35,12 +35,17 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
 
 
+def utc_now() -> str:
+    """The time a result is measured at, as every record of bench/results says it."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 def write_result(name: str, result: dict[str, Any]) -> Path:
     """Writes bench/results/{name}.json: `result` under "result", beside how it was measured."""
     RESULTS.mkdir(exist_ok=True)
     record = {
         "bench": name,
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "measured_at": utc_now(),
         "commit": current_commit(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},

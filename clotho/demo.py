@@ -207,19 +207,22 @@ def draw_curve(
         axes.set_xlabel("trainer step (policy version), minutes since the start under it")
 
         trained = [row for row in curve if row.get("train_reward") is not None]
-        handles = []
-        if trained:
-            handles += axes.plot(
+        training = (  # drawn first, under the held-out curves; listed last in the legend
+            axes.plot(
                 [row["step"] for row in trained],
                 [row["train_reward"] for row in trained],
                 color=rgb(TRAINING_COLOR),
                 linewidth=1.5,
                 label="training (sampled)",
             )
+            if trained
+            else []
+        )
+        held_out = []
         for phase, color in COLORS.items():
             rows = [row for row in curve if row["phase"] == phase]
             if rows:
-                handles += axes.plot(
+                held_out += axes.plot(
                     [row["step"] for row in rows],
                     [row["reward"] for row in rows],
                     color=rgb(color),
@@ -231,10 +234,10 @@ def draw_curve(
                 )
         figure.text(left / width, 1 - 12 / height, f"{title}: greedy reward on held-out items (never trained on)")
         figure.legend(
-            handles=handles[1:] + handles[:1] if trained else handles,
+            handles=held_out + training,
             loc="upper left",
             bbox_to_anchor=(left / width, 1 - 18 / height),
-            ncols=len(handles) or 1,
+            ncols=len(held_out + training) or 1,
             frameon=False,
             fontsize="small",
         )

@@ -109,7 +109,7 @@ def prefect_server_process(
     in `home`: what every Prefect server clotho starts runs (the command's, the tests', the soak's).
     `environment`: what it starts from (os.environ by default), less any PREFECT_API_URL (the
     server is not a client of another)."""
-    env = {key: value for key, value in (os.environ if environment is None else environment).items()}
+    env = dict(os.environ if environment is None else environment)
     env.pop("PREFECT_API_URL", None)
     env.update(
         PREFECT_HOME=str(home),

@@ -40,7 +40,7 @@ from flows.train_node import TRAINER_STOP_S, NodeRuns, trainer_arguments
 from inference.client import PolicyClient
 from inference.parity_guard import ParityGuard
 from inference.reload import ServedPolicy
-from inference.server import URGENT, PolicyServer
+from inference.server import PolicyServer
 from inference.watcher import ReloadWatcher
 from storage.checkpoints import checkpoint_url, mark_best, pin_steps, read_best
 from storage.footprint import run_footprint
@@ -161,7 +161,7 @@ async def start_services(
                 hold=watcher.hold if watcher is not None else None,
                 # Its answers before the rollouts' waiting requests, where the server allows it: an
                 # evaluation holds reloads while it answers.
-                priority=URGENT if servers and servers[0].priority_scheduling else 0,
+                priority=servers[0].urgent_priority if servers else 0,
             )
         )
         stack.push_async_callback(cancel_and_wait, [evaluating])

@@ -44,7 +44,7 @@ from typing import Literal
 
 from inference.client import PolicyClient, PolicyServerError, PolicyServerUnreachable, version_tag
 from inference.parity_guard import ParityGuard, ParityMismatch, ParityReport
-from inference.server import URGENT, PolicyServer
+from inference.server import PolicyServer
 from inference.weights import IncompatibleCheckpoint, check_compatible, config_differences, prepare_reload_dir
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class ServedPolicy:
                 f"{server.model} is not a local model directory; hot reload needs the served weights on "
                 "disk as the fallback: download the model (huggingface-cli download) and serve that directory"
             )
-        priority = URGENT if server.priority_scheduling else 0
+        priority = server.urgent_priority
         return cls(
             server.base_url,
             weights,

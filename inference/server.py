@@ -230,6 +230,12 @@ class PolicyServer:
         value = args[last].partition("=")[2] or (args[last + 1] if last + 1 < len(args) else "")
         return value == "priority"
 
+    @property
+    def urgent_priority(self) -> int:
+        """The priority of a request that must not wait behind the queue (a parity check, an
+        evaluation): URGENT where this server schedules by priority, 0 (the only one it takes) otherwise."""
+        return URGENT if self.priority_scheduling else 0
+
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.kv_cache_gib))

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from clotho.flow_runtime import serve_prefect, stop_server
 
@@ -57,4 +58,4 @@ def start_prefect_server(home: Path, timeout: float = 180) -> PrefectServer:
     port, a session of its own, ended with this process), with its database in `home`."""
     home.mkdir(parents=True, exist_ok=True)
     url, process = serve_prefect(home, timeout)
-    return PrefectServer(process, int(url.rsplit(":", 1)[1].split("/")[0]), home)
+    return PrefectServer(process, urlsplit(url).port, home)
